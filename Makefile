@@ -1,0 +1,24 @@
+# The two commands (README): `make demo` sets up and runs the batch job on the embedded default;
+# `make test` sets up and runs the whole test suite. Both work on a fresh CPU-only machine.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+
+.PHONY: setup demo test bench clean
+
+$(BIN)/.installed: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $@
+
+setup: $(BIN)/.installed
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+bench: setup
+	$(BIN)/python benchmarks/bench_engine_cpu.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,0 +1,304 @@
+"""Draft checkpoints: every published layout, read without remote code (reference/domino.md §3).
+
+Layouts (detected from `config.json`, every flag read from it):
+- `dflash`: HF / DFlash (z-lab/*-DFlash-*, Huang2020/*-Domino-*): Qwen3 fields at the top level,
+  `dflash_config{mask_token_id, target_layer_ids, projector_type, pure_draft_prefix_len, emb_dim,
+  gru_hidden_dim, shift_label}`, `block_size`; keys `layers.*, fc, hidden_norm, norm, prefix_gru.*,
+  embed_proj.{0,2}`. Legacy SpecForge checkpoints nest the head under `logit_head.`.
+- `speculators`: speculators PR #685 (Eros483/*-Domino-*): `speculators_model_type: dflash`,
+  `transformer_layer_config`, `aux_hidden_state_layer_ids` (HF hidden-state indices = layer ids + 1),
+  `draft_vocab_size` with `d2t`/`t2d` and an own `lm_head`, head under `domino_head.`. Its
+  `pure_draft_prefix_len` counts corrected slots from 1: with shift_label, P_cfg = 0 means one
+  uncorrected draft.
+- `speculators-domino`: the later speculators refactor: `speculators_model_type: domino`,
+  `sample_from_anchor` (= shift_label), `logits_correction_emb_dim`, head under `logits_correction.`.
+
+Every mismatch (missing, unexpected or mis-shaped tensor; a draft that does not fit the target)
+raises `CheckpointError` naming the key, the expected and the found value.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from domino_ray.draft import DominoDraft, DraftConfig, default_target_layer_ids
+
+DOMINO_PROJECTORS = ("domino", "causal_v5")  # causal_v5: older official alias
+HEAD_PREFIXES = ("logit_head.", "domino_head.", "logits_correction.")
+IGNORED_KEYS = ("embed_tokens.weight", "t2d", "verifier_lm_head.weight", "verifier_norm.weight")
+
+
+class CheckpointError(ValueError):
+    pass
+
+
+# ---- locating files ------------------------------------------------------------------------------
+
+def resolve_checkpoint_dir(source: str | Path) -> Path:
+    """A local directory as is; anything else is a hub id, fetched (config + safetensors only)."""
+    path = Path(source).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists() or str(source).startswith((".", "/", "~")):
+        raise CheckpointError(f"draft checkpoint {source!r} is not a directory")
+    from huggingface_hub import snapshot_download
+    try:
+        return Path(snapshot_download(str(source), allow_patterns=["*.json", "*.safetensors"]))
+    except Exception as exc:  # hub errors come in many types; say what was asked for
+        raise CheckpointError(f"could not fetch draft checkpoint {source!r} from the hub: {exc}") from exc
+
+
+def read_tensors(directory: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a safetensors checkpoint (single file or sharded with an index)."""
+    index = directory / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in directory.glob("*.safetensors"))
+    if not files:
+        found = sorted(p.name for p in directory.iterdir())
+        raise CheckpointError(f"no *.safetensors weights in {directory} (found: {found}); only safetensors is read")
+    tensors: dict[str, torch.Tensor] = {}
+    for name in files:
+        try:
+            tensors.update(load_file(str(directory / name)))
+        except Exception as exc:
+            raise CheckpointError(f"cannot read {directory / name}: {exc}") from exc
+    return tensors
+
+
+# ---- layouts ------------------------------------------------------------------------------------
+
+def detect_layout(config: dict) -> str:
+    kind = config.get("speculators_model_type")
+    if kind == "domino":
+        return "speculators-domino"
+    if kind == "dflash":
+        return "speculators"
+    if kind is not None:
+        raise CheckpointError(f"config.json speculators_model_type={kind!r} is not a DFlash/Domino draft "
+                              "(expected 'dflash' or 'domino')")
+    if "dflash_config" in config or "block_size" in config:
+        return "dflash"
+    raise CheckpointError("config.json is neither a DFlash/Domino draft (no 'dflash_config' or 'block_size') "
+                          "nor a speculators draft (no 'speculators_model_type')")
+
+
+def normalize_keys(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Map every layout's names to ours: strip `model.` and the head prefixes, drop copies we ignore."""
+    out = {}
+    for key, value in tensors.items():
+        if key.startswith("model."):
+            key = key[len("model."):]
+        for prefix in HEAD_PREFIXES:
+            if key.startswith(prefix):
+                key = key[len(prefix):]
+        if key in IGNORED_KEYS:
+            continue
+        out[key] = value
+    return out
+
+
+def _get(cfg: dict, key: str, where: str, default=...):
+    if key in cfg and cfg[key] is not None:
+        return cfg[key]
+    if default is ...:
+        raise CheckpointError(f"config.json is missing required key {where}{key}")
+    return default
+
+
+def _rope_theta(layer_cfg: dict, where: str) -> float:
+    scaling = layer_cfg.get("rope_scaling") or {}
+    params = layer_cfg.get("rope_parameters") or {}
+    kind = scaling.get("rope_type", scaling.get("type")) or params.get("rope_type") or "default"
+    if kind != "default":
+        raise CheckpointError(f"config.json {where}rope_scaling type {kind!r} is not supported (only default RoPE)")
+    return float(layer_cfg.get("rope_theta") or params.get("rope_theta") or 10000.0)
+
+
+def parse_draft_config(config: dict, tensors: dict[str, torch.Tensor], layout: str,
+                       num_target_layers: int | None = None) -> DraftConfig:
+    """A `DraftConfig` from `config.json` and the (normalised) tensors of a checkpoint."""
+    if layout == "dflash":
+        layers_cfg, where = config, ""
+        dflash = config.get("dflash_config") or {}
+        block_size = config.get("block_size", dflash.get("block_size"))
+        mask_token_id = _get(dflash, "mask_token_id", "dflash_config.")
+        n_layers = _get(config, "num_hidden_layers", "")
+        ids = dflash.get("target_layer_ids")
+        if ids is None:
+            n_target = config.get("num_target_layers", num_target_layers)
+            if n_target is None:
+                raise CheckpointError("config.json has neither dflash_config.target_layer_ids nor num_target_layers")
+            ids = default_target_layer_ids(n_target, n_layers)
+        projector = dflash.get("projector_type")
+        shift_label = bool(dflash.get("shift_label", False))
+        uncorrected = int(dflash.get("pure_draft_prefix_len", 0))
+        emb_dim = dflash.get("emb_dim", config.get("emb_dim"))
+        gru_dim = dflash.get("gru_hidden_dim", config.get("gru_hidden_dim"))
+        for flag in ("use_bias_gate", "use_bias_norm"):
+            if dflash.get(flag, config.get(flag)):
+                raise CheckpointError(f"config.json {flag}=true (a legacy Domino variant) is not supported")
+    else:
+        layers_cfg, where = _get(config, "transformer_layer_config", ""), "transformer_layer_config."
+        block_size = config.get("block_size")
+        mask_token_id = _get(config, "mask_token_id", "")
+        n_layers = _get(layers_cfg, "num_hidden_layers", where)
+        aux = _get(config, "aux_hidden_state_layer_ids", "")
+        ids = [int(i) - 1 for i in aux]  # speculators index HF hidden_states directly
+        projector = config.get("projector_type", "domino" if layout == "speculators-domino" else None)
+        if layout == "speculators":
+            shift_label = bool(config.get("shift_label", True))
+            # PR #685: corrected slots start at 1 + pure_draft_prefix_len (slot j holds draft j with shift)
+            uncorrected = int(config.get("pure_draft_prefix_len", 0)) + (1 if shift_label else 0)
+            emb_dim = config.get("emb_dim")
+        else:
+            shift_label = bool(config.get("sample_from_anchor", config.get("shift_label", True)))
+            uncorrected = int(config.get("pure_draft_prefix_len", 1))
+            emb_dim = config.get("logits_correction_emb_dim", config.get("emb_dim"))
+        gru_dim = config.get("gru_hidden_dim")
+    if block_size is None:
+        raise CheckpointError("config.json is missing required key block_size")
+
+    if projector is not None and projector not in DOMINO_PROJECTORS:
+        raise CheckpointError(f"config.json projector_type={projector!r} is not supported "
+                              f"(expected one of {DOMINO_PROJECTORS} or none)")
+    # A declared head whose tensors are missing is reported by check_tensors, naming them.
+    has_head = projector in DOMINO_PROJECTORS or any(k.startswith(("prefix_gru.", "embed_proj.")) for k in tensors)
+    if has_head:
+        if emb_dim is None and "embed_proj.0.weight" in tensors:
+            emb_dim = tensors["embed_proj.0.weight"].shape[0]
+        if gru_dim is None and "prefix_gru.weight_hh_l0" in tensors:
+            gru_dim = tensors["prefix_gru.weight_hh_l0"].shape[1]
+        if emb_dim is None or gru_dim is None:
+            raise CheckpointError("config.json is missing emb_dim / gru_hidden_dim of the Domino head")
+    hidden = _get(layers_cfg, "hidden_size", where)
+    heads = _get(layers_cfg, "num_attention_heads", where)
+    draft_vocab = tensors["lm_head.weight"].shape[0] if "lm_head.weight" in tensors else None
+    return DraftConfig(
+        hidden_size=hidden,
+        intermediate_size=_get(layers_cfg, "intermediate_size", where),
+        num_hidden_layers=n_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=layers_cfg.get("num_key_value_heads") or heads,
+        head_dim=layers_cfg.get("head_dim") or hidden // heads,
+        vocab_size=_get(layers_cfg, "vocab_size", where),
+        block_size=int(block_size),
+        target_layer_ids=tuple(int(i) for i in ids),
+        mask_token_id=int(mask_token_id),
+        shift_label=shift_label,
+        num_uncorrected=uncorrected if has_head else 0,
+        emb_dim=int(emb_dim) if has_head else None,
+        gru_hidden_dim=int(gru_dim) if has_head else None,
+        draft_vocab_size=draft_vocab,
+        has_d2t="d2t" in tensors,
+        rms_norm_eps=float(layers_cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=_rope_theta(layers_cfg, where),
+        attention_bias=bool(layers_cfg.get("attention_bias", False)),
+    )
+
+
+# ---- validation and loading ------------------------------------------------------------------------
+
+def check_tensors(draft_config: DraftConfig, tensors: dict[str, torch.Tensor]):
+    """Every expected tensor present with its exact shape, nothing unexpected."""
+    with torch.device("meta"):
+        expected = {k: tuple(v.shape) for k, v in DominoDraft(draft_config).state_dict().items()}
+    missing = sorted(set(expected) - set(tensors))
+    if missing:
+        raise CheckpointError(f"draft checkpoint is missing tensors: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+    unexpected = sorted(set(tensors) - set(expected))
+    if unexpected:
+        raise CheckpointError(f"draft checkpoint has unexpected tensors: {unexpected[:8]}"
+                              f"{' ...' if len(unexpected) > 8 else ''}")
+    for key, shape in expected.items():
+        found = tuple(tensors[key].shape)
+        if found != shape:
+            raise CheckpointError(f"draft tensor {key}: expected shape {list(shape)}, found {list(found)}")
+
+
+def check_against_target(draft_config: DraftConfig, target_config, tensors: dict[str, torch.Tensor] | None = None):
+    """The draft must share the target's hidden size and vocabulary and read existing layers."""
+    t_hidden, t_vocab, t_layers = target_config.hidden_size, target_config.vocab_size, target_config.num_hidden_layers
+    if draft_config.hidden_size != t_hidden:
+        raise CheckpointError(f"draft hidden_size: expected {t_hidden} (the target's), found {draft_config.hidden_size}")
+    if draft_config.vocab_size != t_vocab:
+        raise CheckpointError(f"draft vocab_size: expected {t_vocab} (the target's), found {draft_config.vocab_size}")
+    bad = [i for i in draft_config.target_layer_ids if not 0 <= i < t_layers]
+    if bad:
+        raise CheckpointError(f"draft target_layer_ids {list(draft_config.target_layer_ids)}: expected ids in "
+                              f"[0, {t_layers}) for a {t_layers}-layer target, found {bad}")
+    if not 0 <= draft_config.mask_token_id < t_vocab:
+        raise CheckpointError(f"draft mask_token_id: expected an id in [0, {t_vocab}), found {draft_config.mask_token_id}")
+    if draft_config.draft_vocab_size and draft_config.draft_vocab_size != t_vocab and not draft_config.has_d2t:
+        raise CheckpointError(f"draft lm_head has {draft_config.draft_vocab_size} rows but the target vocabulary has "
+                              f"{t_vocab} and there is no d2t map")
+    if tensors is not None and "d2t" in tensors:
+        d2t = tensors["d2t"]
+        mapped = torch.arange(d2t.shape[0]) + d2t.long()
+        if int(mapped.min()) < 0 or int(mapped.max()) >= t_vocab:
+            raise CheckpointError(f"draft d2t maps ids outside the target vocabulary [0, {t_vocab}): "
+                                  f"range [{int(mapped.min())}, {int(mapped.max())}]")
+
+
+def load_draft(source: str | Path, *, target_config=None, device: str | torch.device = "cpu",
+               dtype: torch.dtype | None = None) -> DominoDraft:
+    """Load a Domino or plain DFlash draft from a local directory or a hub id (no remote code).
+
+    With `target_config` (the target's HF config) the draft is checked against the target.
+    `dtype=None` keeps the checkpoint's floating dtype.
+    """
+    directory = resolve_checkpoint_dir(source)
+    config_path = directory / "config.json"
+    if not config_path.exists():
+        raise CheckpointError(f"{directory} has no config.json")
+    try:
+        config = json.loads(config_path.read_text())
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{config_path} is not valid JSON: {exc}") from exc
+    tensors = normalize_keys(read_tensors(directory))
+    layout = detect_layout(config)
+    draft_config = parse_draft_config(config, tensors, layout,
+                                      num_target_layers=getattr(target_config, "num_hidden_layers", None))
+    check_tensors(draft_config, tensors)
+    if target_config is not None:
+        check_against_target(draft_config, target_config, tensors)
+    if dtype is None:
+        dtype = next(v.dtype for v in tensors.values() if v.is_floating_point())
+    with torch.device("meta"):
+        draft = DominoDraft(draft_config)
+    draft.load_state_dict(tensors, strict=True, assign=True)
+    return draft.to(device=device, dtype=dtype).eval()  # .to() also re-links the GRU's flat weights
+
+
+def save_draft(draft: DominoDraft, directory: str | Path, **extra_config):
+    """Write a draft in the HF/DFlash layout (the one the Huang2020 checkpoints use)."""
+    cfg = draft.config
+    if cfg.draft_vocab_size is not None:
+        raise ValueError("save_draft writes the HF/DFlash layout, which has no own lm_head; this draft has one")
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    dflash = {"mask_token_id": cfg.mask_token_id, "target_layer_ids": list(cfg.target_layer_ids),
+              "shift_label": cfg.shift_label}
+    if cfg.has_head:
+        dflash.update(projector_type="domino", pure_draft_prefix_len=cfg.num_uncorrected, emb_dim=cfg.emb_dim,
+                      gru_hidden_dim=cfg.gru_hidden_dim)
+    config = {
+        "architectures": ["DFlashDraftModel"], "model_type": "qwen3",
+        "dtype": str(next(draft.parameters()).dtype).removeprefix("torch."),
+        "block_size": cfg.block_size, "dflash_config": dflash,
+        "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_hidden_layers, "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim, "hidden_act": "silu",
+        "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta, "rope_scaling": None,
+        "attention_bias": cfg.attention_bias, "vocab_size": cfg.vocab_size, "tie_word_embeddings": False,
+        **({"emb_dim": cfg.emb_dim} if cfg.has_head else {}),
+        **extra_config,
+    }
+    state = {k: v.detach().contiguous().cpu() for k, v in draft.state_dict().items()}
+    save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")

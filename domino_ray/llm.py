@@ -1,0 +1,80 @@
+"""The offline Python API: load a target and a draft, generate for a list of prompts.
+
+    from domino_ray.llm import DominoLLM
+    from domino_ray.sampling import SamplingParams
+
+    llm = DominoLLM.from_pretrained("Qwen/Qwen3-4B", draft="Huang2020/Qwen3-4B-Domino-b16", dtype="bfloat16")
+    for out in llm.generate(["Explain KV caches."], SamplingParams(max_new_tokens=128)):
+        print(out.text, out.stats["mean_acceptance_length"])
+
+Prompts may be strings (chat template applied unless `chat_template=False`), chats (lists of
+{role, content}) or token-id lists (used as they are).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from domino_ray.checkpoint import load_draft
+from domino_ray.engine import Request, SpecEngine
+from domino_ray.proposer import DominoProposer
+from domino_ray.sampling import SamplingParams
+from domino_ray.target import decode, encode_prompt, load_target, load_tokenizer, stop_token_ids
+
+
+@dataclass
+class GenerationOutput:
+    prompt_token_ids: list[int]
+    text: str | None              # None when no tokenizer was given
+    token_ids: list[int]
+    finish_reason: str            # "stop" | "length"
+    stats: dict                   # RowStats.to_columns(): acceptance statistics
+    time_to_first_token_s: float
+    time_taken_s: float
+
+
+class DominoLLM:
+    def __init__(self, target, tokenizer=None, draft=None, *, num_draft_tokens: int | None = None,
+                 max_batch_size: int = 16, max_model_len: int | None = None, seed: int = 0,
+                 chat_template: bool = True, enable_thinking: bool = False):
+        proposer = DominoProposer(draft, target, num_draft_tokens) if draft is not None else None
+        self.tokenizer, self.chat_template, self.enable_thinking = tokenizer, chat_template, enable_thinking
+        self.engine = SpecEngine(target, proposer, max_rows=max_batch_size, max_model_len=max_model_len,
+                                 eos_token_ids=stop_token_ids(target, tokenizer), seed=seed)
+
+    @classmethod
+    def from_pretrained(cls, target: str, draft: str | None = None, *, dtype: str = "auto", device: str | None = None,
+                        **kwargs) -> "DominoLLM":
+        """Target and draft from local directories or hub ids; the draft takes the target's dtype and device."""
+        model = load_target(target, dtype=dtype, device=device)
+        tokenizer = load_tokenizer(target)
+        weight = next(model.parameters())
+        draft_model = (load_draft(draft, target_config=model.config, device=weight.device, dtype=weight.dtype)
+                       if draft else None)
+        return cls(model, tokenizer, draft_model, **kwargs)
+
+    def encode(self, prompt) -> list[int]:
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            return list(prompt)
+        if self.tokenizer is None:
+            raise ValueError("text prompts need a tokenizer; pass token-id lists instead")
+        if isinstance(prompt, str):
+            return encode_prompt(self.tokenizer, prompt=prompt, chat_template=self.chat_template,
+                                 enable_thinking=self.enable_thinking)
+        return encode_prompt(self.tokenizer, messages=list(prompt), enable_thinking=self.enable_thinking)
+
+    def generate(self, prompts: Sequence, params: SamplingParams | Sequence[SamplingParams] = SamplingParams()
+                 ) -> list[GenerationOutput]:
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling parameters")
+        requests = [Request(i, self.encode(p), sp) for i, (p, sp) in enumerate(zip(prompts, params))]
+        stops = self.engine.eos_token_ids
+        return [GenerationOutput(
+            prompt_token_ids=c.prompt_token_ids,
+            text=decode(self.tokenizer, c.token_ids, stops | set(sp.stop_token_ids)) if self.tokenizer else None,
+            token_ids=c.token_ids, finish_reason=c.finish_reason, stats=c.stats.to_columns(),
+            time_to_first_token_s=c.time_to_first_token_s, time_taken_s=c.time_taken_s,
+        ) for c, sp in zip(self.engine.generate(requests), params)]

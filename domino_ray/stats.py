@@ -1,0 +1,71 @@
+"""Per-row acceptance statistics (vLLM conventions; vocabulary in `verify.py`).
+
+Invariant for every finished row: `num_generated_tokens == 1 + num_spec_steps + num_accepted_draft_tokens`
+(the first token comes from prefill; each step commits its accepted drafts plus one more token). When a
+stop token lands inside an accepted block, the step counts the drafts before it as accepted and the
+stop token as the step's last token; drafts after it are dropped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RowStats:
+    num_spec_tokens: int                 # K, draft tokens proposed per step (0 = target only)
+    num_spec_steps: int = 0              # target verify passes
+    num_draft_tokens: int = 0            # drafts that could have been accepted (capped by the row's budget)
+    num_accepted_draft_tokens: int = 0   # accepted drafts, excluding the bonus token
+    acceptance_histogram: list[int] = field(default_factory=list)  # [K+1]: steps that accepted exactly j drafts
+
+    def __post_init__(self):
+        if not self.acceptance_histogram:
+            self.acceptance_histogram = [0] * (self.num_spec_tokens + 1)
+
+    def observe_step(self, num_draft_tokens: int, num_accepted: int):
+        assert 0 <= num_accepted <= max(num_draft_tokens, 0), (num_accepted, num_draft_tokens)
+        self.num_spec_steps += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_draft_tokens += num_accepted
+        self.acceptance_histogram[num_accepted] += 1
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """1 + accepted / steps: tokens committed per step, bonus included (0.0 before any step)."""
+        return 1.0 + self.num_accepted_draft_tokens / self.num_spec_steps if self.num_spec_steps else 0.0
+
+    @property
+    def draft_acceptance_rate(self) -> float:
+        return self.num_accepted_draft_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    def to_columns(self) -> dict:
+        return {
+            "num_spec_tokens": self.num_spec_tokens,
+            "num_spec_steps": self.num_spec_steps,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_draft_tokens": self.num_accepted_draft_tokens,
+            "mean_acceptance_length": self.mean_acceptance_length,
+            "draft_acceptance_rate": self.draft_acceptance_rate,
+            "acceptance_histogram": list(self.acceptance_histogram),
+        }
+
+
+def per_position_acceptance(histogram: list[int]) -> list[float]:
+    """Rate at which draft position i (0-based) was accepted: steps accepting > i drafts / steps."""
+    steps = sum(histogram)
+    if not steps:
+        return [0.0] * (len(histogram) - 1)
+    return [sum(histogram[i + 1:]) / steps for i in range(len(histogram) - 1)]
+
+
+def merge_histograms(histograms) -> list[int]:
+    """Element-wise sum of equal-length histograms (an empty iterable gives [])."""
+    total: list[int] = []
+    for h in histograms:
+        if not total:
+            total = [0] * len(h)
+        if len(h) != len(total):
+            raise ValueError(f"histograms of different lengths: {len(h)} vs {len(total)}")
+        total = [a + b for a, b in zip(total, h)]
+    return total

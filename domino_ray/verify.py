@@ -1,0 +1,70 @@
+"""Verification: which draft tokens the target keeps, and the token it adds.
+
+Vocabulary (used in code, output columns and logs alike):
+- **draft tokens**: the K tokens the draft proposes per step, d_1..d_K.
+- **step**: one target verify pass over `[anchor, d_1..d_K]`; the anchor is the last committed token.
+- **accepted**: draft tokens the target keeps, a prefix d_1..d_a (0 <= a <= K); excludes the bonus.
+- **bonus**: the one token the target adds after the accepted prefix (its own choice at position a:
+  a correction when d_{a+1} was rejected, a free extra token when all K were accepted).
+- Every step commits a + 1 tokens; `mean_acceptance_length = 1 + accepted / steps` (includes the bonus).
+
+Greedy: accept the longest prefix where d_i == argmax of the target at the previous position.
+Sampled (temperature > 0): the draft proposal is one-hot, so speculative sampling reduces to: accept
+d_i with probability p_i(d_i); at the first rejection sample from p with d_i removed and renormalised;
+if all K are accepted, sample the bonus from p_K. The output is distributed exactly as the target's.
+
+`limit [n]` caps how many drafts may be accepted (the row's remaining token budget minus the bonus), so
+a step never commits more tokens than the row may still emit.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def greedy_accept(*, target_logits: torch.Tensor, drafts: torch.Tensor, limit: torch.Tensor):
+    """target_logits `[n, K+1, V]`, drafts `[n, K]`, limit `[n]` -> (accepted `[n]`, tokens `[n, K+1]`).
+
+    `tokens[:, :accepted+1]` are the committed tokens d_1..d_a, bonus.
+    """
+    n, k = drafts.shape
+    if target_logits.shape[:2] != (n, k + 1):
+        raise ValueError(f"target_logits {tuple(target_logits.shape)} does not match drafts {tuple(drafts.shape)}")
+    target = target_logits.argmax(-1)  # [n, K+1]
+    usable = torch.arange(k, device=drafts.device)[None, :] < limit[:, None]
+    accepted = ((drafts == target[:, :k]) & usable).cumprod(1).sum(1)  # [n]
+    return accepted, target  # accepted drafts equal the target's own choices, so target is the output
+
+
+def rejection_accept(*, target_probs: torch.Tensor, drafts: torch.Tensor, limit: torch.Tensor,
+                     uniforms: torch.Tensor):
+    """Lossless speculative sampling with a one-hot (greedy) draft proposal.
+
+    target_probs `[n, K+1, V]` (after temperature/top-k/top-p), drafts `[n, K]`, limit `[n]`,
+    uniforms `[n, K+1]` in [0, 1) -> (accepted `[n]`, tokens `[n, K+1]`).
+    """
+    n, k = drafts.shape
+    v = target_probs.shape[-1]
+    p_draft = target_probs[:, :k].gather(-1, drafts[..., None])[..., 0]  # [n, K]
+    usable = torch.arange(k, device=drafts.device)[None, :] < limit[:, None]
+    accepted = ((uniforms[:, :k] < p_draft) & usable).cumprod(1).sum(1)  # [n]
+    final = target_probs.gather(1, accepted[:, None, None].expand(n, 1, v))[:, 0].clone()  # [n, V]
+    if k:
+        # A draft that was usable but not accepted was rejected: remove its token from the residual.
+        rejected = accepted < limit.clamp(max=k)  # [n]
+        token = drafts.gather(1, accepted.clamp(max=k - 1)[:, None])  # [n, 1]
+        final.scatter_(1, token, torch.where(rejected[:, None], 0.0, final.gather(1, token)))
+    bonus = sample_from_probs(final, uniforms[:, k])  # [n]
+    tokens = torch.cat([drafts, drafts.new_zeros(n, 1)], 1).scatter(1, accepted[:, None], bonus[:, None])
+    return accepted, tokens
+
+
+def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sampling: probs `[n, V]` (unnormalised is fine), uniforms `[n]` in [0, 1) -> ids `[n]`.
+
+    `right=True` picks the first index whose cumulative mass exceeds u * total, which always has
+    positive probability. No host sync (unlike torch.multinomial with a generator per row).
+    """
+    cdf = probs.double().cumsum(-1)  # [n, V]
+    threshold = (uniforms.double() * cdf[:, -1])[:, None]
+    return torch.searchsorted(cdf, threshold, right=True)[:, 0].clamp(max=probs.shape[-1] - 1)
