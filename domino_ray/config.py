@@ -1,0 +1,176 @@
+"""Job configuration: one dataclass tree, loaded from YAML and `key=value` overrides by OmegaConf.
+
+The defaults are the CPU demo: the small trained target + Domino draft shipped in
+`domino_ray/assets/demo` and its bundled prompts, so `python jobs/generate.py` runs anywhere with no
+GPU and no downloads. Production configs (configs/*.yaml) override what differs.
+
+Unknown keys, missing required values (`???`) and bad values fail before any work starts with a
+`ConfigError` naming the full key (e.g. `generation.temperature`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+DEMO_ASSETS = Path(__file__).parent / "assets" / "demo"
+
+
+class ConfigError(ValueError):
+    pass
+
+
+@dataclass
+class ModelConfig:
+    source: str = str(DEMO_ASSETS / "target")  # target: local directory or hub id (e.g. Qwen/Qwen3-4B)
+    tokenizer: str | None = None      # tokenizer source when it differs from `source`
+    dtype: str = "auto"               # auto | float32 | bfloat16 | float16
+    device: str = "auto"              # auto (cuda when available) | cpu | cuda | cuda:N
+    max_model_len: int | None = None  # prompt + generated tokens per row; None = the model's limit
+    chat_template: bool = True        # wrap plain prompts as one user turn
+    enable_thinking: bool = False     # Qwen3 chat template switch
+
+
+@dataclass
+class DraftSection:
+    source: str | None = str(DEMO_ASSETS / "draft")  # draft: local directory or hub id; null = target only
+    num_draft_tokens: int | None = None  # K per step; null = the most the checkpoint supports
+
+
+@dataclass
+class GenerationConfig:
+    max_new_tokens: int = 128         # per row, unless a row overrides it
+    temperature: float = 0.0          # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0                    # 0 = off
+    seed: int | None = None           # base seed for sampled rows without their own
+    stop_token_ids: list[int] = field(default_factory=list)  # besides the model's EOS ids
+    ignore_eos: bool = False
+    max_batch_size: int = 16          # engine slots: rows decoded together (continuous batching)
+    max_prefill_tokens: int = 8192    # padded prompt tokens per prefill forward
+
+
+@dataclass
+class S3Config:
+    endpoint_url: str | None = None   # e.g. http://127.0.0.1:9000 for MinIO; null = AWS
+    region: str | None = None
+    anonymous: bool = False
+    # Credentials come from the standard AWS environment (AWS_ACCESS_KEY_ID, profiles, instance roles).
+
+
+@dataclass
+class InputConfig:
+    path: str = str(DEMO_ASSETS / "prompts.parquet")  # file, directory of shards or glob; local or s3://
+    prompt_column: str = "prompt"     # plain-text prompts
+    messages_column: str = "messages"  # chat prompts: list of {role, content}
+    id_column: str = "id"             # generated deterministically when absent
+    limit: int | None = None          # read at most this many rows (smoke runs)
+    s3: S3Config = field(default_factory=S3Config)
+
+
+@dataclass
+class OutputConfig:
+    path: str = "out/demo"            # directory, local or s3://
+    max_rows_per_file: int | None = None  # Parquet file sizing
+    s3: S3Config = field(default_factory=S3Config)
+
+
+@dataclass
+class RuntimeConfig:
+    ray_address: str | None = None    # null = start or join a local cluster (ray.init())
+    min_actors: int = 1               # ActorPoolStrategy min_size
+    max_actors: int = 1               # ActorPoolStrategy max_size
+    gpus_per_actor: float | None = None  # null = 1 when the cluster has GPUs, else 0
+    cpus_per_actor: float = 1.0
+    batch_size: int = 64              # rows per map_batches call
+    seed: int = 0                     # engine seed (sampled rows without a seed)
+
+
+@dataclass
+class ServeConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    model_name: str = "domino-demo"   # the id clients send as `model`
+    num_replicas: int = 1
+    gpus_per_replica: float | None = None  # null = 1 when the cluster has GPUs, else 0
+    max_ongoing_requests: int = 64    # per replica
+    max_queued_requests: int = 128    # beyond this the server answers 503 at once
+
+
+@dataclass
+class JobConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    draft: DraftSection = field(default_factory=DraftSection)
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    input: InputConfig = field(default_factory=InputConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    serve: ServeConfig = field(default_factory=ServeConfig)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> JobConfig:
+    """Defaults <- YAML file <- `key=value` overrides, checked; raises ConfigError naming the key."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        merged = OmegaConf.structured(JobConfig)
+        if path is not None:
+            if not Path(path).is_file():
+                raise ConfigError(f"config file {path} does not exist")
+            merged = OmegaConf.merge(merged, OmegaConf.load(path))
+        bad = [o for o in overrides if "=" not in o]
+        if bad:
+            raise ConfigError(f"overrides must look like key=value, got {bad}")
+        merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(list(overrides)))
+        cfg = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as exc:
+        key = getattr(exc, "full_key", None)
+        reason = str(exc).splitlines()[0]  # OmegaConf appends reference/object types on further lines
+        raise ConfigError(f"config key {key}: {reason}" if key else f"bad config: {reason}") from None
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: JobConfig):
+    """Value checks OmegaConf's types cannot express."""
+    g, r, s = cfg.generation, cfg.runtime, cfg.serve
+    rules: list[tuple[str, Any, bool, str]] = [
+        ("model.dtype", cfg.model.dtype, cfg.model.dtype in ("auto", "float32", "bfloat16", "float16", "float64"),
+         "auto, float32, bfloat16, float16 or float64"),
+        ("model.max_model_len", cfg.model.max_model_len, cfg.model.max_model_len is None or cfg.model.max_model_len > 1,
+         "null or an int > 1"),
+        ("draft.num_draft_tokens", cfg.draft.num_draft_tokens,
+         cfg.draft.num_draft_tokens is None or cfg.draft.num_draft_tokens >= 1, "null or an int >= 1"),
+        ("generation.max_new_tokens", g.max_new_tokens, g.max_new_tokens >= 1, "an int >= 1"),
+        ("generation.temperature", g.temperature, 0.0 <= g.temperature <= 100.0, "a number in [0, 100]"),
+        ("generation.top_p", g.top_p, 0.0 < g.top_p <= 1.0, "a number in (0, 1]"),
+        ("generation.top_k", g.top_k, g.top_k >= 0, "an int >= 0"),
+        ("generation.max_batch_size", g.max_batch_size, g.max_batch_size >= 1, "an int >= 1"),
+        ("generation.max_prefill_tokens", g.max_prefill_tokens, g.max_prefill_tokens >= 1, "an int >= 1"),
+        ("runtime.min_actors", r.min_actors, r.min_actors >= 1, "an int >= 1"),
+        ("runtime.max_actors", r.max_actors, r.max_actors >= r.min_actors, "an int >= runtime.min_actors"),
+        ("runtime.cpus_per_actor", r.cpus_per_actor, r.cpus_per_actor > 0, "a number > 0"),
+        ("runtime.gpus_per_actor", r.gpus_per_actor, r.gpus_per_actor is None or r.gpus_per_actor >= 0,
+         "null or a number >= 0"),
+        ("runtime.batch_size", r.batch_size, r.batch_size >= 1, "an int >= 1"),
+        ("serve.port", s.port, 0 < s.port < 65536, "a port number"),
+        ("serve.num_replicas", s.num_replicas, s.num_replicas >= 1, "an int >= 1"),
+        ("serve.max_ongoing_requests", s.max_ongoing_requests, s.max_ongoing_requests >= 1, "an int >= 1"),
+        ("serve.max_queued_requests", s.max_queued_requests, s.max_queued_requests >= 0, "an int >= 0"),
+    ]
+    for key, value, ok, expected in rules:
+        if not ok:
+            raise ConfigError(f"config key {key}={value!r} is invalid: expected {expected}")
+    for key, value in (("model.source", cfg.model.source), ("input.path", cfg.input.path),
+                       ("output.path", cfg.output.path)):
+        if not str(value).strip():
+            raise ConfigError(f"config key {key} is empty")
+
+
+def to_dict(cfg: JobConfig) -> dict:
+    """Plain dict of a config (for _summary.json and logs)."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
