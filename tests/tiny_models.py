@@ -68,3 +68,53 @@ def hf_greedy(target, prompt: list[int], max_new_tokens: int) -> list[int]:
     out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                           min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
     return out[0, len(prompt):].tolist()
+
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)
+SPECIALS = ["<unk>", "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
+CORPUS = [
+    "the quick brown fox jumps over the lazy dog",
+    "speculative decoding drafts tokens and the target verifies them",
+    "a batch of prompts becomes a batch of completions",
+    "def add(a, b):\n    return a + b\n",
+    "Ray runs actors on many machines; Parquet stores the results.",
+    "0123456789 ,.:;!?'\"()[]{}<>=+-*/_#@$%&|\\^~`",
+]
+
+
+def tiny_tokenizer(vocab_size: int = VOCAB):
+    """A small BPE tokenizer with Qwen-style chat markers; ids < vocab_size - 1 (the last id is the mask)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size - 1, special_tokens=SPECIALS, show_progress=False)
+    tok.train_from_iterator(CORPUS, trainer=trainer)
+    assert tok.get_vocab_size() <= vocab_size - 1, tok.get_vocab_size()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<|im_end|>",
+                                   pad_token="<|endoftext|>", chat_template=CHAT_TEMPLATE)
+
+
+def save_tiny_pair(directory, *, block_size: int = 4, seed: int = 0, dtype: torch.dtype = torch.float32):
+    """Write a tiny Qwen3 target (with tokenizer, EOS = <|im_end|>) and a Domino draft in the HF/DFlash
+    layout under `directory`; returns (target_dir, draft_dir) as strings."""
+    from pathlib import Path
+
+    from domino_ray.checkpoint import save_draft
+
+    directory = Path(directory)
+    target = tiny_target("qwen3", seed=seed, dtype=dtype)
+    tokenizer = tiny_tokenizer(target.config.vocab_size)
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    target.config.eos_token_id = eos
+    target.generation_config.eos_token_id = eos
+    target.save_pretrained(directory / "target")
+    tokenizer.save_pretrained(directory / "target")
+    save_draft(tiny_draft(target, seed=seed + 1, block_size=block_size), directory / "draft")
+    return str(directory / "target"), str(directory / "draft")
