@@ -28,7 +28,7 @@ class ModelConfig:
     dtype: str = "auto"               # auto | float32 | bfloat16 | float16
     device: str = "auto"              # auto (cuda when available) | cpu | cuda | cuda:N
     max_model_len: int | None = None  # prompt + generated tokens per row; None = the model's limit
-    chat_template: bool = True        # wrap plain prompts as one user turn
+    chat_template: bool = False       # wrap plain prompts as one user turn (true for chat models)
     enable_thinking: bool = False     # Qwen3 chat template switch
 
 
