@@ -264,9 +264,9 @@ def load_draft(source: str | Path, *, target_config=None, device: str | torch.de
     layout = detect_layout(config)
     draft_config = parse_draft_config(config, tensors, layout,
                                       num_target_layers=getattr(target_config, "num_hidden_layers", None))
-    check_tensors(draft_config, tensors)
-    if target_config is not None:
+    if target_config is not None:  # first: "made for another target" explains most shape errors
         check_against_target(draft_config, target_config, tensors)
+    check_tensors(draft_config, tensors)
     if dtype is None:
         dtype = next(v.dtype for v in tensors.values() if v.is_floating_point())
     with torch.device("meta"):

@@ -124,6 +124,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         if bad:
             raise ConfigError(f"overrides must look like key=value, got {bad}")
         merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(list(overrides)))
+        missing = sorted(OmegaConf.missing_keys(merged))
+        if missing:
+            raise ConfigError(f"config keys without a value (???): {', '.join(missing)}")
         cfg = OmegaConf.to_object(merged)
     except OmegaConfBaseException as exc:
         key = getattr(exc, "full_key", None)

@@ -7,29 +7,7 @@ import torch
 from domino_ray.engine import Request, SpecEngine
 from domino_ray.proposer import DominoProposer, OracleProposer
 from domino_ray.sampling import SamplingParams
-from tiny_models import ragged_prompts, tiny_draft, tiny_target
-
-
-class Recorder:
-    """Wraps a proposer and records (request_id, committed count, drafts) for every row and step."""
-
-    def __init__(self, inner):
-        self.inner, self.records = inner, []
-        self.num_draft_tokens, self.target_layer_ids = inner.num_draft_tokens, inner.target_layer_ids
-
-    def allocate(self, *a):
-        self.inner.allocate(*a)
-
-    def append_context(self, *a):
-        self.inner.append_context(*a)
-
-    def move_row(self, *a):
-        self.inner.move_row(*a)
-
-    def propose(self, rows, anchor, offsets, committed, request_ids):
-        drafts = self.inner.propose(rows, anchor, offsets, committed, request_ids)
-        self.records += list(zip(request_ids, committed, drafts.tolist()))
-        return drafts
+from tiny_models import Recorder, ragged_prompts, tiny_draft, tiny_target
 
 
 def stateless_drafts(target, draft, sequence: list[int], committed: int, k: int) -> list[int]:

@@ -118,3 +118,25 @@ def save_tiny_pair(directory, *, block_size: int = 4, seed: int = 0, dtype: torc
     tokenizer.save_pretrained(directory / "target")
     save_draft(tiny_draft(target, seed=seed + 1, block_size=block_size), directory / "draft")
     return str(directory / "target"), str(directory / "draft")
+
+
+class Recorder:
+    """Wraps a proposer and records (request_id, committed count, drafts) for every row and step."""
+
+    def __init__(self, inner):
+        self.inner, self.records = inner, []
+        self.num_draft_tokens, self.target_layer_ids = inner.num_draft_tokens, inner.target_layer_ids
+
+    def allocate(self, *a):
+        self.inner.allocate(*a)
+
+    def append_context(self, *a):
+        self.inner.append_context(*a)
+
+    def move_row(self, *a):
+        self.inner.move_row(*a)
+
+    def propose(self, rows, anchor, offsets, committed, request_ids):
+        drafts = self.inner.propose(rows, anchor, offsets, committed, request_ids)
+        self.records += list(zip(request_ids, committed, drafts.tolist()))
+        return drafts

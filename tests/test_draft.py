@@ -1,0 +1,47 @@
+"""The Domino head: the stepwise GRU (O(K)) equals rerunning the GRU over the whole prefix (O(K^2),
+the reference test harness), and the GRU is PyTorch's bias-free cell as the papers define it."""
+
+import pytest
+import torch
+
+from tiny_models import tiny_draft, tiny_target
+
+
+@pytest.mark.parametrize("shift_label,num_uncorrected,draft_vocab", [
+    (True, 1, None), (True, 0, None), (False, 1, None), (True, 2, 40), (False, 0, 40)])
+def test_stepwise_gru_equals_full_prefix(shift_label, num_uncorrected, draft_vocab):
+    target = tiny_target("qwen3", seed=51)
+    draft = tiny_draft(target, block_size=8, shift_label=shift_label, num_uncorrected=num_uncorrected,
+                       draft_vocab=draft_vocab)
+    with torch.no_grad():
+        draft.embed_proj[2].weight.mul_(40.0)  # make the correction decisive, so the test sees it
+    embed, head = target.get_input_embeddings(), target.get_output_embeddings()
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(6, 8, 32, generator=g, dtype=torch.float64)
+    anchor = torch.randint(0, 95, (6,), generator=g)
+    k = draft.config.max_draft_tokens
+    with torch.no_grad():
+        drafts = draft.draft_tokens(hidden, anchor, k, embed, head)                    # [6, K]
+        slow = draft.corrected_logits_full_prefix(hidden, anchor, drafts, embed, head)  # [6, K, Vd]
+        base = draft.base_logits(draft.select_draft_hidden(hidden, k), head)
+    assert torch.equal(drafts, draft.to_target_ids(slow.argmax(-1)))
+    corrected = draft.to_target_ids(base.argmax(-1)) != drafts
+    assert not corrected[:, :num_uncorrected].any()      # the first P drafts are uncorrected
+    assert corrected[:, num_uncorrected:].any()          # the head changes later ones
+
+
+def test_gru_is_the_bias_free_cell_of_the_papers():
+    target = tiny_target("qwen3", seed=52)
+    gru = tiny_draft(target).prefix_gru
+    x = torch.randn(3, 5, 32, dtype=torch.float64)
+    w_ir, w_iz, w_in = gru.weight_ih_l0.chunk(3)
+    w_hr, w_hz, w_hn = gru.weight_hh_l0.chunk(3)
+    h = torch.zeros(3, gru.hidden_size, dtype=torch.float64)
+    for t in range(5):
+        r = torch.sigmoid(x[:, t] @ w_ir.T + h @ w_hr.T)
+        z = torch.sigmoid(x[:, t] @ w_iz.T + h @ w_hz.T)
+        n = torch.tanh(x[:, t] @ w_in.T + r * (h @ w_hn.T))
+        h = (1 - z) * n + z * h
+    with torch.no_grad():
+        _, state = gru(x)
+    assert torch.allclose(state[0], h)

@@ -1,0 +1,23 @@
+"""The core is Ray-free: every domino_ray module except the Ray edge (ray_*.py) imports with Ray blocked."""
+
+import pkgutil
+import subprocess
+import sys
+
+import domino_ray
+
+
+def test_core_imports_without_ray():
+    core = [m.name for m in pkgutil.iter_modules(domino_ray.__path__) if not m.name.startswith("ray_")]
+    assert {"engine", "draft", "checkpoint", "verify"} <= set(core)
+    code = ("import sys; sys.modules['ray'] = None\n"  # any `import ray` now raises ImportError
+            + "".join(f"import domino_ray.{name}\n" for name in core)
+            + "assert not any(m == 'ray' or m.startswith('ray.') for m in sys.modules if sys.modules[m])\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+
+
+def test_package_import_is_light():
+    result = subprocess.run([sys.executable, "-c", "import sys, domino_ray; print('torch' in sys.modules)"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.stdout.strip() == "False", result.stderr
