@@ -116,17 +116,20 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
 
     try:
         merged = OmegaConf.structured(JobConfig)
-        if path is not None:
-            if not Path(path).is_file():
-                raise ConfigError(f"config file {path} does not exist")
-            merged = OmegaConf.merge(merged, OmegaConf.load(path))
         bad = [o for o in overrides if "=" not in o]
         if bad:
             raise ConfigError(f"overrides must look like key=value, got {bad}")
+        if path is not None:
+            if not Path(path).is_file():
+                raise ConfigError(f"config file {path} does not exist")
+            file_cfg = OmegaConf.load(path)
+            # `???` in a file marks a value the user must give; merging it would keep our default.
+            required = set(OmegaConf.missing_keys(file_cfg)) - {o.split("=", 1)[0].strip() for o in overrides}
+            if required:
+                raise ConfigError(f"config keys without a value (??? in {path}): {', '.join(sorted(required))}; "
+                                  "give them as key=value")
+            merged = OmegaConf.merge(merged, file_cfg)
         merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(list(overrides)))
-        missing = sorted(OmegaConf.missing_keys(merged))
-        if missing:
-            raise ConfigError(f"config keys without a value (???): {', '.join(missing)}")
         cfg = OmegaConf.to_object(merged)
     except OmegaConfBaseException as exc:
         key = getattr(exc, "full_key", None)

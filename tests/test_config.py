@@ -31,6 +31,7 @@ def test_missing_required_value_names_the_key(tmp_path):
     path.write_text("model:\n  source: ???\n")
     with pytest.raises(ConfigError, match="model.source"):
         load_config(path)
+    assert load_config(path, ["model.source=/models/t"]).model.source == "/models/t"
 
 
 def test_missing_file():
