@@ -96,6 +96,8 @@ class SpecEngine:
         self.device = weight.device
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         capacity = self.max_model_len + self.num_draft_tokens + 1  # a verify may write K+1 past the last token
+        _check_kv_fits(self.device, max_rows, capacity,
+                       2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * weight.element_size())
         self.kv = KVBuffers(cfg.num_hidden_layers, max_rows, capacity, cfg.num_key_value_heads, head_dim,
                             weight.dtype, self.device)
         self.cache = RowKVCache(self.kv)
@@ -117,6 +119,7 @@ class SpecEngine:
         self.top_k = torch.zeros(r, dtype=torch.long, device=dev)     # [R]
         self.rows: list[_Row] = []      # active rows; rows[i] lives in slot i
         self.pending: deque[_Row] = deque()
+        self._running_ids: set = set()  # request ids of pending and active rows
         self.rng = torch.Generator().manual_seed(seed)
 
     # ---- requests ---------------------------------------------------------------------------------
@@ -131,7 +134,7 @@ class SpecEngine:
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens; the model's limit is {self.max_model_len} "
                              "tokens including at least one generated token")
-        if any(r.request.request_id == request.request_id for r in (*self.rows, *self.pending)):
+        if request.request_id in self._running_ids:
             raise ValueError(f"request_id {request.request_id!r} is already running")
         params.validate()
         generator = None
@@ -139,6 +142,7 @@ class SpecEngine:
             seed = params.seed if params.seed is not None else int(torch.randint(2**62, (1,), generator=self.rng))
             generator = torch.Generator().manual_seed(seed)
         stop = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
+        self._running_ids.add(request.request_id)
         self.pending.append(_Row(request=Request(request.request_id, list(ids), params),
                                  max_new=min(params.max_new_tokens, self.max_model_len - len(ids)),
                                  stop_ids=frozenset(stop), generator=generator,
@@ -149,6 +153,7 @@ class SpecEngine:
         for row in self.pending:
             if row.request.request_id == request_id:
                 self.pending.remove(row)
+                self._running_ids.discard(request_id)
                 return True
         for row in self.rows:
             if row.request.request_id == request_id and row.finish_reason is None:
@@ -297,6 +302,7 @@ class SpecEngine:
             if slot != last:
                 self._move_row(last, slot)
             self.rows.pop()
+            self._running_ids.discard(row.request.request_id)
 
     def _move_row(self, src: int, dst: int):
         length = self.rows[src].committed  # positions [0, committed - 1) are live; one more is harmless
@@ -338,3 +344,14 @@ class SpecEngine:
 
     def _context_features(self, out) -> torch.Tensor:
         return torch.cat([out.hidden_states[i] for i in self.hidden_ids], -1)  # [n, q, F]
+
+
+def _check_kv_fits(device: torch.device, rows: int, positions: int, bytes_per_position: int):
+    """Fail with advice instead of an opaque out-of-memory error: KV buffers are static per row."""
+    if device.type != "cuda":
+        return
+    need = rows * positions * bytes_per_position
+    free, _ = torch.cuda.mem_get_info(device)
+    if need > 0.9 * free:
+        raise ValueError(f"KV buffers for max_rows={rows} x max_model_len={positions} need {need / 2**30:.1f} GiB "
+                         f"but {free / 2**30:.1f} GiB are free on {device}: lower max_model_len or max_batch_size")
