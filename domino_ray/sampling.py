@@ -61,7 +61,7 @@ def sampling_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
         keep = rank[None, None, :] < k[:, None, None]
         probs_sorted = sorted_logits.masked_fill(~keep, float("-inf")).softmax(-1)
         mass_before = probs_sorted.cumsum(-1) - probs_sorted  # mass of strictly more likely tokens
-        keep &= mass_before < top_p[:, None, None]
+        keep = keep & (mass_before < top_p[:, None, None])  # [n, q, V]; keep was [n, 1, V], so not in place
         sorted_logits = sorted_logits.masked_fill(~keep, float("-inf"))
         scaled = torch.empty_like(scaled).scatter_(-1, order, sorted_logits)
     return scaled.softmax(-1)
