@@ -12,6 +12,7 @@ import asyncio
 import os
 import socket
 import time
+from statistics import median
 from types import SimpleNamespace
 
 import httpx
@@ -29,8 +30,8 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 MODEL = "tiny-domino"
 SLOTS = 8            # engine rows per replica
-WAITING = 32         # requests that may wait for a slot inside the replica (>= 31: the concurrency test)
-ONGOING = 48         # requests Serve sends to the replica at once (> SLOTS + WAITING: engine 429s)
+WAITING = 24         # requests that may wait for a slot inside the replica (32 - SLOTS: concurrency test)
+ONGOING = 40         # requests Serve sends to the replica at once (> SLOTS + WAITING: engine 429s)
 QUEUED = 32          # requests waiting at the proxy (a burst queues there before routing: >= 31)
 
 
@@ -291,14 +292,15 @@ def test_overload_burst_gets_fast_429s_and_the_server_recovers(app, reference):
     ok = [t for r, t in results if r.status_code == 200]
     refused = [(r, t) for r, t in results if r.status_code == 429]
     assert len(ok) + len(refused) == burst, sorted({r.status_code for r, _ in results})
-    print(f"burst {burst}: {len(ok)} served, {len(refused)} refused; slowest refusal {max(t for _, t in refused):.2f} s, "
-          f"ok {min(ok):.2f}..{max(ok):.2f} s")
+    refusal_times = sorted(t for _, t in refused)
+    print(f"burst {burst}: {len(ok)} served, {len(refused)} refused in p50 {median(refusal_times):.2f} s "
+          f"(max {refusal_times[-1]:.2f} s); served in p50 {median(ok):.2f} s (max {max(ok):.2f} s)")
     assert len(ok) >= SLOTS and len(refused) >= burst // 4
     assert all(r.headers.get("retry-after") for r, _ in refused)
     engine_refusals = [r.json()["error"] for r, _ in refused if r.headers.get("content-type") == "application/json"]
     assert engine_refusals and all(e["code"] == "queue_full" for e in engine_refusals)
-    slowest_refusal = max(t for _, t in refused)
-    assert slowest_refusal < 5.0 and slowest_refusal < max(ok), (slowest_refusal, sorted(ok))
+    # Refused at once, not after waiting for engine work (on a 2-core machine flooded by this very burst).
+    assert refusal_times[-1] < 5.0 and median(refusal_times) < median(ok) / 2
     with httpx.Client(base_url=app.url, timeout=30) as http:
         assert wait_idle(http)["running"] == 0
         [ref] = reference(["the quick brown fox"], [24], ignore_eos=True)
