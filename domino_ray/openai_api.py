@@ -106,6 +106,11 @@ def parse_request(kind: str, raw: bytes, model: ModelSpec) -> ParsedRequest:
     else:
         ids, prompt_field = _chat_prompt(body, model), "messages"
     max_tokens_field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict) or set(options) - {"include_usage", "continuous_usage_stats"} or not all(
+            isinstance(v, bool) for v in options.values()):
+        raise APIError(400, "stream_options may hold include_usage and continuous_usage_stats (true or false); "
+                            "usage always comes in the last chunk", "stream_options")
     return ParsedRequest(kind=kind, prompt_token_ids=ids,
                          params=_sampling(body, model, len(ids), prompt_field, max_tokens_field),
                          stop=_stop_strings(body), stream=_bool(body, "stream", False))

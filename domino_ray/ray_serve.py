@@ -1,6 +1,6 @@
 """Ray Serve edge: one speculative engine per replica behind an OpenAI-compatible HTTP API.
 
-    serve run deploy/serve.yaml              # or: python -m jobs.serve [--config FILE] [key=value ...]
+    serve run deploy/serve.yaml              # or: python jobs/serve.py [--config FILE] [key=value ...]
 
 Each replica loads the target (+ Domino draft) once and runs it on an `EngineLoop` thread; every HTTP
 request submits one engine request and awaits its stream, so concurrent requests share the running
@@ -13,16 +13,18 @@ for an engine slot the replica answers 429 (EngineLoop QueueFull); beyond `serve
 per replica, requests queue at the proxy up to `serve.max_queued_requests`, then Serve answers 429.
 """
 
-
+# No `from __future__ import annotations` here: FastAPI reads the handlers' annotations as real types.
+import asyncio
 import time
 import uuid
 
+import ray
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
 from ray import serve
 from ray.serve.config import AutoscalingConfig, BackpressureConfig
 from ray.util import metrics
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from domino_ray.checkpoint import load_draft
 from domino_ray.config import JobConfig, load_config
@@ -124,8 +126,9 @@ class DominoServer:
         if not self.loop.alive:
             raise RuntimeError(f"engine loop is not running: {self.loop.error!r}")
 
-    def __del__(self):
-        self.loop.stop(timeout=1.0)
+    def __del__(self):  # Serve calls this when it stops the replica
+        if hasattr(self, "loop"):
+            self.loop.stop(timeout=1.0)
 
     @api.get("/health")
     async def health(self):
@@ -171,6 +174,9 @@ class DominoServer:
         except APIError as exc:
             self.metrics.requests.inc(tags={"route": route, "status": str(exc.status)})
             return _error(exc)
+        except asyncio.CancelledError:  # the client went away
+            self.metrics.requests.inc(tags={"route": route, "status": "cancelled"})
+            raise
         finally:
             await pieces.aclose()  # aborts the engine request unless it finished (e.g. the client left)
         self.metrics.finished(last.completion, started)
@@ -201,8 +207,6 @@ class DominoServer:
 
 def deployment_options(cfg: JobConfig) -> dict:
     """Serve deployment options from the `serve:` section."""
-    import ray
-
     s = cfg.serve
     gpus = s.gpus_per_replica
     if gpus is None:  # 1 per replica when the cluster has GPUs, else CPU

@@ -69,6 +69,7 @@ BAD = [  # (kind, body, status, param, words in the message)
     ("completion", {"prompt": "a", "stop": [""]}, 400, "stop", "non-empty"),
     ("completion", {"prompt": "a", "stop": ["x"] * 17}, 400, "stop", "at most"),
     ("completion", {"prompt": "a", "stream": "yes"}, 400, "stream", "true or false"),
+    ("completion", {"prompt": "a", "stream_options": {"include_usage": "yes"}}, 400, "stream_options", "true or false"),
     ("completion", {"prompt": "a", "logprobs": 3}, 400, "logprobs", "not supported"),
     ("completion", {"prompt": "a", "frobnicate": 1}, 400, "frobnicate", "unrecognized"),
     ("completion", {"prompt": ""}, 400, "prompt", "empty"),
