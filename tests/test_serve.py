@@ -276,35 +276,54 @@ def test_client_disconnect_frees_its_slot(app):
 
 
 def test_overload_burst_gets_fast_429s_and_the_server_recovers(app, reference):
-    burst = 2 * (ONGOING + QUEUED)
-    body = {"model": MODEL, "prompt": "the quick brown fox", "max_tokens": 24, "ignore_eos": True}
+    """Fill every slot and the whole wait queue with long requests, then burst more than the replica and
+    the proxy hold: every burst request is refused with 429 while the long ones are still running (so
+    no refusal waited for capacity), nothing crashes, and once the long ones go the server serves again."""
+    hold = {"model": MODEL, "prompt": "the quick brown fox", "max_tokens": 480, "ignore_eos": True, "stream": True}
+    short = {"model": MODEL, "prompt": "the quick brown fox", "max_tokens": 8}
+    burst = 2 * (ONGOING - SLOTS - WAITING + QUEUED)  # twice what the replica and the proxy can still hold
 
     async def main():
-        limits = httpx.Limits(max_connections=burst, max_keepalive_connections=burst)
+        limits = httpx.Limits(max_connections=SLOTS + WAITING + burst + 8)
         async with httpx.AsyncClient(base_url=app.url, timeout=120, limits=limits) as http:
-            async def one():
-                t = time.perf_counter()
-                r = await http.post("/v1/completions", json=body)
-                return r, time.perf_counter() - t
-            return await asyncio.gather(*(one() for _ in range(burst)))
+            async def long_request():
+                async with http.stream("POST", "/v1/completions", json=hold) as response:
+                    async for _ in response.aiter_lines():
+                        pass
 
-    results = asyncio.run(main())
-    ok = [t for r, t in results if r.status_code == 200]
-    refused = [(r, t) for r, t in results if r.status_code == 429]
-    assert len(ok) + len(refused) == burst, sorted({r.status_code for r, _ in results})
-    refusal_times = sorted(t for _, t in refused)
-    print(f"burst {burst}: {len(ok)} served, {len(refused)} refused in p50 {median(refusal_times):.2f} s "
-          f"(max {refusal_times[-1]:.2f} s); served in p50 {median(ok):.2f} s (max {max(ok):.2f} s)")
-    assert len(ok) >= SLOTS and len(refused) >= burst // 4
-    assert all(r.headers.get("retry-after") for r, _ in refused)
-    engine_refusals = [r.json()["error"] for r, _ in refused if r.headers.get("content-type") == "application/json"]
-    assert engine_refusals and all(e["code"] == "queue_full" for e in engine_refusals)
-    # Refused at once, not after waiting for engine work (on a 2-core machine flooded by this very burst).
-    assert refusal_times[-1] < 5.0 and median(refusal_times) < median(ok) / 2
+            async def refused_or_served():
+                t = time.perf_counter()
+                r = await http.post("/v1/completions", json=short)
+                return r, time.perf_counter() - t
+
+            holders = [asyncio.create_task(long_request()) for _ in range(SLOTS + WAITING)]
+            deadline, health = time.time() + 30, {}
+            while (health.get("running"), health.get("waiting")) != (SLOTS, WAITING) and time.time() < deadline:
+                await asyncio.sleep(0.05)
+                health = (await http.get("/health")).json()
+            assert (health["running"], health["waiting"]) == (SLOTS, WAITING), health
+            results = await asyncio.gather(*(refused_or_served() for _ in range(burst)))
+            after = (await http.get("/health")).json()
+            for task in holders:  # the long requests' clients go away
+                task.cancel()
+            await asyncio.gather(*holders, return_exceptions=True)
+            return results, after
+
+    results, after = asyncio.run(main())
+    assert sorted({r.status_code for r, _ in results}) == [429]
+    assert after["running"] == SLOTS  # the long requests still held every slot: no refusal waited for one
+    assert all(r.headers.get("retry-after") for r, _ in results)
+    engine = [r.json()["error"] for r, _ in results if r.headers.get("content-type") == "application/json"]
+    assert engine and all(e["code"] == "queue_full" and "retry later" in e["message"] for e in engine)
+    times = sorted(t for _, t in results)
+    print(f"burst {burst}: {len(engine)} refused by the engine queue, {burst - len(engine)} by Serve; "
+          f"p50 {median(times):.2f} s, max {times[-1]:.2f} s")
+    # Bounded by this 2-core machine serving the burst's own connections, not by engine work.
+    assert median(times) < 2.0 and times[-1] < 10.0
     with httpx.Client(base_url=app.url, timeout=30) as http:
-        assert wait_idle(http)["running"] == 0
-        [ref] = reference(["the quick brown fox"], [24], ignore_eos=True)
-        r = http.post("/v1/completions", json=body)
+        assert wait_idle(http) == {"status": "ok", "running": 0, "waiting": 0}
+        [ref] = reference(["the quick brown fox"], [8])
+        r = http.post("/v1/completions", json=short)
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == ref.text
 
 
