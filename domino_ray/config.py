@@ -105,6 +105,8 @@ class ServeConfig:
     cpus_per_replica: float = 1.0
     max_ongoing_requests: int = 64    # per replica: HTTP requests inside it (running or waiting for a slot)
     max_waiting_requests: int = 48    # per replica: requests waiting for an engine slot; beyond -> 429 at once
+    # (max_ongoing_requests <= generation.max_batch_size + max_waiting_requests leaves the choice to
+    # Serve's router, which balances replicas; the engine queue is then only a backstop)
     max_queued_requests: int = 128    # per proxy, waiting for a replica; beyond -> 429 at once (-1 = no limit)
     health_check_period_s: float = 10.0
     health_check_timeout_s: float = 30.0
