@@ -96,6 +96,8 @@ def parse_request(kind: str, raw: bytes, model: ModelSpec) -> ParsedRequest:
         if NEUTRAL[name] is not None and value not in NEUTRAL[name]:
             raise APIError(400, f"{name}={value!r} is not supported by this server", name)
     requested = body.get("model")
+    if requested is not None and not isinstance(requested, str):
+        raise APIError(400, f"model must be a string, got {requested!r}", "model")
     if requested is not None and requested != model.name:
         raise APIError(404, f"model {requested!r} does not exist; this server serves {model.name!r}", "model",
                        code="model_not_found")

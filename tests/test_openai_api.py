@@ -55,6 +55,7 @@ BAD = [  # (kind, body, status, param, words in the message)
     ("completion", b"{not json", 400, None, "not valid JSON"),
     ("completion", b"[1, 2]", 400, None, "JSON object"),
     ("completion", {"model": "gpt-4", "prompt": "a"}, 404, "model", "does not exist"),
+    ("completion", {"model": 4, "prompt": "a"}, 400, "model", "string"),
     ("completion", {"prompt": "a", "max_tokens": "ten"}, 400, "max_tokens", "integer"),
     ("completion", {"prompt": "a", "max_tokens": 0}, 400, "max_tokens", ">= 1"),
     ("completion", {"prompt": "a", "max_tokens": True}, 400, "max_tokens", "integer"),
