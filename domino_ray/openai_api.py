@@ -257,12 +257,12 @@ class TextStream:
         self.sent = 0              # chars of `text` already returned
         self.stopped = False       # a stop string matched; `text` ends before it
 
-    def push(self, token_ids: list[int]) -> str:
-        """Add tokens; return the text that can now be released."""
+    def push(self, token_ids: list[int], final: bool = False) -> str:
+        """Add tokens; return the text that can now be released (all of it when `final`)."""
         if self.stopped:
             return ""
         self.ids.extend(token_ids)
-        new = self._decode_new()
+        new = self._decode_new(final)
         if new:
             start = max(0, len(self.text) - max(map(len, self.stop), default=0) + 1)
             self.text += new
@@ -270,17 +270,17 @@ class TextStream:
             if hits:
                 self.text, self.stopped = self.text[:min(hits)], True
                 return self._release(len(self.text))
-        return self._release(len(self.text) - self._held())
+        return self._release(len(self.text) - (0 if final else self._held()))
 
     def finish(self) -> str:
-        """No more tokens: release what was held back."""
-        return self._release(len(self.text))
+        """No more tokens: release what was held back (a trailing partial character included)."""
+        return self.push([], final=True)
 
-    def _decode_new(self) -> str:
+    def _decode_new(self, final: bool) -> str:
         decode = self.tokenizer.decode
         before = decode(self.ids[self.prefix_offset:self.read_offset], skip_special_tokens=True)
         after = decode(self.ids[self.prefix_offset:], skip_special_tokens=True)
-        if len(after) <= len(before) or after.endswith("\ufffd"):  # nothing new, or a partial UTF-8 char
+        if len(after) <= len(before) or (after.endswith("\ufffd") and not final):  # maybe a partial UTF-8 char
             return ""
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         return after[len(before):]
@@ -320,11 +320,10 @@ async def generate(loop: EngineLoop, request_id: str, parsed: ParsedRequest, tok
                 continue
             if done is not None and done.finish_reason == "stop":
                 ids = ids[:-1]  # the stop token ends the row but is not text
-            delta = text.push(ids)
+            delta = text.push(ids, final=done is not None)
             if done is not None:
                 finished = True
-                yield Piece(delta + text.finish(), len(event.new_token_ids),
-                            "stop" if text.stopped else done.finish_reason, done)
+                yield Piece(delta, len(event.new_token_ids), "stop" if text.stopped else done.finish_reason, done)
                 return
             if text.stopped:
                 loop.abort(request_id)

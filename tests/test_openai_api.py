@@ -136,6 +136,28 @@ def test_text_stream_holds_back_a_possible_stop_string(tokenizer):
     assert released == "the quick brown fox" and not stream.stopped
 
 
+def test_text_stream_never_splits_a_character_with_a_byte_level_tokenizer():
+    """Qwen-style byte-level BPE: one character may span tokens; no replacement char is streamed."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    raw = Tokenizer(models.BPE())
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.decoder = decoders.ByteLevel()
+    raw.train_from_iterator(["plain ascii text"], trainers.BpeTrainer(
+        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=raw)
+    text = "naïve café, 東京 😀 done"
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert len(ids) > len(text.encode()) // 2  # mostly single bytes: multi-byte characters span tokens
+    stream = TextStream(tokenizer)
+    pieces = [stream.push([t]) for t in ids]
+    assert "".join(pieces) + stream.finish() == text and not any("\ufffd" in p for p in pieces)
+    cut = TextStream(tokenizer)  # ends inside the emoji: the partial character comes out at the end
+    partial = "".join(cut.push([t]) for t in ids[:-6]) + cut.finish()
+    assert partial == tokenizer.decode(ids[:-6]) and partial.endswith("\ufffd")
+
+
 @pytest.fixture(scope="module")
 def engine_loop():
     loop = EngineLoop(SpecEngine(tiny_target("qwen3", seed=4), None, max_rows=2))
