@@ -88,14 +88,28 @@ class RuntimeConfig:
 
 
 @dataclass
+class ServeAutoscaling:
+    max_replicas: int | None = None   # null = a fixed serve.num_replicas; set to autoscale
+    min_replicas: int = 1
+    target_ongoing_requests: float = 16.0  # per replica; near generation.max_batch_size keeps slots full
+
+
+@dataclass
 class ServeConfig:
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"           # 0.0.0.0 to listen on every interface
     port: int = 8000
-    model_name: str = "domino-demo"   # the id clients send as `model`
-    num_replicas: int = 1
+    model_name: str = "domino-demo"   # the id clients send as `model` (GET /v1/models lists it)
+    num_replicas: int = 1             # one engine per replica
+    autoscaling: ServeAutoscaling = field(default_factory=ServeAutoscaling)
     gpus_per_replica: float | None = None  # null = 1 when the cluster has GPUs, else 0
-    max_ongoing_requests: int = 64    # per replica
-    max_queued_requests: int = 128    # beyond this the server answers 503 at once
+    cpus_per_replica: float = 1.0
+    max_ongoing_requests: int = 64    # per replica: HTTP requests inside it (running or waiting for a slot)
+    max_waiting_requests: int = 48    # per replica: requests waiting for an engine slot; beyond -> 429 at once
+    # (max_ongoing_requests <= generation.max_batch_size + max_waiting_requests leaves the choice to
+    # Serve's router, which balances replicas; the engine queue is then only a backstop)
+    max_queued_requests: int = 128    # per proxy, waiting for a replica; beyond -> 429 at once (-1 = no limit)
+    health_check_period_s: float = 10.0
+    health_check_timeout_s: float = 30.0
 
 
 @dataclass
@@ -164,13 +178,25 @@ def validate(cfg: JobConfig):
         ("serve.port", s.port, 0 < s.port < 65536, "a port number"),
         ("serve.num_replicas", s.num_replicas, s.num_replicas >= 1, "an int >= 1"),
         ("serve.max_ongoing_requests", s.max_ongoing_requests, s.max_ongoing_requests >= 1, "an int >= 1"),
-        ("serve.max_queued_requests", s.max_queued_requests, s.max_queued_requests >= 0, "an int >= 0"),
+        ("serve.max_waiting_requests", s.max_waiting_requests, s.max_waiting_requests >= 0, "an int >= 0"),
+        ("serve.max_queued_requests", s.max_queued_requests, s.max_queued_requests >= -1, "-1 (no limit) or an int >= 0"),
+        ("serve.cpus_per_replica", s.cpus_per_replica, s.cpus_per_replica > 0, "a number > 0"),
+        ("serve.gpus_per_replica", s.gpus_per_replica, s.gpus_per_replica is None or s.gpus_per_replica >= 0,
+         "null or a number >= 0"),
+        ("serve.autoscaling.min_replicas", s.autoscaling.min_replicas, s.autoscaling.min_replicas >= 0, "an int >= 0"),
+        ("serve.autoscaling.max_replicas", s.autoscaling.max_replicas,
+         s.autoscaling.max_replicas is None or s.autoscaling.max_replicas >= max(1, s.autoscaling.min_replicas),
+         "null or an int >= max(1, serve.autoscaling.min_replicas)"),
+        ("serve.autoscaling.target_ongoing_requests", s.autoscaling.target_ongoing_requests,
+         s.autoscaling.target_ongoing_requests > 0, "a number > 0"),
+        ("serve.health_check_period_s", s.health_check_period_s, s.health_check_period_s > 0, "a number > 0"),
+        ("serve.health_check_timeout_s", s.health_check_timeout_s, s.health_check_timeout_s > 0, "a number > 0"),
     ]
     for key, value, ok, expected in rules:
         if not ok:
             raise ConfigError(f"config key {key}={value!r} is invalid: expected {expected}")
     for key, value in (("model.source", cfg.model.source), ("input.path", cfg.input.path),
-                       ("output.path", cfg.output.path)):
+                       ("output.path", cfg.output.path), ("serve.model_name", s.model_name)):
         if not str(value).strip():
             raise ConfigError(f"config key {key} is empty")
 

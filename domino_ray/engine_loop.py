@@ -73,7 +73,9 @@ class EngineLoop:
         return self._thread.is_alive() and self.error is None
 
     def num_waiting(self) -> int:
-        return max(0, len(self._streams) - len(self.engine.rows))
+        # Requests beyond the engine's slots. Not `len(engine.rows)`: the engine admits only at its next
+        # step, so a burst into free slots would count as waiting (and be refused) for a moment.
+        return max(0, len(self._streams) - self.engine.max_rows)
 
     def submit(self, request: Request, loop: asyncio.AbstractEventLoop | None = None) -> RequestStream:
         """Queue a request; raises EngineDead, QueueFull, or ValueError for a duplicate id."""

@@ -1,0 +1,242 @@
+"""Ray Serve edge: one speculative engine per replica behind an OpenAI-compatible HTTP API.
+
+    serve run deploy/serve.yaml              # or: python jobs/serve.py [--config FILE] [key=value ...]
+
+Each replica loads the target (+ Domino draft) once and runs it on an `EngineLoop` thread; every HTTP
+request submits one engine request and awaits its stream, so concurrent requests share the running
+batch (continuous batching) and tokens stream back as they are committed. A client that goes away
+cancels its handler, which aborts the engine request and frees its slot. Request parsing and response
+building live in the Ray-free `openai_api`; this module is FastAPI + Serve + metrics.
+
+Overload is answered at once, never by unbounded waiting: beyond `serve.max_waiting_requests` waiting
+for an engine slot the replica answers 429 (EngineLoop QueueFull); beyond `serve.max_ongoing_requests`
+per replica, requests queue at the proxy up to `serve.max_queued_requests`, then Serve answers 429.
+"""
+
+# No `from __future__ import annotations` here: FastAPI reads the handlers' annotations as real types.
+import asyncio
+import time
+import uuid
+
+import ray
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from ray import serve
+from ray.serve.config import AutoscalingConfig, BackpressureConfig
+from ray.util import metrics
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from domino_ray.checkpoint import load_draft
+from domino_ray.config import JobConfig, load_config
+from domino_ray.engine import SpecEngine
+from domino_ray.engine_loop import EngineLoop
+from domino_ray.openai_api import (SSE_DONE, APIError, ModelSpec, chunk_body, generate, models_body, parse_request,
+                                   response_body, sse)
+from domino_ray.proposer import DominoProposer
+from domino_ray.sampling import SamplingParams
+from domino_ray.target import load_target, load_tokenizer, stop_token_ids
+
+api = FastAPI(title="domino-ray", description="OpenAI-compatible speculative decoding (target + Domino draft)")
+TTFT_BOUNDARIES = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
+LATENCY_BOUNDARIES = [0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0]
+
+
+def load_engine(cfg: JobConfig):
+    """The target, its tokenizer and (unless `draft.source` is null) the Domino draft -> (SpecEngine, tokenizer)."""
+    target = load_target(cfg.model.source, dtype=cfg.model.dtype, device=cfg.model.device)
+    tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.source)
+    proposer = None
+    if cfg.draft.source:
+        weight = next(target.parameters())
+        draft = load_draft(cfg.draft.source, target_config=target.config, device=weight.device, dtype=weight.dtype)
+        proposer = DominoProposer(draft, target, cfg.draft.num_draft_tokens)
+    g = cfg.generation
+    engine = SpecEngine(target, proposer, max_rows=g.max_batch_size, max_model_len=cfg.model.max_model_len,
+                        eos_token_ids=stop_token_ids(target, tokenizer), seed=cfg.runtime.seed,
+                        max_prefill_tokens=g.max_prefill_tokens)
+    return engine, tokenizer
+
+
+class Metrics:
+    """Prometheus-style counters (exported by Ray as `ray_domino_*`); acceptance rate = accepted / draft."""
+
+    def __init__(self, model: str):
+        tags = {"model": model}
+        self.requests = metrics.Counter("domino_requests", "HTTP requests by route and status",
+                                        tag_keys=("model", "route", "status"))
+        self.requests.set_default_tags(tags)
+        self.generated = _counter("domino_generated_tokens", "tokens generated", tags)
+        self.draft = _counter("domino_draft_tokens", "draft tokens proposed (that could be accepted)", tags)
+        self.accepted = _counter("domino_accepted_draft_tokens", "draft tokens accepted (bonus excluded)", tags)
+        self.steps = _counter("domino_spec_steps", "target verify passes", tags)
+        self.ttft = metrics.Histogram("domino_time_to_first_token_s", "request arrival to first token, seconds",
+                                      boundaries=TTFT_BOUNDARIES, tag_keys=("model",))
+        self.ttft.set_default_tags(tags)
+        self.latency = metrics.Histogram("domino_request_latency_s", "request arrival to last token, seconds",
+                                         boundaries=LATENCY_BOUNDARIES, tag_keys=("model",))
+        self.latency.set_default_tags(tags)
+
+    def finished(self, completion, started: float):
+        stats = completion.stats
+        for counter, value in ((self.draft, stats.num_draft_tokens), (self.accepted, stats.num_accepted_draft_tokens),
+                               (self.steps, stats.num_spec_steps)):
+            if value:  # Ray counters refuse inc(0)
+                counter.inc(value)
+        self.latency.observe(time.perf_counter() - started)
+
+    def tokens(self, count: int):
+        if count:
+            self.generated.inc(count)
+
+
+def _counter(name: str, description: str, tags: dict) -> metrics.Counter:
+    counter = metrics.Counter(name, description, tag_keys=tuple(tags))
+    counter.set_default_tags(tags)
+    return counter
+
+
+def _error(exc: APIError) -> JSONResponse:
+    headers = {"Retry-After": "1"} if exc.status == 429 else None
+    return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+
+@api.exception_handler(StarletteHTTPException)
+async def _http_error(request: Request, exc: StarletteHTTPException):
+    """Unknown routes and wrong methods answer with an OpenAI-style body too."""
+    return _error(APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}"))
+
+
+@serve.deployment
+@serve.ingress(api)
+class DominoServer:
+    def __init__(self, cfg: JobConfig):
+        engine, self.tokenizer = load_engine(cfg)
+        self.loop = EngineLoop(engine, max_waiting=cfg.serve.max_waiting_requests)
+        g = cfg.generation
+        self.model = ModelSpec(
+            name=cfg.serve.model_name, tokenizer=self.tokenizer, vocab_size=engine.vocab_size,
+            max_model_len=engine.max_model_len, enable_thinking=cfg.model.enable_thinking,
+            defaults=SamplingParams(max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p,
+                                    top_k=g.top_k, stop_token_ids=tuple(g.stop_token_ids), ignore_eos=g.ignore_eos))
+        self.created = int(time.time())
+        self.metrics = Metrics(cfg.serve.model_name)
+
+    def check_health(self):
+        """Serve calls this periodically; raising marks the replica unhealthy and Serve replaces it."""
+        if not self.loop.alive:
+            raise RuntimeError(f"engine loop is not running: {self.loop.error!r}")
+
+    def __del__(self):  # Serve calls this when it stops the replica
+        if hasattr(self, "loop"):
+            self.loop.stop(timeout=1.0)
+
+    @api.get("/health")
+    async def health(self):
+        if not self.loop.alive:
+            return JSONResponse({"status": "dead", "error": repr(self.loop.error)}, status_code=503)
+        # Read without the engine thread's cooperation: a monitoring snapshot, possibly one step stale.
+        return {"status": "ok", "running": len(self.loop.engine.rows), "waiting": self.loop.num_waiting()}
+
+    @api.get("/v1/models")
+    async def models(self):
+        return models_body(self.model, self.created)
+
+    @api.post("/v1/completions")
+    async def completions(self, request: Request):
+        return await self._respond(request, "completion")
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request):
+        return await self._respond(request, "chat")
+
+    async def _respond(self, request: Request, kind: str):
+        started, route = time.perf_counter(), kind
+        try:
+            parsed = parse_request(kind, await request.body(), self.model)
+            response_id = f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex}"
+            pieces = generate(self.loop, response_id, parsed, self.tokenizer)
+            first = await anext(pieces)  # errors before the first token still get a proper status
+        except APIError as exc:
+            self.metrics.requests.inc(tags={"route": route, "status": str(exc.status)})
+            return _error(exc)
+        self.metrics.ttft.observe(time.perf_counter() - started)
+        self.metrics.tokens(first.num_new_tokens)
+        args = (parsed, response_id, self.created, self.model.name)
+        if parsed.stream:
+            return StreamingResponse(self._stream(args, first, pieces, started, route),
+                                     media_type="text/event-stream")
+        texts, last = [first.text], first
+        try:
+            while last.completion is None:
+                last = await anext(pieces)
+                texts.append(last.text)
+                self.metrics.tokens(last.num_new_tokens)
+        except APIError as exc:
+            self.metrics.requests.inc(tags={"route": route, "status": str(exc.status)})
+            return _error(exc)
+        except asyncio.CancelledError:  # the client went away
+            self.metrics.requests.inc(tags={"route": route, "status": "cancelled"})
+            raise
+        finally:
+            await pieces.aclose()  # aborts the engine request unless it finished (e.g. the client left)
+        self.metrics.finished(last.completion, started)
+        self.metrics.requests.inc(tags={"route": route, "status": "200"})
+        return response_body(*args, "".join(texts), last.finish_reason, last.completion)
+
+    async def _stream(self, args, first, pieces, started: float, route: str):
+        status, piece = "cancelled", first  # stays "cancelled" if the client goes away mid-stream
+        try:
+            yield sse(chunk_body(*args, piece.text, first=True))
+            while piece.completion is None:
+                piece = await anext(pieces)
+                self.metrics.tokens(piece.num_new_tokens)
+                if piece.text:
+                    yield sse(chunk_body(*args, piece.text))
+            yield sse(chunk_body(*args, "", finish_reason=piece.finish_reason, completion=piece.completion))
+            yield SSE_DONE
+            status = "200"
+            self.metrics.finished(piece.completion, started)
+        except APIError as exc:  # headers are sent: report in the stream, as OpenAI does
+            status = str(exc.status)
+            yield sse(exc.body())
+            yield SSE_DONE
+        finally:
+            await pieces.aclose()  # aborts the engine request unless it finished
+            self.metrics.requests.inc(tags={"route": route, "status": status})
+
+
+def deployment_options(cfg: JobConfig) -> dict:
+    """Serve deployment options from the `serve:` section."""
+    s = cfg.serve
+    gpus = s.gpus_per_replica
+    if gpus is None:  # 1 per replica when the cluster has GPUs, else CPU
+        gpus = 1 if ray.is_initialized() and ray.cluster_resources().get("GPU", 0) > 0 else 0
+    options = dict(
+        ray_actor_options={"num_cpus": s.cpus_per_replica, "num_gpus": gpus},
+        max_ongoing_requests=s.max_ongoing_requests, max_queued_requests=s.max_queued_requests,
+        backpressure_config=BackpressureConfig(status_code=429, retry_after_s=1),
+        health_check_period_s=s.health_check_period_s, health_check_timeout_s=s.health_check_timeout_s,
+    )
+    a = s.autoscaling
+    if a.max_replicas is None:
+        options["num_replicas"] = s.num_replicas
+    else:
+        options["autoscaling_config"] = AutoscalingConfig(
+            min_replicas=a.min_replicas, max_replicas=a.max_replicas, target_ongoing_requests=a.target_ongoing_requests,
+            initial_replicas=max(a.min_replicas, 1))
+    return options
+
+
+def build_app(cfg: JobConfig) -> serve.Application:
+    return DominoServer.options(**deployment_options(cfg)).bind(cfg)
+
+
+def app_builder(args: dict) -> serve.Application:
+    """`serve run` / `serve deploy` entry: args `{config: path or null, overrides: [key=value, ...]}`."""
+    unknown = set(args) - {"config", "overrides"}
+    if unknown:
+        raise ValueError(f"unknown application args {sorted(unknown)}; expected config and overrides")
+    overrides = args.get("overrides") or []
+    if isinstance(overrides, str):
+        overrides = overrides.split()
+    return build_app(load_config(args.get("config"), list(overrides)))

@@ -1,0 +1,58 @@
+"""Serve the OpenAI-compatible API locally: `python jobs/serve.py [--config FILE] [key=value ...]`.
+
+Without `--config` it serves the CPU demo pair (domino_ray/assets/demo) at http://127.0.0.1:8000/v1
+(`serve.host`, `serve.port`) until Ctrl-C. On a cluster: `serve deploy deploy/serve.yaml`, or the
+KubeRay manifest deploy/rayservice.yaml. Exit status: 0 stopped, 2 bad config (nothing started).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from domino_ray.config import ConfigError, JobConfig, load_config
+
+
+def check_local_sources(cfg: JobConfig):
+    """A local model or draft path that does not exist fails here, not in a replica Serve keeps restarting."""
+    for key, value in (("model.source", cfg.model.source), ("draft.source", cfg.draft.source)):
+        if value and value.startswith(("/", ".", "~")) and not Path(value).expanduser().exists():
+            raise ConfigError(f"config key {key}: {value} does not exist")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", help="YAML config (default: the built-in CPU demo config)")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. serve.port=8001")
+    args = parser.parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        check_local_sources(cfg)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+    import ray
+    from ray import serve
+
+    from domino_ray.ray_serve import build_app
+
+    ray.init(address=cfg.runtime.ray_address)
+    serve.start(http_options={"host": cfg.serve.host, "port": cfg.serve.port})
+    try:
+        serve.run(build_app(cfg), name="domino", route_prefix="/")
+        print(f"serving {cfg.serve.model_name} at http://{cfg.serve.host}:{cfg.serve.port}/v1 (Ctrl-C stops)")
+        while True:  # the app runs in Ray's processes; this one only holds the session open
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        serve.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,214 @@
+"""The Ray-free OpenAI layer: request validation names the field; streamed text equals the full decode
+cut at the first stop string; stop strings and early consumer exits abort the engine request."""
+
+import asyncio
+import json
+import random
+
+import pytest
+
+from domino_ray.engine import SpecEngine
+from domino_ray.engine_loop import EngineLoop
+from domino_ray.openai_api import APIError, ModelSpec, TextStream, chunk_body, generate, parse_request, response_body
+from domino_ray.sampling import SamplingParams
+from domino_ray.target import decode, encode_prompt
+from tiny_models import tiny_target, tiny_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return tiny_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer):
+    return ModelSpec(name="tiny", tokenizer=tokenizer, vocab_size=96, max_model_len=64,
+                     defaults=SamplingParams(max_new_tokens=20))
+
+
+def parse(model, body, kind="completion"):
+    return parse_request(kind, json.dumps(body).encode(), model)
+
+
+def test_valid_requests_become_engine_requests(model, tokenizer):
+    p = parse(model, {"model": "tiny", "prompt": "the quick brown fox", "max_tokens": 7, "temperature": 0.5,
+                      "top_p": 0.9, "top_k": -1, "seed": 3, "stop": "dog", "stream": True})
+    assert p.prompt_token_ids == tokenizer("the quick brown fox", add_special_tokens=False)["input_ids"]
+    assert (p.params.max_new_tokens, p.params.temperature, p.params.top_p, p.params.top_k, p.params.seed) == \
+        (7, 0.5, 0.9, 0, 3)
+    assert p.stop == ("dog",) and p.stream
+    # Defaults come from the config (here 20 tokens, greedy), capped by what the prompt leaves.
+    p = parse(model, {"prompt": [5, 6, 7]})
+    assert p.prompt_token_ids == [5, 6, 7] and p.params.max_new_tokens == 20 and p.params.greedy
+    assert parse(model, {"prompt": [1] * 50}).params.max_new_tokens == 14
+    chat = parse(model, {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+                         "max_completion_tokens": 5}, "chat")
+    assert chat.params.max_new_tokens == 5
+    hi = [{"role": "user", "content": "hi"}]
+    assert chat.prompt_token_ids == encode_prompt(tokenizer, messages=hi, enable_thinking=False)  # thinking off
+    thinking = parse(model, {"messages": hi, "chat_template_kwargs": {"enable_thinking": True}}, "chat")
+    assert thinking.prompt_token_ids == encode_prompt(tokenizer, messages=hi, enable_thinking=True)
+    assert thinking.prompt_token_ids != chat.prompt_token_ids
+
+
+BAD = [  # (kind, body, status, param, words in the message)
+    ("completion", b"{not json", 400, None, "not valid JSON"),
+    ("completion", b"[1, 2]", 400, None, "JSON object"),
+    ("completion", {"model": "gpt-4", "prompt": "a"}, 404, "model", "does not exist"),
+    ("completion", {"model": 4, "prompt": "a"}, 400, "model", "string"),
+    ("completion", {"prompt": "a", "max_tokens": "ten"}, 400, "max_tokens", "integer"),
+    ("completion", {"prompt": "a", "max_tokens": 0}, 400, "max_tokens", ">= 1"),
+    ("completion", {"prompt": "a", "max_tokens": True}, 400, "max_tokens", "integer"),
+    ("completion", {"prompt": "a", "temperature": "hot"}, 400, "temperature", "number"),
+    ("completion", {"prompt": "a", "temperature": 2.5}, 400, "temperature", "[0.0, 2.0]"),
+    ("completion", {"prompt": "a", "temperature": -0.1}, 400, "temperature", "[0.0, 2.0]"),
+    ("completion", {"prompt": "a", "top_p": 0}, 400, "top_p", "(0.0, 1.0]"),
+    ("completion", {"prompt": "a", "top_k": -2}, 400, "top_k", ">= -1"),
+    ("completion", {"prompt": "a", "seed": -1}, 400, "seed", "integer"),
+    ("completion", {"prompt": "a", "n": 2}, 400, "n", "n=1"),
+    ("completion", {"prompt": "a", "stop": 5}, 400, "stop", "string"),
+    ("completion", {"prompt": "a", "stop": [""]}, 400, "stop", "non-empty"),
+    ("completion", {"prompt": "a", "stop": ["x"] * 17}, 400, "stop", "at most"),
+    ("completion", {"prompt": "a", "stream": "yes"}, 400, "stream", "true or false"),
+    ("completion", {"prompt": "a", "stream_options": {"include_usage": "yes"}}, 400, "stream_options", "true or false"),
+    ("completion", {"prompt": "a", "logprobs": 3}, 400, "logprobs", "not supported"),
+    ("completion", {"prompt": "a", "frobnicate": 1}, 400, "frobnicate", "unrecognized"),
+    ("completion", {"prompt": ""}, 400, "prompt", "empty"),
+    ("completion", {"prompt": "   "}, 400, "prompt", "empty"),
+    ("completion", {}, 400, "prompt", "required"),
+    ("completion", {"prompt": ["a", "b"]}, 400, "prompt", "one prompt"),
+    ("completion", {"prompt": [1, 2, 96]}, 400, "prompt", "[0, 96)"),
+    ("completion", {"prompt": {"text": "a"}}, 400, "prompt", "string or a list"),
+    ("completion", {"prompt": [1] * 64}, 400, "prompt", "limit is 64"),
+    ("completion", {"prompt": [1] * 60, "max_tokens": 5}, 400, "max_tokens", "exceeds"),
+    ("completion", {"prompt": "a", "stop_token_ids": [100]}, 400, "stop_token_ids", "token ids"),
+    ("chat", {"messages": []}, 400, "messages", "non-empty"),
+    ("chat", {"prompt": "a"}, 400, "prompt", "unrecognized"),
+    ("chat", {"messages": [{"role": "robot", "content": "a"}]}, 400, "messages", "role"),
+    ("chat", {"messages": [{"role": "user", "content": 5}]}, 400, "messages", "string"),
+    ("chat", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "messages", "text parts"),
+    ("chat", {"messages": [{"role": "user", "content": "a"}], "chat_template_kwargs": {"x": 1}}, 400,
+     "chat_template_kwargs", "enable_thinking"),
+]
+
+
+@pytest.mark.parametrize("kind,body,status,param,words", BAD, ids=[f"{i}-{b[3]}" for i, b in enumerate(BAD)])
+def test_bad_requests_name_the_field(model, kind, body, status, param, words):
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    with pytest.raises(APIError) as info:
+        parse_request(kind, raw, model)
+    err = info.value
+    assert (err.status, err.param) == (status, param) and words in err.message, err.body()
+    assert set(err.body()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_text_stream_equals_full_decode_cut_at_first_stop(tokenizer):
+    rng = random.Random(0)
+    vocab = list(range(90))
+    for trial in range(150):
+        ids = [rng.choice(vocab) for _ in range(rng.randint(1, 40))]
+        full = tokenizer.decode(ids, skip_special_tokens=True)
+        # Stop strings: pieces of this very text (so they match), or strings that never occur.
+        stop = tuple({full[i:i + rng.randint(1, 4)] for i in rng.sample(range(len(full)), min(2, len(full)))}
+                     if full and trial % 3 else {"@@never@@"})
+        stream, out, i = TextStream(tokenizer, stop), [], 0
+        while i < len(ids):  # push in ragged chunks, as speculative steps commit 1..K+1 tokens
+            n = rng.randint(1, 5)
+            out.append(stream.push(ids[i:i + n]))
+            i += n
+            if stream.stopped:
+                break
+        out.append(stream.finish())
+        cuts = [full.find(s) for s in stop if s and full.find(s) >= 0]
+        expected = full[:min(cuts)] if cuts else full
+        assert "".join(out) == expected, (ids, stop)
+        assert stream.stopped == bool(cuts)
+
+
+def test_text_stream_holds_back_a_possible_stop_string(tokenizer):
+    ids = tokenizer("the quick brown fox", add_special_tokens=False)["input_ids"]
+    head = tokenizer("the quick brown", add_special_tokens=False)["input_ids"]
+    assert ids[:len(head)] == head
+    stream = TextStream(tokenizer, ("brown cat",))
+    released = "".join(stream.push([t]) for t in head)
+    assert released == "the quick "  # "brown" might still become "brown cat"
+    released += stream.push(ids[len(head):])
+    assert released == "the quick brown fox" and not stream.stopped
+
+
+def test_text_stream_never_splits_a_character_with_a_byte_level_tokenizer():
+    """Qwen-style byte-level BPE: one character may span tokens; no replacement char is streamed."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    raw = Tokenizer(models.BPE())
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.decoder = decoders.ByteLevel()
+    raw.train_from_iterator(["plain ascii text"], trainers.BpeTrainer(
+        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=raw)
+    text = "naïve café, 東京 😀 done"
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert len(ids) > len(text.encode()) // 2  # mostly single bytes: multi-byte characters span tokens
+    stream = TextStream(tokenizer)
+    pieces = [stream.push([t]) for t in ids]
+    assert "".join(pieces) + stream.finish() == text and not any("\ufffd" in p for p in pieces)
+    cut = TextStream(tokenizer)  # ends inside the emoji: the partial character comes out at the end
+    partial = "".join(cut.push([t]) for t in ids[:-6]) + cut.finish()
+    assert partial == tokenizer.decode(ids[:-6]) and partial.endswith("\ufffd")
+
+
+@pytest.fixture(scope="module")
+def engine_loop():
+    loop = EngineLoop(SpecEngine(tiny_target("qwen3", seed=4), None, max_rows=2))
+    yield loop
+    loop.stop()
+
+
+def collect(engine_loop, parsed, tokenizer, request_id, stop_after=None):
+    async def main():
+        pieces, out = generate(engine_loop, request_id, parsed, tokenizer), []
+        async for piece in pieces:
+            out.append(piece)
+            if stop_after is not None and len(out) == stop_after:
+                await pieces.aclose()  # the consumer leaves (a client disconnect)
+                break
+        return out
+    return asyncio.run(main())
+
+
+def test_generate_streams_the_decoded_text(engine_loop, model, tokenizer):
+    parsed = parse(model, {"prompt": [3, 4, 5], "max_tokens": 12, "ignore_eos": True})
+    pieces = collect(engine_loop, parsed, tokenizer, "a")
+    done = pieces[-1].completion
+    assert [p.finish_reason for p in pieces] == [None] * (len(pieces) - 1) + ["length"]
+    assert len(done.token_ids) == 12 == sum(p.num_new_tokens for p in pieces)
+    assert "".join(p.text for p in pieces) == decode(tokenizer, done.token_ids)
+    body = response_body(parsed, "cmpl-a", 0, "tiny", "x", "length", done)
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 12, "total_tokens": 15}
+    stats = body["speculative_decoding_stats"]
+    assert stats["num_spec_steps"] == 11 and stats["num_spec_tokens"] == 0  # target only: one token per step
+    last = chunk_body(parsed, "cmpl-a", 0, "tiny", "", finish_reason="length", completion=done)
+    assert last["usage"] == body["usage"] and last["speculative_decoding_stats"] == stats
+
+
+def test_stop_string_ends_the_text_and_frees_the_slot(engine_loop, model, tokenizer):
+    long = parse(model, {"prompt": [3, 4, 5], "max_tokens": 60, "ignore_eos": True})
+    full = "".join(p.text for p in collect(engine_loop, long, tokenizer, "full"))
+    stop = full[8:10]
+    parsed = parse(model, {"prompt": [3, 4, 5], "max_tokens": 60, "ignore_eos": True, "stop": stop})
+    pieces = collect(engine_loop, parsed, tokenizer, "stopped")
+    assert "".join(p.text for p in pieces) == full[:full.find(stop)]
+    assert pieces[-1].finish_reason == "stop"
+    assert pieces[-1].completion.finish_reason == "abort" and len(pieces[-1].completion.token_ids) < 60
+    assert not engine_loop.engine.has_unfinished()
+
+
+def test_consumer_leaving_aborts_the_request(engine_loop, model, tokenizer):
+    parsed = parse(model, {"prompt": [3, 4, 5], "max_tokens": 60, "ignore_eos": True})
+    assert len(collect(engine_loop, parsed, tokenizer, "left", stop_after=2)) == 2
+    for _ in range(100):  # the abort lands at the engine's next step
+        if not engine_loop.engine.has_unfinished():
+            break
+        asyncio.run(asyncio.sleep(0.01))
+    assert not engine_loop.engine.has_unfinished() and not engine_loop._streams

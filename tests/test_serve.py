@@ -1,0 +1,359 @@
+"""The Serve app end to end: a real local Ray cluster, Serve on 127.0.0.1, real HTTP and the official
+`openai` client, a tiny target + Domino draft saved to disk.
+
+Invariants: greedy output == target-only greedy (computed in-process without a draft); per-request
+statistics reconcile with the token counts; concurrent requests share the running batch (short ones
+finish while a long one keeps its slot); bad input is a 4xx naming the field; a client that leaves
+frees its slot; a burst beyond the queues is refused quickly with 429 and the server recovers;
+metrics counters reconcile with what the responses reported.
+"""
+
+import asyncio
+import os
+import socket
+import time
+from statistics import median
+from types import SimpleNamespace
+
+import httpx
+import openai
+import pytest
+import torch
+
+from domino_ray.config import load_config
+from domino_ray.llm import DominoLLM
+from domino_ray.sampling import SamplingParams
+from domino_ray.target import encode_prompt
+from tiny_models import CORPUS, save_tiny_pair
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+MODEL = "tiny-domino"
+SLOTS = 8            # engine rows per replica
+WAITING = 24         # requests that may wait for a slot inside the replica (32 - SLOTS: concurrency test)
+ONGOING = 40         # requests Serve sends to the replica at once (> SLOTS + WAITING: engine 429s)
+QUEUED = 32          # requests waiting at the proxy (a burst queues there before routing: >= 31)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def app(tmp_path_factory):
+    import ray
+    from ray import serve
+
+    from domino_ray.ray_serve import build_app
+
+    # float64: greedy comparisons against a differently batched reference must not flip on near-ties.
+    target_dir, draft_dir = save_tiny_pair(tmp_path_factory.mktemp("serve_pair"), dtype=torch.float64)
+    cfg = load_config(None, [
+        f"model.source={target_dir}", f"draft.source={draft_dir}", f"serve.model_name={MODEL}",
+        f"generation.max_batch_size={SLOTS}", "generation.max_new_tokens=16", "runtime.seed=0",
+        f"serve.max_waiting_requests={WAITING}", f"serve.max_ongoing_requests={ONGOING}",
+        f"serve.max_queued_requests={QUEUED}", "serve.cpus_per_replica=0.5", "serve.health_check_period_s=2",
+    ])
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("RAY_AUTH_MODE", "disabled")
+        started_ray = not ray.is_initialized()
+        if started_ray:
+            ray.init(num_cpus=2, object_store_memory=80 * 2**20, include_dashboard=False, log_to_driver=False,
+                     _metrics_export_port=free_port(), _system_config={"metrics_report_interval_ms": 500})
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(build_app(cfg), name="domino-test", route_prefix="/")
+        metrics_port = ray._private.worker._global_node.metrics_export_port
+        try:
+            yield SimpleNamespace(url=f"http://127.0.0.1:{port}", metrics_url=f"http://127.0.0.1:{metrics_port}/metrics",
+                                  target_dir=target_dir, cfg=cfg)
+        finally:
+            serve.shutdown()
+            if started_ray:
+                ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def reference(app):
+    """Target-only greedy through the same engine code, in this process (no draft, no Serve)."""
+    llm = DominoLLM.from_pretrained(app.target_dir, draft=None, chat_template=False, max_batch_size=SLOTS)
+
+    def run(prompts, max_tokens, ignore_eos=False):
+        ids = [p if isinstance(p, list) else llm.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+        params = [SamplingParams(max_new_tokens=m, ignore_eos=ignore_eos) for m in max_tokens]
+        return llm.generate(ids, params)
+
+    run.tokenizer = llm.tokenizer
+    return run
+
+
+def client(app, **kwargs) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{app.url}/v1", api_key="unused", max_retries=0, timeout=60, **kwargs)
+
+
+def check_stats(stats: dict, completion_tokens: int):
+    """Per-request statistics reconcile with the tokens the request got (DESIGN.md §5 conventions)."""
+    assert stats["num_spec_tokens"] == 4 and len(stats["acceptance_histogram"]) == 5
+    assert completion_tokens == 1 + stats["num_spec_steps"] + stats["num_accepted_draft_tokens"]
+    assert sum(stats["acceptance_histogram"]) == stats["num_spec_steps"]
+    assert 0 <= stats["num_accepted_draft_tokens"] <= stats["num_draft_tokens"]
+    assert 0 < stats["time_to_first_token_s"] <= stats["time_taken_llm_s"]
+
+
+def metric_total(text: str, name: str, **labels) -> float:
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_metrics_reconcile_with_responses(app):
+    """First in the module: the replica's counters start at zero, so they must equal the responses' sums."""
+    outs = [client(app).completions.create(model=MODEL, prompt=p, max_tokens=m, temperature=0)
+            for p, m in [("the quick brown fox", 12), ("a batch of prompts", 20), ("Ray runs", 5)]]
+    stats = [o.model_extra["speculative_decoding_stats"] for o in outs]
+    expected = {
+        "ray_domino_generated_tokens_total": sum(o.usage.completion_tokens for o in outs),
+        "ray_domino_draft_tokens_total": sum(s["num_draft_tokens"] for s in stats),
+        "ray_domino_spec_steps_total": sum(s["num_spec_steps"] for s in stats),
+        "ray_domino_time_to_first_token_s_count": len(outs),
+    }
+    deadline, seen = time.time() + 30, {}
+    while time.time() < deadline:
+        text = httpx.get(app.metrics_url, timeout=10).text
+        seen = {name: metric_total(text, name, model=MODEL) for name in expected}
+        seen["requests"] = metric_total(text, "ray_domino_requests_total", route="completion", status="200")
+        if seen == {**expected, "requests": len(outs)}:
+            break
+        time.sleep(0.5)
+    assert seen == {**expected, "requests": len(outs)}
+
+
+def test_openai_client_completion_chat_stream_equal_target_only(app, reference):
+    c = client(app)
+    assert [m.id for m in c.models.list()] == [MODEL]
+    cases = [("the quick brown fox", 24), ("Ray runs actors on many machines;", 9), ("def add(a, b):", 40)]
+    refs = reference([p for p, _ in cases], [m for _, m in cases])
+    for (prompt, max_tokens), ref in zip(cases, refs):
+        out = c.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0)
+        assert (out.choices[0].text, out.choices[0].finish_reason) == (ref.text, ref.finish_reason)
+        assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (len(ref.prompt_token_ids), len(ref.token_ids))
+        check_stats(out.model_extra["speculative_decoding_stats"], len(ref.token_ids))
+        chunks = list(c.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                           stream=True))
+        assert "".join(ch.choices[0].text for ch in chunks) == ref.text
+        assert [ch.choices[0].finish_reason for ch in chunks][-1] == ref.finish_reason
+        assert chunks[-1].usage.completion_tokens == len(ref.token_ids)
+        check_stats(chunks[-1].model_extra["speculative_decoding_stats"], len(ref.token_ids))
+
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "the quick brown fox"}]
+    [ref] = reference([encode_prompt(reference.tokenizer, messages=messages, enable_thinking=False)], [30])
+    out = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=30, temperature=0)
+    assert (out.choices[0].message.content, out.choices[0].finish_reason) == (ref.text, ref.finish_reason)
+    assert out.usage.prompt_tokens == len(ref.prompt_token_ids)
+    check_stats(out.model_extra["speculative_decoding_stats"], len(ref.token_ids))
+    chunks = list(c.chat.completions.create(model=MODEL, messages=messages, max_tokens=30, temperature=0, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == ref.text
+    assert chunks[-1].choices[0].finish_reason == ref.finish_reason
+    check_stats(chunks[-1].model_extra["speculative_decoding_stats"], len(ref.token_ids))
+
+
+def test_sampled_requests_reproduce_with_a_seed(app):
+    c = client(app)
+    kwargs = dict(model=MODEL, prompt="the quick brown fox", max_tokens=16, temperature=0.9, top_p=0.95,
+                  extra_body={"top_k": 40})
+    a, b = (c.completions.create(seed=7, **kwargs).choices[0].text for _ in range(2))
+    assert a == b
+
+
+def test_concurrent_requests_share_the_running_batch(app, reference):
+    """32 streamed requests of mixed lengths: all equal target-only greedy, and the 31 short ones start and
+    finish while a long one keeps its slot (continuous batching; serialized or static batching cannot)."""
+    words = " ".join(CORPUS).split()
+    shorts = [(" ".join(words[i % 20:i % 20 + 1 + i % 7]), 2 + (5 * i) % 23) for i in range(31)]
+    long_prompt, long_tokens = "speculative decoding drafts tokens", 240
+    refs = reference([p for p, _ in shorts], [m for _, m in shorts])
+    [long_ref] = reference([long_prompt], [long_tokens], ignore_eos=True)
+    c = openai.AsyncOpenAI(base_url=f"{app.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+    async def one(prompt, max_tokens, started: asyncio.Event | None = None, **extra):
+        stream = await c.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                            stream=True, extra_body=extra)
+        parts, first = [], None
+        async for chunk in stream:
+            if first is None:
+                first = time.perf_counter()
+                if started:
+                    started.set()
+            parts.append(chunk.choices[0].text)
+        return SimpleNamespace(text="".join(parts), first=first, last=time.perf_counter(), chunk=chunk)
+
+    async def main():
+        started = asyncio.Event()
+        long = asyncio.create_task(one(long_prompt, long_tokens, started, ignore_eos=True))
+        await started.wait()
+        rest = await asyncio.gather(*(one(p, m) for p, m in shorts))
+        return await long, rest
+
+    long, rest = asyncio.run(main())
+    assert long.text == long_ref.text
+    assert [r.text for r in rest] == [r.text for r in refs]
+    for r, ref in zip(rest, refs):
+        check_stats(r.chunk.model_extra["speculative_decoding_stats"], len(ref.token_ids))
+    assert all(long.first < r.first and r.last < long.last for r in rest), "short requests waited for the long one"
+    events = sorted([(r.first, 1) for r in rest] + [(r.last, -1) for r in rest])
+    in_flight = [sum(d for _, d in events[:i + 1]) for i in range(len(events))]
+    assert max(in_flight) >= SLOTS // 2, f"requests were not batched together: at most {max(in_flight)} at once"
+
+
+BAD_HTTP = [  # (path, body, status, param): one of each kind the issue names, and more
+    ("/v1/completions", b'{"prompt": "a", ', 400, None),
+    ("/v1/completions", {"model": "gpt-4o", "prompt": "a"}, 404, "model"),
+    ("/v1/completions", {"prompt": "a", "max_tokens": "ten"}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": 42}, 400, "prompt"),
+    ("/v1/completions", {"prompt": ""}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "a", "max_tokens": 100_000}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": list(range(5)) * 200}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "a", "temperature": 3}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "a", "top_p": 1.5}, 400, "top_p"),
+    ("/v1/completions", {"prompt": "a", "n": 3}, 400, "n"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "stream": 1}, 400, "stream"),
+    ("/v1/nothing", {}, 404, None),
+]
+
+
+def test_bad_input_is_a_4xx_naming_the_field_and_the_server_keeps_serving(app, reference):
+    with httpx.Client(base_url=app.url, timeout=30) as http:
+        for path, body, status, param in BAD_HTTP:
+            r = http.post(path, content=body) if isinstance(body, bytes) else http.post(path, json=body)
+            error = r.json()["error"]
+            assert (r.status_code, error["param"]) == (status, param), (path, body, r.text)
+            assert error["message"] and error["type"], r.text
+        assert http.get("/v1/completions").status_code == 405
+        assert http.get("/health").json()["status"] == "ok"
+    c = client(app)
+    with pytest.raises(openai.BadRequestError) as info:
+        c.completions.create(model=MODEL, prompt="a", temperature=-1)
+    assert info.value.body["param"] == "temperature" and "temperature" in info.value.body["message"]
+    with pytest.raises(openai.NotFoundError):
+        c.chat.completions.create(model="nope", messages=[{"role": "user", "content": "a"}])
+    [ref] = reference(["the quick brown fox"], [10])
+    assert c.completions.create(model=MODEL, prompt="the quick brown fox", max_tokens=10,
+                                temperature=0).choices[0].text == ref.text
+
+
+def wait_idle(http: httpx.Client, timeout_s: float = 10.0) -> dict:
+    deadline = time.time() + timeout_s
+    while True:
+        health = http.get("/health").json()
+        if (health["running"], health["waiting"]) == (0, 0) or time.time() > deadline:
+            return health
+        time.sleep(0.1)
+
+
+def test_client_disconnect_frees_its_slot(app):
+    body = {"model": MODEL, "prompt": "the quick brown fox", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=app.url, timeout=30) as http:
+        opened = []
+        for _ in range(SLOTS):  # fill every slot with a request that would run for hundreds of steps
+            cm = http.stream("POST", "/v1/completions", json=body)
+            response = cm.__enter__()
+            lines = response.iter_lines()
+            assert next(lines).startswith("data: ")
+            opened.append((cm, lines))
+        assert http.get("/health").json()["running"] == SLOTS
+        for cm, _ in opened:
+            cm.__exit__(None, None, None)  # the client goes away mid-stream
+        assert wait_idle(http) == {"status": "ok", "running": 0, "waiting": 0}
+        # A new request gets a slot at once: engine-side time to first token is a prefill, not a wait.
+        r = http.post("/v1/completions", json={"model": MODEL, "prompt": "Ray runs", "max_tokens": 4})
+        assert r.status_code == 200 and r.json()["speculative_decoding_stats"]["time_to_first_token_s"] < 1.0
+
+
+def test_overload_burst_gets_fast_429s_and_the_server_recovers(app, reference):
+    """Fill every slot and the whole wait queue with long requests, then burst more than the replica and
+    the proxy hold: every burst request is refused with 429 while the long ones are still running (so
+    no refusal waited for capacity), nothing crashes, and once the long ones go the server serves again."""
+    hold = {"model": MODEL, "prompt": "the quick brown fox", "max_tokens": 480, "ignore_eos": True, "stream": True}
+    short = {"model": MODEL, "prompt": "the quick brown fox", "max_tokens": 8}
+    burst = 2 * (ONGOING - SLOTS - WAITING + QUEUED)  # twice what the replica and the proxy can still hold
+
+    async def main():
+        limits = httpx.Limits(max_connections=SLOTS + WAITING + burst + 8)
+        async with httpx.AsyncClient(base_url=app.url, timeout=120, limits=limits) as http:
+            async def long_request():
+                async with http.stream("POST", "/v1/completions", json=hold) as response:
+                    async for _ in response.aiter_lines():
+                        pass
+
+            async def refused_or_served():
+                t = time.perf_counter()
+                r = await http.post("/v1/completions", json=short)
+                return r, time.perf_counter() - t
+
+            holders = [asyncio.create_task(long_request()) for _ in range(SLOTS + WAITING)]
+            deadline, health = time.time() + 30, {}
+            while (health.get("running"), health.get("waiting")) != (SLOTS, WAITING) and time.time() < deadline:
+                await asyncio.sleep(0.05)
+                health = (await http.get("/health")).json()
+            assert (health["running"], health["waiting"]) == (SLOTS, WAITING), health
+            results = await asyncio.gather(*(refused_or_served() for _ in range(burst)))
+            after = (await http.get("/health")).json()
+            for task in holders:  # the long requests' clients go away
+                task.cancel()
+            await asyncio.gather(*holders, return_exceptions=True)
+            return results, after
+
+    results, after = asyncio.run(main())
+    assert sorted({r.status_code for r, _ in results}) == [429]
+    assert after["running"] == SLOTS  # the long requests still held every slot: no refusal waited for one
+    assert all(r.headers.get("retry-after") for r, _ in results)
+    engine = [r.json()["error"] for r, _ in results if r.headers.get("content-type") == "application/json"]
+    assert engine and all(e["code"] == "queue_full" and "retry later" in e["message"] for e in engine)
+    times = sorted(t for _, t in results)
+    print(f"burst {burst}: {len(engine)} refused by the engine queue, {burst - len(engine)} by Serve; "
+          f"p50 {median(times):.2f} s, max {times[-1]:.2f} s")
+    # Bounded by this 2-core machine serving the burst's own connections, not by engine work.
+    assert median(times) < 2.0 and times[-1] < 10.0
+    with httpx.Client(base_url=app.url, timeout=30) as http:
+        assert wait_idle(http) == {"status": "ok", "running": 0, "waiting": 0}
+        [ref] = reference(["the quick brown fox"], [8])
+        r = http.post("/v1/completions", json=short)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == ref.text
+
+
+def test_health_check_fails_when_the_engine_loop_dies(app):
+    """`check_health` (what Serve calls periodically) passes on the live replica, and raises once the
+    engine loop thread has died, so Serve replaces the replica (Serve's contract, not re-tested here)."""
+    from ray import serve
+
+    from domino_ray.engine import SpecEngine
+    from domino_ray.engine_loop import EngineLoop
+    from domino_ray.ray_serve import DominoServer
+    from tiny_models import tiny_target
+
+    assert serve.get_app_handle("domino-test").check_health.remote().result() is None
+
+    # The deployment's own methods on a bare instance (Serve's ASGI wrapper skipped) with a real loop.
+    server = object.__new__(DominoServer.func_or_class)
+    server.loop = EngineLoop(SpecEngine(tiny_target("qwen3", seed=4), None, max_rows=1))
+    try:
+        server.check_health()
+
+        def lost_device():
+            raise RuntimeError("device lost")
+        server.loop.engine.step = lost_device
+        server.loop.engine.has_unfinished = lambda: True
+        deadline = time.time() + 10
+        while server.loop.alive and time.time() < deadline:
+            time.sleep(0.05)
+        with pytest.raises(RuntimeError, match="device lost"):
+            server.check_health()
+        assert asyncio.run(server.health()).status_code == 503
+    finally:
+        server.loop.stop(timeout=1.0)
