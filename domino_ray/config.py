@@ -65,14 +65,16 @@ class InputConfig:
     prompt_column: str = "prompt"     # plain-text prompts
     messages_column: str = "messages"  # chat prompts: list of {role, content}
     id_column: str = "id"             # generated deterministically when absent
+    sampling_column: str = "sampling_params"  # optional per-row overrides: struct or JSON object
     limit: int | None = None          # read at most this many rows (smoke runs)
     s3: S3Config = field(default_factory=S3Config)
 
 
 @dataclass
 class OutputConfig:
-    path: str = "out/demo"            # directory, local or s3://
-    max_rows_per_file: int | None = None  # Parquet file sizing
+    path: str = "out/demo"            # directory, local or s3://; also the job's checkpoint (resume)
+    min_rows_per_file: int | None = None  # Parquet file sizing: bigger files, more rows redone after a crash
+    max_rows_per_file: int | None = None
     s3: S3Config = field(default_factory=S3Config)
 
 
@@ -84,7 +86,9 @@ class RuntimeConfig:
     gpus_per_actor: float | None = None  # null = 1 when the cluster has GPUs, else 0
     cpus_per_actor: float = 1.0
     batch_size: int = 64              # rows per map_batches call
+    max_concurrent_batches: int = 4   # batches in flight per actor; their rows share the engine's slots
     seed: int = 0                     # engine seed (sampled rows without a seed)
+    compare_baseline: bool = False    # also run the rows target-only and report the speed-up (small jobs)
 
 
 @dataclass
@@ -155,6 +159,12 @@ def validate(cfg: JobConfig):
         ("runtime.gpus_per_actor", r.gpus_per_actor, r.gpus_per_actor is None or r.gpus_per_actor >= 0,
          "null or a number >= 0"),
         ("runtime.batch_size", r.batch_size, r.batch_size >= 1, "an int >= 1"),
+        ("runtime.max_concurrent_batches", r.max_concurrent_batches, r.max_concurrent_batches >= 1, "an int >= 1"),
+        ("output.min_rows_per_file", cfg.output.min_rows_per_file,
+         cfg.output.min_rows_per_file is None or cfg.output.min_rows_per_file >= 1, "null or an int >= 1"),
+        ("output.max_rows_per_file", cfg.output.max_rows_per_file,
+         cfg.output.max_rows_per_file is None or cfg.output.max_rows_per_file >= max(1, cfg.output.min_rows_per_file or 1),
+         "null or an int >= max(1, output.min_rows_per_file)"),
         ("serve.port", s.port, 0 < s.port < 65536, "a port number"),
         ("serve.num_replicas", s.num_replicas, s.num_replicas >= 1, "an int >= 1"),
         ("serve.max_ongoing_requests", s.max_ongoing_requests, s.max_ongoing_requests >= 1, "an int >= 1"),
