@@ -59,12 +59,19 @@ def _visible(path: str) -> bool:
     return not any(part.startswith(("_", ".")) for part in path.split("/") if part)
 
 
+def _glob_match(path: str, pattern: str) -> bool:
+    """Shell-style: a wildcard matches within one path segment only."""
+    parts, pattern_parts = path.split("/"), pattern.split("/")
+    return len(parts) == len(pattern_parts) and all(fnmatch.fnmatchcase(a, b) for a, b in zip(parts, pattern_parts))
+
+
 def list_parquet_files(loc: Location, *, missing_ok: bool = False) -> list[str]:
     """Parquet files of a file, a directory (recursively) or a glob, sorted."""
     if any(c in loc.path for c in GLOB_CHARS):
         base = loc.path[:min(loc.path.find(c) for c in GLOB_CHARS if c in loc.path)].rsplit("/", 1)[0]
         infos = loc.fs.get_file_info(pafs.FileSelector(base, recursive=True, allow_not_found=True))
-        files = [i.path for i in infos if i.type == pafs.FileType.File and fnmatch.fnmatch(i.path, loc.path)]
+        files = [i.path for i in infos if i.type == pafs.FileType.File and _glob_match(i.path, loc.path)
+                 and _visible(i.path[len(base):])]
     else:
         info = loc.fs.get_file_info(loc.path)
         if info.type == pafs.FileType.File:

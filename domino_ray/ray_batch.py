@@ -210,6 +210,10 @@ def init_ray(cfg: JobConfig):
         ray.init(address=cfg.runtime.ray_address)
     ctx = ray.data.DataContext.get_current()
     ctx.max_consecutive_actor_init_deaths = 0  # a model that does not load fails the job at once
+    # The V2 Parquet reader starts a pool of 32 footer-reading actors for every read: seconds of startup
+    # that dominate small jobs and crowd small clusters. Prompt files are small next to inference; the
+    # V1 reader (footers read by the driver) is enough and supports the same row hashes.
+    ctx.use_datasource_v2 = False
     if cfg.input.limit is not None:
         ctx.execution_options.preserve_order = True  # the same first rows on every run (resume)
 
