@@ -119,15 +119,22 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     from omegaconf.errors import OmegaConfBaseException
 
     try:
-        merged = OmegaConf.structured(JobConfig)
+        merged, required = OmegaConf.structured(JobConfig), set()
         if path is not None:
             if not Path(path).is_file():
                 raise ConfigError(f"config file {path} does not exist")
-            merged = OmegaConf.merge(merged, OmegaConf.load(path))
+            file_cfg = OmegaConf.load(path)
+            # Merging `???` over a default keeps the default, so the file's required keys are tracked here.
+            required = OmegaConf.missing_keys(file_cfg)
+            merged = OmegaConf.merge(merged, file_cfg)
         bad = [o for o in overrides if "=" not in o]
         if bad:
             raise ConfigError(f"overrides must look like key=value, got {bad}")
-        merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(list(overrides)))
+        cli = OmegaConf.from_dotlist(list(overrides))
+        unset = sorted(required - {k for k in required if OmegaConf.select(cli, k) is not None})
+        if unset:
+            raise ConfigError(f"config key {unset[0]} is required by {path} (give it as {unset[0]}=...)")
+        merged = OmegaConf.merge(merged, cli)
         cfg = OmegaConf.to_object(merged)
     except OmegaConfBaseException as exc:
         key = getattr(exc, "full_key", None)

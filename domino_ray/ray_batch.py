@@ -44,6 +44,7 @@ class DominoPredictor:
 
     def __init__(self, cfg: JobConfig, schema: pa.Schema, *, use_draft: bool = True, stats_sink=None,
                  fault_marker: str | None = None):
+        started = time.time()
         import torch
 
         from domino_ray.checkpoint import load_draft
@@ -73,6 +74,9 @@ class DominoPredictor:
         self.name = f"{socket.gethostname()}:{os.getpid()}"
         self._lock = threading.Lock()
         self._in_flight, self._busy_since, self._busy_s, self._rows, self._tokens = 0, 0.0, 0.0, 0, 0
+        self._peak_in_flight = 0  # > 1 means batches overlapped in the engine (continuous batching across them)
+        self._times = {"started_at": started, "load_s": time.time() - started, "first_batch_at": None,
+                       "last_batch_done_at": None}
 
     async def __call__(self, batch: pa.Table):
         self._busy(+1)
@@ -149,14 +153,20 @@ class DominoPredictor:
         with self._lock:
             if self._in_flight == 0 and delta > 0:
                 self._busy_since = now
+            if delta > 0 and self._times["first_batch_at"] is None:
+                self._times["first_batch_at"] = time.time()
+            if delta < 0:
+                self._times["last_batch_done_at"] = time.time()
             self._in_flight += delta
+            self._peak_in_flight = max(self._peak_in_flight, self._in_flight)
             if self._in_flight == 0:
                 self._busy_s += now - self._busy_since
                 self._busy_since = now
             busy = self._busy_s + (now - self._busy_since if self._in_flight else 0.0)
             self._rows += rows
             self._tokens += tokens
-            snapshot = {"actor": self.name, "rows": self._rows, "generated_tokens": self._tokens, "busy_s": busy}
+            snapshot = {"actor": self.name, "rows": self._rows, "generated_tokens": self._tokens, "busy_s": busy,
+                        "peak_batches_in_flight": self._peak_in_flight, **self._times}
         if self.stats_sink is not None and delta < 0:
             self.stats_sink.record.remote(snapshot)
 
@@ -245,7 +255,8 @@ def run_job(cfg: JobConfig, log=print) -> dict:
     done_rows = len(pc.unique(scan.done_ids)) if len(scan.done_ids) else 0
     previous = read_json(out, SUMMARY_NAME)
     if previous is not None and not scan.removed and done_rows >= input_rows:
-        log(f"nothing to do: all {input_rows} rows are already in {cfg.output.path} (see {SUMMARY_NAME})")
+        log(f"nothing to do: all {input_rows} rows are already in {cfg.output.path}; its {SUMMARY_NAME}:")
+        log(human_summary(previous))
         return previous
     delete_if_exists(out, SUMMARY_NAME)  # written again once every row is done
     if done_rows:
