@@ -89,18 +89,27 @@ def list_parquet_files(loc: Location, *, missing_ok: bool = False) -> list[str]:
 
 
 def scan_output(loc: Location, id_column: str) -> OutputScan:
-    """Ids already written to the output directory; deletes partial files left by an interrupted run."""
+    """Ids already written to the output directory; deletes partial files left by an interrupted run.
+
+    Only a file whose footer does not read is partial; a complete file without the id column is not
+    ours and stops the job (ValueError) rather than being touched.
+    """
     files, ids, removed = [], [], []
     for path in list_parquet_files(loc, missing_ok=True):
-        try:
-            with loc.fs.open_input_file(path) as f:
-                table = pq.read_table(f, columns=[id_column])
-        except (pa.ArrowInvalid, OSError):  # no footer: the writer was killed mid-file
+        with loc.fs.open_input_file(path) as f:
+            try:
+                parquet = pq.ParquetFile(f)
+            except (pa.ArrowInvalid, OSError):  # no footer: the writer was killed mid-file
+                parquet = None
+            if parquet is not None:
+                if id_column not in parquet.schema_arrow.names:
+                    raise ValueError(f"{path} has no {id_column!r} column: it is not this job's output")
+                ids.append(parquet.read(columns=[id_column]).column(id_column))
+        if parquet is None:
             loc.fs.delete_file(path)
             removed.append(path)
-            continue
-        files.append(path)
-        ids.append(table.column(id_column))
+        else:
+            files.append(path)
     done = pa.chunked_array(ids).combine_chunks() if ids else pa.array([], pa.null())
     return OutputScan(files=files, done_ids=done, removed=removed)
 

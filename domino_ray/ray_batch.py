@@ -23,7 +23,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import ray
 
-from domino_ray.config import JobConfig, to_dict
+from domino_ray.config import ConfigError, JobConfig, to_dict
 from domino_ray.engine import Request
 from domino_ray.engine_loop import EngineDead
 from domino_ray.io import (SUMMARY_NAME, Location, delete_if_exists, list_parquet_files, read_json, scan_output,
@@ -73,12 +73,22 @@ class DominoPredictor:
         self.stats_sink, self.fault_marker = stats_sink, fault_marker
         self.name = f"{socket.gethostname()}:{os.getpid()}"
         self._lock = threading.Lock()
+        self._admission: asyncio.Semaphore | None = None
         self._in_flight, self._busy_since, self._busy_s, self._rows, self._tokens = 0, 0.0, 0.0, 0, 0
         self._peak_in_flight = 0  # > 1 means batches overlapped in the engine (continuous batching across them)
         self._times = {"started_at": started, "load_s": time.time() - started, "first_batch_at": None,
                        "last_batch_done_at": None}
 
     async def __call__(self, batch: pa.Table):
+        # Ray may run several batches of one task at once besides several tasks: admit exactly
+        # `max_concurrent_batches` batches into the engine (memory and latency stay bounded).
+        if self._admission is None:  # created on the event loop Ray runs us on
+            self._admission = asyncio.Semaphore(self.cfg.runtime.max_concurrent_batches)
+        async with self._admission:
+            table = await self._generate(batch)
+        yield table
+
+    async def _generate(self, batch: pa.Table) -> pa.Table:
         self._busy(+1)
         rows = batch.to_pylist()
         prepared = [self._prepare(row) for row in rows]
@@ -102,7 +112,7 @@ class DominoPredictor:
             text = self._decode(result.token_ids, self.eos_ids | set(params.stop_token_ids))
             prepared[i] = ok_row(prompt=prompt, text=text, completion=result)
         self._busy(-1, rows=len(rows), tokens=sum(r["num_generated_tokens"] for r in prepared))
-        yield output_table(batch, prepared, self.schema)
+        return output_table(batch, prepared, self.schema)
 
     def _prepare(self, row: dict):
         """(prompt text, token ids, sampling params), or an error row for a row that cannot run."""
@@ -197,16 +207,20 @@ def _prepare(table: pa.Table, done_ids, id_column: str, generated_id: bool) -> p
     return table
 
 
-def build_dataset(cfg: JobConfig, plan: InputPlan, schema: pa.Schema, done_ids_ref, *, use_draft: bool = True,
-                  stats_sink=None, fault_marker: str | None = None) -> ray.data.Dataset:
-    r = cfg.runtime
+def read_inputs(cfg: JobConfig, plan: InputPlan, done_ids_ref) -> ray.data.Dataset:
+    """Input rows with their ids, minus the rows already in the output."""
     ds = ray.data.read_parquet(plan.files, filesystem=plan.location.fs, include_row_hash=plan.generated_id)
     if cfg.input.limit is not None:
         ds = ds.limit(cfg.input.limit)
-    ds = ds.map_batches(_prepare, batch_format="pyarrow", fn_args=(done_ids_ref,),
-                        fn_kwargs={"id_column": cfg.input.id_column, "generated_id": plan.generated_id})
+    return ds.map_batches(_prepare, batch_format="pyarrow", fn_args=(done_ids_ref,),
+                          fn_kwargs={"id_column": cfg.input.id_column, "generated_id": plan.generated_id})
+
+
+def build_dataset(cfg: JobConfig, plan: InputPlan, schema: pa.Schema, done_ids_ref, *, use_draft: bool = True,
+                  stats_sink=None, fault_marker: str | None = None) -> ray.data.Dataset:
+    r = cfg.runtime
     gpus = r.gpus_per_actor if r.gpus_per_actor is not None else (1 if ray.cluster_resources().get("GPU") else 0)
-    return ds.map_batches(
+    return read_inputs(cfg, plan, done_ids_ref).map_batches(
         DominoPredictor, batch_size=r.batch_size, batch_format="pyarrow",
         compute=ray.data.ActorPoolStrategy(min_size=r.min_actors, max_size=r.max_actors,
                                            max_concurrent_calls_per_actor=r.max_concurrent_batches),
@@ -248,7 +262,10 @@ def run_job(cfg: JobConfig, log=print) -> dict:
     """Run (or resume, or confirm finished) the batch job; returns the summary."""
     plan, out, _ = check_input(cfg), check_output(cfg), check_models(cfg)
     id_column = cfg.input.id_column
-    scan = scan_output(out, id_column)
+    try:
+        scan = scan_output(out, id_column)
+    except ValueError as exc:
+        raise ConfigError(f"config key output.path={cfg.output.path!r}: {exc}") from None
     for path in scan.removed:
         log(f"removed {path}: a partial file from an interrupted run (its rows will be redone)")
     input_rows = count_input_rows(plan, cfg.input.limit)

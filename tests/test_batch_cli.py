@@ -101,13 +101,15 @@ def _free_port():
 @pytest.mark.ray
 @pytest.mark.slow
 def test_ray_job_submit(tiny_pair, tmp_path):
-    """`ray job submit` to a separate `ray start --head --block` cluster; killing that process stops it."""
-    ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
+    """deploy/submit.sh (`ray job submit --working-dir .`) to a separate `ray start --head --block`
+    cluster on 127.0.0.1 (its own ports and temp dir), stopped through its process group."""
+    bin_dir = os.path.dirname(sys.executable)
     dashboard = _free_port()
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_DATA_DISABLE_PROGRESS_BARS": "1"}
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_DATA_DISABLE_PROGRESS_BARS": "1",
+           "PATH": f"{bin_dir}:{os.environ['PATH']}"}  # `ray` and the job's `python` from this venv
     env.pop("RAY_ADDRESS", None)
     head = subprocess.Popen(
-        [ray_bin, "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={_free_port()}",
+        ["ray", "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={_free_port()}",
          "--num-cpus=2", "--object-store-memory=100000000", "--include-dashboard=true",
          "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}", f"--ray-client-server-port={_free_port()}",
          f"--dashboard-agent-listen-port={_free_port()}", f"--metrics-export-port={_free_port()}",
@@ -116,11 +118,11 @@ def test_ray_job_submit(tiny_pair, tmp_path):
     try:
         write_shards(tmp_path / "in", {"prompt": make_prompts(6, seed=7)}, shards=1)
         out = tmp_path / "out"
-        submit = [ray_bin, "job", "submit", f"--address=http://127.0.0.1:{dashboard}", "--",
-                  *GENERATE, *job_overrides(tiny_pair, tmp_path / "in", out)]
+        submit_env = {**env, "RAY_ADDRESS": f"http://127.0.0.1:{dashboard}", "CONFIG": "", "RUNTIME_ENV": ""}
+        submit = [str(REPO / "deploy" / "submit.sh"), *job_overrides(tiny_pair, tmp_path / "in", out)]
         deadline = time.time() + 120
-        while True:  # the dashboard takes a few seconds to accept jobs
-            run = subprocess.run(submit, env=env, capture_output=True, text=True, timeout=300)
+        while True:  # the dashboard and its agent take a few seconds to accept jobs
+            run = subprocess.run(submit, env=submit_env, capture_output=True, text=True, timeout=300)
             not_ready = any(m in run.stdout + run.stderr for m in ("Connection", "No available agent"))
             if run.returncode == 0 or time.time() > deadline or not not_ready:
                 break
@@ -128,6 +130,10 @@ def test_ray_job_submit(tiny_pair, tmp_path):
         assert run.returncode == 0 and "succeeded" in run.stdout, run.stdout + run.stderr
         assert "6 rows (6 ok, 0 failed)" in run.stdout
         assert pq.read_table(out).num_rows == 6 and (out / "_summary.json").exists()
-    finally:
+    finally:  # its processes share the session we started; a graceful stop takes ~30 s, so be brief
         os.killpg(head.pid, signal.SIGTERM)
-        head.wait(timeout=60)
+        try:
+            head.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            os.killpg(head.pid, signal.SIGKILL)
+            head.wait(timeout=30)

@@ -15,8 +15,9 @@ import ray
 
 from batch_fixtures import (check_output_invariants, job_config, make_prompts, ray_cluster,  # noqa: F401
                             tiny_pair, write_shards)
-from domino_ray.config import ConfigError
-from domino_ray.ray_batch import FAULT_ENV, run_job
+from domino_ray.config import ConfigError, load_config
+from domino_ray.preflight import check_input
+from domino_ray.ray_batch import FAULT_ENV, init_ray, read_inputs, run_job
 from domino_ray.target import encode_prompt, load_target, load_tokenizer
 
 pytestmark = pytest.mark.ray
@@ -192,3 +193,28 @@ def test_model_that_fails_to_load_fails_the_job_at_once(ray_cluster, tiny_pair, 
     with pytest.raises(ConfigError, match="model.source"):  # a missing model never reaches Ray
         run_job(job_config(tiny_pair, str(tmp_path / "in"), str(tmp_path / "out"), **{"model.source": tmp_path / "x"}))
     assert ray.is_initialized()
+
+
+def test_generated_ids_are_stable_unique_and_resumable(ray_cluster, tmp_path):
+    """Without an id column, ids come from (file path, row position): the same on every read, unique
+    across files and row groups, and rows whose id is done are dropped."""
+    (tmp_path / "in").mkdir()
+    for s in range(2):
+        pq.write_table(pa.table({"prompt": [f"p{s}-{i}" for i in range(300)]}), tmp_path / "in" / f"s{s}.parquet",
+                       row_group_size=64)
+    cfg = load_config(None, [f"input.path={tmp_path / 'in'}", f"output.path={tmp_path / 'out'}"])
+    plan = check_input(cfg)
+    assert plan.generated_id
+    init_ray(cfg)
+
+    def ids(done: pa.Array) -> dict:
+        table = pa.concat_tables(ray.get(read_inputs(cfg, plan, ray.put(done)).to_arrow_refs()))
+        assert table.column_names == ["prompt", "id"]
+        return dict(zip(table.column("prompt").to_pylist(), table.column("id").to_pylist()))
+
+    first = ids(pa.array([], pa.null()))
+    assert len(first) == 600 and len(set(first.values())) == 600
+    assert ids(pa.array([], pa.null())) == first
+    prompts = sorted(first)
+    rest = ids(pa.array([first[p] for p in prompts[:250]]))
+    assert sorted(rest) == prompts[250:] and all(first[p] == i for p, i in rest.items())

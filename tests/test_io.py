@@ -48,6 +48,10 @@ def test_scan_output_trusts_only_complete_files(tmp_path):
     assert [p.rsplit("/", 1)[1] for p in scan.removed] == ["cut.parquet"]
     assert not (tmp_path / "cut.parquet").exists()
     assert len(scan_output(resolve(str(tmp_path / "none"), S3Config()), "id").done_ids) == 0
+    pq.write_table(pa.table({"key": [1]}), tmp_path / "foreign.parquet")  # complete, but not our output
+    with pytest.raises(ValueError, match="has no 'id' column"):
+        scan_output(resolve(str(tmp_path), S3Config()), "id")
+    assert (tmp_path / "foreign.parquet").exists()
 
 
 def test_write_json_atomic(tmp_path):
