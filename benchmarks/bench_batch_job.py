@@ -6,7 +6,9 @@ against the same engine called directly in one process on the same prompts and s
 Without --target/--draft it uses domino_ray/assets/demo when present, else a saved tiny random pair
 (tests/tiny_models.save_tiny_pair) and says which. Both sides use the same number of torch threads
 (`--threads`, = the actor's CPUs); the job also needs CPU for reading and writing, so the cluster gets
-one CPU more. Prints one JSON line per measurement and a table.
+one CPU more. Direct: a fresh Python process that imports, loads the models, tokenizes and generates
+(its whole wall time). Job: `run_job` in a driver whose Ray cluster is already up (pre-flight, actor
+start and model load, generation, writing, summary). Each size runs direct then job, `--repeat` times.
 """
 
 from __future__ import annotations
@@ -46,6 +48,19 @@ def models(args, tmp: Path) -> tuple[str, str, str]:
     return target, draft, "tiny random pair (tests/tiny_models.save_tiny_pair, float32)"
 
 
+def direct_process(target_dir: str, draft_dir: str, n: int, args) -> dict:
+    """`direct` in a fresh process; wall time from start to exit (imports included)."""
+    import subprocess
+
+    command = [sys.executable, __file__, "--direct-only", str(n), "--target", target_dir, "--draft", draft_dir,
+               "--max-new-tokens", str(args.max_new_tokens), "--max-batch-size", str(args.max_batch_size),
+               "--threads", str(args.threads)]
+    start = time.perf_counter()
+    out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
+    wall = time.perf_counter() - start
+    return {**json.loads(out.strip().splitlines()[-1]), "wall_s": wall}
+
+
 def direct(target_dir: str, draft_dir: str, prompts: list[str], args) -> dict:
     """The engine alone: load, tokenize, generate everything with continuous batching."""
     import torch
@@ -82,7 +97,7 @@ def job(target_dir: str, draft_dir: str, prompts: list[str], tmp: Path, args) ->
 
     n = len(prompts)
     inp, out = tmp / f"in-{n}", tmp / f"out-{n}"
-    inp.mkdir()
+    inp.mkdir(parents=True)
     pq.write_table(pa.table({"id": list(range(n)), "prompt": prompts}), inp / "prompts.parquet")
     cfg = load_config(None, [f"model.source={target_dir}", f"draft.source={draft_dir}", f"input.path={inp}",
                              f"output.path={out}", f"runtime.cpus_per_actor={args.threads}",
@@ -103,7 +118,8 @@ def job(target_dir: str, draft_dir: str, prompts: list[str], tmp: Path, args) ->
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[1000, 4000])
-    parser.add_argument("--direct-sizes", type=int, nargs="*", default=None, help="default: the first size")
+    parser.add_argument("--repeat", type=int, default=1)
+    parser.add_argument("--direct-only", type=int, help=argparse.SUPPRESS)  # internal: one direct run
     parser.add_argument("--target")
     parser.add_argument("--draft")
     parser.add_argument("--max-new-tokens", type=int, default=64)
@@ -111,6 +127,9 @@ def main():
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
+    if args.direct_only:
+        print(json.dumps(direct(args.target, args.draft, make_prompts(args.direct_only), args)))
+        return
     os.environ.setdefault("RAY_DATA_DISABLE_PROGRESS_BARS", "1")
     import ray
 
@@ -119,33 +138,41 @@ def main():
         tmp = Path(tmp_dir)
         target, draft, which = models(args, tmp)
         print(f"models: {which}: {target} {draft}", flush=True)
-        for n in args.direct_sizes if args.direct_sizes is not None else args.sizes[:1]:
-            r = {"mode": "direct", "n": n, **direct(target, draft, make_prompts(n), args)}
-            print(json.dumps(r), flush=True)
-            results.append(r)
         start = time.perf_counter()
         ray.init(address="local", num_cpus=args.threads + 1, object_store_memory=300 * 1024**2,
                  include_dashboard=False, logging_level="WARNING")
-        init_s = time.perf_counter() - start
-        for n in args.sizes:
-            r = {"mode": "job", "n": n, "ray_init_s": init_s, **job(target, draft, make_prompts(n), tmp, args)}
-            print(json.dumps(r), flush=True)
-            results.append(r)
+        print(f"ray.init: {time.perf_counter() - start:.1f} s", flush=True)
+        for rep in range(args.repeat):
+            for n in args.sizes:
+                d = {"mode": "direct", "n": n, "rep": rep, **direct_process(target, draft, n, args)}
+                print(json.dumps(d), flush=True)
+                j = {"mode": "job", "n": n, "rep": rep, **job(target, draft, make_prompts(n), tmp / f"{rep}", args)}
+                print(json.dumps(j), flush=True)
+                results += [d, j]
         ray.shutdown()
-    print(f"\n{'mode':<8}{'n':>6}{'wall s':>9}{'tokens':>9}{'tokens/s':>10}{'generate s':>12}{'gen tokens/s':>14}")
+    report(results, args.sizes)
+
+
+def report(results: list[dict], sizes: list[int]):
+    from statistics import median
+
+    print(f"\n{'mode':<8}{'n':>6}{'rep':>4}{'wall s':>9}{'tokens':>9}{'tokens/s':>10}{'generate s':>12}{'gen tok/s':>11}")
     for r in results:
-        print(f"{r['mode']:<8}{r['n']:>6}{r['wall_s']:>9.1f}{r['tokens']:>9}{r['tokens'] / r['wall_s']:>10.1f}"
-              f"{r['generate_s']:>12.1f}{r['tokens'] / r['generate_s']:>14.1f}")
-    by = {(r["mode"], r["n"]): r for r in results}
-    for n in args.sizes:
-        if ("direct", n) in by:
-            j, d = by["job", n], by["direct", n]
-            print(f"Ray overhead at {n}: job wall / direct wall = {j['wall_s'] / d['wall_s']:.3f}; "
-                  f"generation phase only (first batch in -> last batch out vs engine.generate) = "
-                  f"{j['generate_s'] / d['generate_s']:.3f}")
-    if len(args.sizes) > 1:
-        a, b = args.sizes[0], args.sizes[-1]
-        print(f"job wall {b} / {a} = {by['job', b]['wall_s'] / by['job', a]['wall_s']:.2f} (rows x{b / a:.0f})")
+        print(f"{r['mode']:<8}{r['n']:>6}{r['rep']:>4}{r['wall_s']:>9.1f}{r['tokens']:>9}{r['tokens'] / r['wall_s']:>10.1f}"
+              f"{r['generate_s']:>12.1f}{r['tokens'] / r['generate_s']:>11.1f}")
+    med = {}
+    for n in sizes:
+        for mode in ("direct", "job"):
+            runs = [r for r in results if r["mode"] == mode and r["n"] == n]
+            med[mode, n] = {k: median(r[k] for r in runs) for k in ("wall_s", "generate_s")}
+        ratios = [j["wall_s"] / d["wall_s"] for d, j in zip(*([r for r in results if r["mode"] == m and r["n"] == n]
+                                                                for m in ("direct", "job")))]
+        print(f"n={n}: job wall / direct wall per repeat = {', '.join(f'{x:.3f}' for x in ratios)}; "
+              f"generation phase job / direct (medians) = {med['job', n]['generate_s'] / med['direct', n]['generate_s']:.3f}")
+    if len(sizes) > 1:
+        a, b = sizes[0], sizes[-1]
+        print(f"job wall {b} / {a} (medians) = {med['job', b]['wall_s'] / med['job', a]['wall_s']:.2f} "
+              f"for x{b / a:.0f} rows")
 
 
 if __name__ == "__main__":
