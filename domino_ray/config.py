@@ -146,7 +146,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
 
 def validate(cfg: JobConfig):
     """Value checks OmegaConf's types cannot express."""
-    g, r, s = cfg.generation, cfg.runtime, cfg.serve
+    g, r, s, o = cfg.generation, cfg.runtime, cfg.serve, cfg.output
     rules: list[tuple[str, Any, bool, str]] = [
         ("model.dtype", cfg.model.dtype, cfg.model.dtype in ("auto", "float32", "bfloat16", "float16", "float64"),
          "auto, float32, bfloat16, float16 or float64"),
@@ -167,10 +167,10 @@ def validate(cfg: JobConfig):
          "null or a number >= 0"),
         ("runtime.batch_size", r.batch_size, r.batch_size >= 1, "an int >= 1"),
         ("runtime.max_concurrent_batches", r.max_concurrent_batches, r.max_concurrent_batches >= 1, "an int >= 1"),
-        ("output.min_rows_per_file", cfg.output.min_rows_per_file,
-         cfg.output.min_rows_per_file is None or cfg.output.min_rows_per_file >= 1, "null or an int >= 1"),
-        ("output.max_rows_per_file", cfg.output.max_rows_per_file,
-         cfg.output.max_rows_per_file is None or cfg.output.max_rows_per_file >= max(1, cfg.output.min_rows_per_file or 1),
+        ("output.min_rows_per_file", o.min_rows_per_file, o.min_rows_per_file is None or o.min_rows_per_file >= 1,
+         "null or an int >= 1"),
+        ("output.max_rows_per_file", o.max_rows_per_file,
+         o.max_rows_per_file is None or o.max_rows_per_file >= max(1, o.min_rows_per_file or 1),
          "null or an int >= max(1, output.min_rows_per_file)"),
         ("serve.port", s.port, 0 < s.port < 65536, "a port number"),
         ("serve.num_replicas", s.num_replicas, s.num_replicas >= 1, "an int >= 1"),

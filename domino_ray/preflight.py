@@ -61,7 +61,8 @@ def check_models(cfg: JobConfig) -> int:
     try:
         target_config = AutoConfig.from_pretrained(cfg.model.source)
     except Exception as exc:  # transformers raises OSError/ValueError/KeyError depending on what is wrong
-        raise ConfigError(f"config key model.source={cfg.model.source!r}: cannot read the target config: {exc}") from None
+        raise ConfigError(f"config key model.source={cfg.model.source!r}: cannot read the target config: "
+                          f"{exc}") from None
     tokenizer_key = "model.tokenizer" if cfg.model.tokenizer else "model.source"
     try:
         load_tokenizer(cfg.model.tokenizer or cfg.model.source)

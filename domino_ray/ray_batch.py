@@ -269,7 +269,7 @@ def run_job(cfg: JobConfig, log=print) -> dict:
     for path in scan.removed:
         log(f"removed {path}: a partial file from an interrupted run (its rows will be redone)")
     input_rows = count_input_rows(plan, cfg.input.limit)
-    done_rows = len(pc.unique(scan.done_ids)) if len(scan.done_ids) else 0
+    done_rows = len(scan.done_ids)  # one output row per input row: counts compare (ids must be unique)
     previous = read_json(out, SUMMARY_NAME)
     if previous is not None and not scan.removed and done_rows >= input_rows:
         log(f"nothing to do: all {input_rows} rows are already in {cfg.output.path}; its {SUMMARY_NAME}:")
@@ -278,27 +278,35 @@ def run_job(cfg: JobConfig, log=print) -> dict:
     delete_if_exists(out, SUMMARY_NAME)  # written again once every row is done
     if done_rows:
         log(f"resuming: {done_rows} of {input_rows} rows are already in {cfg.output.path}")
-    init_ray(cfg)
-    schema = output_schema(plan.schema, id_column, plan.generated_id)
-    done_ref = ray.put(scan.done_ids)
-    fault_marker = os.environ.get(FAULT_ENV)
-    sink = RunStats.remote()
-    start = time.perf_counter()
-    build_dataset(cfg, plan, schema, done_ref, stats_sink=sink, fault_marker=fault_marker).write_parquet(
-        out.path, filesystem=out.fs, min_rows_per_file=cfg.output.min_rows_per_file,
-        max_rows_per_file=cfg.output.max_rows_per_file, schema=schema, mode="append")
-    run = run_stats(time.perf_counter() - start, done_rows, ray.get(sink.snapshot.remote()))
-    new_files = sorted(set(list_parquet_files(out, missing_ok=True)) - set(scan.files))
-    if cfg.runtime.compare_baseline and run["rows"]:
-        run["baseline"] = compare_baseline(cfg, plan, schema, done_ref, out, new_files, run)
+    run = run_stats(0.0, done_rows, [])
+    if done_rows < input_rows:  # else every row was written before the summary: only the summary is missing
+        run = generate_missing(cfg, plan, out, scan, done_rows)
     rows = read_output(out, [id_column, *STATS_COLUMNS])
-    missing = input_rows - len(pc.unique(rows.column(id_column)))
+    missing = input_rows - rows.num_rows
     if missing > 0:
-        raise RuntimeError(f"{missing} input rows have no output row in {cfg.output.path}; rerun to complete them")
+        raise RuntimeError(f"{missing} input rows have no output row in {cfg.output.path}: rerun to complete "
+                           f"them (a resumed job skips every row whose id is done: are the input ids unique?)")
     summary = summarize(rows, id_column, run=run, config=to_dict(cfg), output_uri=cfg.output.path)
     write_json_atomic(out, SUMMARY_NAME, summary)
     log(human_summary(summary))
     return summary
+
+
+def generate_missing(cfg: JobConfig, plan: InputPlan, out: Location, scan, done_rows: int) -> dict:
+    """Run the rows not yet in the output through the engine actors and write them; returns run stats."""
+    init_ray(cfg)
+    schema = output_schema(plan.schema, cfg.input.id_column, plan.generated_id)
+    done_ref = ray.put(scan.done_ids)
+    sink = RunStats.remote()
+    start = time.perf_counter()
+    build_dataset(cfg, plan, schema, done_ref, stats_sink=sink, fault_marker=os.environ.get(FAULT_ENV)).write_parquet(
+        out.path, filesystem=out.fs, min_rows_per_file=cfg.output.min_rows_per_file,
+        max_rows_per_file=cfg.output.max_rows_per_file, schema=schema, mode="append")
+    run = run_stats(time.perf_counter() - start, done_rows, ray.get(sink.snapshot.remote()))
+    if cfg.runtime.compare_baseline and run["rows"]:
+        new_files = sorted(set(list_parquet_files(out, missing_ok=True)) - set(scan.files))
+        run["baseline"] = compare_baseline(cfg, plan, schema, done_ref, out, new_files, run)
+    return run
 
 
 def compare_baseline(cfg: JobConfig, plan: InputPlan, schema: pa.Schema, done_ref, out: Location,

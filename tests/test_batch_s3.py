@@ -7,7 +7,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from batch_fixtures import AWS_ENV, check_output_invariants, job_config, make_prompts, ray_cluster, tiny_pair  # noqa: F401
+from batch_fixtures import (AWS_ENV, check_output_invariants, job_config, make_prompts, ray_cluster,  # noqa: F401
+                            tiny_pair)
 from domino_ray.config import S3Config
 from domino_ray.io import read_json, resolve
 from domino_ray.ray_batch import run_job

@@ -150,6 +150,13 @@ def test_summary_reconciles_with_rows():
     json.dumps(s)
 
 
+def test_summary_of_an_empty_output():
+    s = summarize(pa.table({c: [] for c in ["id", *STATS_COLUMNS]}), "id", run=run_stats(0.0, 0, []), config={},
+                  output_uri="out")
+    assert s["rows"] == {"total": 0, "ok": 0, "failed": 0, "unique_ids": 0} and s["totals"]["num_spec_steps"] == 0
+    assert "0 rows (0 ok, 0 failed)" in human_summary(s)
+
+
 def test_new_config_keys_are_checked():
     cfg = load_config(None, ["runtime.max_concurrent_batches=3", "output.min_rows_per_file=10",
                              "input.sampling_column=params", "runtime.compare_baseline=true"])
