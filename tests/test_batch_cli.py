@@ -47,6 +47,7 @@ def test_bad_config_fails_naming_the_key():
 
 
 @pytest.mark.ray
+@pytest.mark.slow
 def test_resume_after_killing_the_driver(ray_cluster, tiny_pair, tmp_path):
     n = 24
     ids = [f"row-{i:03d}" for i in range(n)]

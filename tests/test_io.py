@@ -2,6 +2,8 @@
 schema of ok and error rows, and summary totals."""
 
 import json
+import subprocess
+import sys
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -166,3 +168,11 @@ def test_new_config_keys_are_checked():
                           ("runtime.compare_baselin=true", "runtime.compare_baselin")]:
         with pytest.raises(ConfigError, match=key):
             load_config(None, [override])
+
+
+def test_job_helpers_import_without_ray():
+    """Ray stays at the edge (`ray_*.py`): the batch job's IO, schema, summary and pre-flight do not need it."""
+    code = ("import sys; sys.modules['ray'] = None\n"
+            "import domino_ray.io, domino_ray.schema, domino_ray.summary, domino_ray.preflight")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
