@@ -3,6 +3,7 @@ driver is killed, a finished rerun is a no-op, bad config fails before any work)
 `ray job submit` against a `ray start --head` cluster on 127.0.0.1."""
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -109,12 +110,13 @@ def test_ray_job_submit(tiny_pair, tmp_path):
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_DATA_DISABLE_PROGRESS_BARS": "1",
            "PATH": f"{bin_dir}:{os.environ['PATH']}"}  # `ray` and the job's `python` from this venv
     env.pop("RAY_ADDRESS", None)
+    temp_dir = f"/tmp/rb_{os.getpid()}"  # Ray's socket paths must stay short: not under pytest's tmp_path
     head = subprocess.Popen(
         ["ray", "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={_free_port()}",
          "--num-cpus=2", "--object-store-memory=100000000", "--include-dashboard=true",
          "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}", f"--ray-client-server-port={_free_port()}",
          f"--dashboard-agent-listen-port={_free_port()}", f"--metrics-export-port={_free_port()}",
-         f"--temp-dir=/tmp/rb_{os.getpid()}"],
+         f"--temp-dir={temp_dir}"],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         write_shards(tmp_path / "in", {"prompt": make_prompts(6, seed=7)}, shards=1)
@@ -138,3 +140,4 @@ def test_ray_job_submit(tiny_pair, tmp_path):
         except subprocess.TimeoutExpired:
             os.killpg(head.pid, signal.SIGKILL)
             head.wait(timeout=30)
+        shutil.rmtree(temp_dir, ignore_errors=True)
