@@ -14,6 +14,11 @@ $(BIN)/.installed: pyproject.toml
 
 setup: $(BIN)/.installed
 
+# The batch job on the default (demo) config, with the target-only comparison for the speed-up.
+# Extra overrides: make demo ARGS="generation.max_new_tokens=32".
+demo: setup
+	$(BIN)/python jobs/generate.py runtime.compare_baseline=true $(ARGS)
+
 test: setup
 	$(BIN)/python -m pytest -q
 

@@ -65,14 +65,16 @@ class InputConfig:
     prompt_column: str = "prompt"     # plain-text prompts
     messages_column: str = "messages"  # chat prompts: list of {role, content}
     id_column: str = "id"             # generated deterministically when absent
+    sampling_column: str = "sampling_params"  # optional per-row overrides: struct or JSON object
     limit: int | None = None          # read at most this many rows (smoke runs)
     s3: S3Config = field(default_factory=S3Config)
 
 
 @dataclass
 class OutputConfig:
-    path: str = "out/demo"            # directory, local or s3://
-    max_rows_per_file: int | None = None  # Parquet file sizing
+    path: str = "out/demo"            # directory, local or s3://; also the job's checkpoint (resume)
+    min_rows_per_file: int | None = None  # Parquet file sizing: bigger files, more rows redone after a crash
+    max_rows_per_file: int | None = None
     s3: S3Config = field(default_factory=S3Config)
 
 
@@ -84,7 +86,9 @@ class RuntimeConfig:
     gpus_per_actor: float | None = None  # null = 1 when the cluster has GPUs, else 0
     cpus_per_actor: float = 1.0
     batch_size: int = 64              # rows per map_batches call
+    max_concurrent_batches: int = 4   # batches in flight per actor; their rows share the engine's slots
     seed: int = 0                     # engine seed (sampled rows without a seed)
+    compare_baseline: bool = False    # also run the rows target-only and report the speed-up (small jobs)
 
 
 @dataclass
@@ -129,21 +133,22 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     from omegaconf.errors import OmegaConfBaseException
 
     try:
-        merged = OmegaConf.structured(JobConfig)
-        bad = [o for o in overrides if "=" not in o]
-        if bad:
-            raise ConfigError(f"overrides must look like key=value, got {bad}")
+        merged, required = OmegaConf.structured(JobConfig), set()
         if path is not None:
             if not Path(path).is_file():
                 raise ConfigError(f"config file {path} does not exist")
             file_cfg = OmegaConf.load(path)
-            # `???` in a file marks a value the user must give; merging it would keep our default.
-            required = set(OmegaConf.missing_keys(file_cfg)) - {o.split("=", 1)[0].strip() for o in overrides}
-            if required:
-                raise ConfigError(f"config keys without a value (??? in {path}): {', '.join(sorted(required))}; "
-                                  "give them as key=value")
+            # Merging `???` over a default keeps the default, so the file's required keys are tracked here.
+            required = OmegaConf.missing_keys(file_cfg)
             merged = OmegaConf.merge(merged, file_cfg)
-        merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(list(overrides)))
+        bad = [o for o in overrides if "=" not in o]
+        if bad:
+            raise ConfigError(f"overrides must look like key=value, got {bad}")
+        cli = OmegaConf.from_dotlist(list(overrides))
+        unset = sorted(required - {k for k in required if OmegaConf.select(cli, k) is not None})
+        if unset:
+            raise ConfigError(f"config key {unset[0]} is required by {path} (give it as {unset[0]}=...)")
+        merged = OmegaConf.merge(merged, cli)
         cfg = OmegaConf.to_object(merged)
     except OmegaConfBaseException as exc:
         key = getattr(exc, "full_key", None)
@@ -155,7 +160,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
 
 def validate(cfg: JobConfig):
     """Value checks OmegaConf's types cannot express."""
-    g, r, s = cfg.generation, cfg.runtime, cfg.serve
+    g, r, s, o = cfg.generation, cfg.runtime, cfg.serve, cfg.output
     rules: list[tuple[str, Any, bool, str]] = [
         ("model.dtype", cfg.model.dtype, cfg.model.dtype in ("auto", "float32", "bfloat16", "float16", "float64"),
          "auto, float32, bfloat16, float16 or float64"),
@@ -175,6 +180,12 @@ def validate(cfg: JobConfig):
         ("runtime.gpus_per_actor", r.gpus_per_actor, r.gpus_per_actor is None or r.gpus_per_actor >= 0,
          "null or a number >= 0"),
         ("runtime.batch_size", r.batch_size, r.batch_size >= 1, "an int >= 1"),
+        ("runtime.max_concurrent_batches", r.max_concurrent_batches, r.max_concurrent_batches >= 1, "an int >= 1"),
+        ("output.min_rows_per_file", o.min_rows_per_file, o.min_rows_per_file is None or o.min_rows_per_file >= 1,
+         "null or an int >= 1"),
+        ("output.max_rows_per_file", o.max_rows_per_file,
+         o.max_rows_per_file is None or o.max_rows_per_file >= max(1, o.min_rows_per_file or 1),
+         "null or an int >= max(1, output.min_rows_per_file)"),
         ("serve.port", s.port, 0 < s.port < 65536, "a port number"),
         ("serve.num_replicas", s.num_replicas, s.num_replicas >= 1, "an int >= 1"),
         ("serve.max_ongoing_requests", s.max_ongoing_requests, s.max_ongoing_requests >= 1, "an int >= 1"),

@@ -1,0 +1,335 @@
+"""The batch job on Ray Data: Parquet (local or s3://) in, engine actors, Parquet + `_summary.json` out.
+
+    read_parquet -> _prepare (ids; drop rows already in the output) -> DominoPredictor actors
+    (map_batches + ActorPoolStrategy, one engine per actor) -> write_parquet(explicit schema)
+
+Each actor loads the target and draft once and runs one `SpecEngine` on a background thread
+(`EngineLoop`). Ray hands an actor several batches at once (`max_concurrent_calls_per_actor`, async
+`__call__`), so rows of the next batch fill engine slots as rows of the previous one finish:
+continuous batching across batches. Resume: the output directory is the checkpoint (see `io.py`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import socket
+import threading
+import time
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import ray
+
+from domino_ray.config import ConfigError, JobConfig, to_dict
+from domino_ray.engine import Request
+from domino_ray.engine_loop import EngineDead
+from domino_ray.io import (SUMMARY_NAME, Location, delete_if_exists, list_parquet_files, read_json, scan_output,
+                           write_json_atomic)
+from domino_ray.preflight import InputPlan, check_input, check_models, check_output
+from domino_ray.schema import (RowError, base_params, error_row, generated_ids, ok_row,
+                               output_schema, output_table, read_row, row_params)
+from domino_ray.summary import STATS_COLUMNS, human_summary, run_stats, summarize
+
+# Test-only fault hook: path of a marker file. The first actor to finish a row while the file does not
+# exist creates it and dies mid-batch, so tests can check that Ray redoes the batch without losing or
+# duplicating rows. Read on the driver and handed to the actors; never set in production.
+FAULT_ENV = "DOMINO_RAY_TEST_KILL_ACTOR_ONCE"
+
+
+class DominoPredictor:
+    """map_batches callable class: one engine per actor; `pyarrow.Table` in, output rows out."""
+
+    def __init__(self, cfg: JobConfig, schema: pa.Schema, *, use_draft: bool = True, stats_sink=None,
+                 fault_marker: str | None = None):
+        started = time.time()
+        import torch
+
+        from domino_ray.checkpoint import load_draft
+        from domino_ray.engine import SpecEngine
+        from domino_ray.engine_loop import EngineLoop
+        from domino_ray.proposer import DominoProposer
+        from domino_ray.target import load_target, load_tokenizer, stop_token_ids
+
+        target = load_target(cfg.model.source, dtype=cfg.model.dtype, device=cfg.model.device)
+        if next(target.parameters()).device.type == "cpu":
+            torch.set_num_threads(max(1, int(cfg.runtime.cpus_per_actor)))  # the CPUs Ray reserved for us
+        self.tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.source)
+        proposer = None
+        if use_draft and cfg.draft.source:
+            weight = next(target.parameters())
+            draft = load_draft(cfg.draft.source, target_config=target.config, device=weight.device, dtype=weight.dtype)
+            proposer = DominoProposer(draft, target, cfg.draft.num_draft_tokens)
+        g = cfg.generation
+        engine = SpecEngine(target, proposer, max_rows=g.max_batch_size, max_model_len=cfg.model.max_model_len,
+                            eos_token_ids=stop_token_ids(target, self.tokenizer), seed=cfg.runtime.seed,
+                            max_prefill_tokens=g.max_prefill_tokens)
+        self.loop = EngineLoop(engine)
+        self.num_spec_tokens, self.eos_ids = engine.num_draft_tokens, engine.eos_token_ids
+        self.cfg, self.schema, self.base = cfg, schema, base_params(g)
+        self.request_ids = itertools.count()  # engine ids: input ids may repeat across concurrent batches
+        self.stats_sink, self.fault_marker = stats_sink, fault_marker
+        self.name = f"{socket.gethostname()}:{os.getpid()}"
+        self._lock = threading.Lock()
+        self._admission: asyncio.Semaphore | None = None
+        self._in_flight, self._busy_since, self._busy_s, self._rows, self._tokens = 0, 0.0, 0.0, 0, 0
+        self._peak_in_flight = 0  # > 1 means batches overlapped in the engine (continuous batching across them)
+        self._times = {"started_at": started, "load_s": time.time() - started, "first_batch_at": None,
+                       "last_batch_done_at": None}
+
+    async def __call__(self, batch: pa.Table):
+        # Ray may run several batches of one task at once besides several tasks: admit exactly
+        # `max_concurrent_batches` batches into the engine (memory and latency stay bounded).
+        if self._admission is None:  # created on the event loop Ray runs us on
+            self._admission = asyncio.Semaphore(self.cfg.runtime.max_concurrent_batches)
+        async with self._admission:
+            table = await self._generate(batch)
+        yield table
+
+    async def _generate(self, batch: pa.Table) -> pa.Table:
+        self._busy(+1)
+        rows = batch.to_pylist()
+        prepared = [self._prepare(row) for row in rows]
+        pending = {}
+        try:
+            for i, item in enumerate(prepared):
+                if not isinstance(item, dict):
+                    prompt, ids, params = item
+                    pending[i] = self.loop.submit(Request(next(self.request_ids), ids, params))
+            done = await asyncio.gather(*(self._finish(s) for s in pending.values()), return_exceptions=True)
+        except EngineDead:
+            self._die()
+        for i, result in zip(pending, done):
+            prompt, ids, params = prepared[i]
+            if isinstance(result, EngineDead):
+                self._die()
+            if isinstance(result, BaseException):  # the engine refused the row (e.g. too long)
+                prepared[i] = error_row(str(result), prompt=prompt, num_spec_tokens=self.num_spec_tokens,
+                                        num_input_tokens=len(ids))
+                continue
+            text = self._decode(result.token_ids, self.eos_ids | set(params.stop_token_ids))
+            prepared[i] = ok_row(prompt=prompt, text=text, completion=result)
+        self._busy(-1, rows=len(rows), tokens=sum(r["num_generated_tokens"] for r in prepared))
+        return output_table(batch, prepared, self.schema)
+
+    def _prepare(self, row: dict):
+        """(prompt text, token ids, sampling params), or an error row for a row that cannot run."""
+        from domino_ray.target import encode_prompt
+
+        ic, m = self.cfg.input, self.cfg.model
+        prompt = None
+        try:
+            if row.get(ic.id_column) is None:
+                raise RowError(f"{ic.id_column} is null (ids must be unique and non-null)")
+            parsed = read_row(row, ic)
+            prompt = parsed.prompt
+            params = row_params(row.get(ic.sampling_column), self.base, self.cfg.generation.seed, row[ic.id_column])
+            if parsed.messages is not None:
+                ids = encode_prompt(self.tokenizer, messages=parsed.messages, enable_thinking=m.enable_thinking)
+                prompt = self.tokenizer.decode(ids)
+            else:
+                ids = encode_prompt(self.tokenizer, prompt=prompt, chat_template=m.chat_template,
+                                    enable_thinking=m.enable_thinking)
+        except RowError as exc:
+            return error_row(str(exc), prompt=prompt, num_spec_tokens=self.num_spec_tokens)
+        except Exception as exc:  # tokenizer/template failures on odd input: the row fails, the job goes on
+            return error_row(f"cannot encode the prompt: {type(exc).__name__}: {exc}", prompt=prompt,
+                             num_spec_tokens=self.num_spec_tokens)
+        return prompt, ids, params
+
+    async def _finish(self, stream):
+        completion = await stream.completion()
+        if self.fault_marker and not os.path.exists(self.fault_marker):
+            open(self.fault_marker, "w").close()
+            os._exit(1)  # test-only: die mid-batch, like a crashed node
+        return completion
+
+    def _decode(self, token_ids, stop_ids) -> str:
+        from domino_ray.target import decode
+
+        return decode(self.tokenizer, token_ids, stop_ids)
+
+    def _die(self):
+        # The engine thread is dead (e.g. a CUDA error): this actor can never finish a row again.
+        # Raising would send Ray's retries back to this same actor; exiting the process is a system
+        # error, so Ray restarts the actor (max_restarts=-1) and retries its batches on a fresh engine.
+        os._exit(1)
+
+    def _busy(self, delta: int, rows: int = 0, tokens: int = 0):
+        """Track the union of intervals with a batch in flight (throughput while busy)."""
+        now = time.perf_counter()
+        with self._lock:
+            if self._in_flight == 0 and delta > 0:
+                self._busy_since = now
+            if delta > 0 and self._times["first_batch_at"] is None:
+                self._times["first_batch_at"] = time.time()
+            if delta < 0:
+                self._times["last_batch_done_at"] = time.time()
+            self._in_flight += delta
+            self._peak_in_flight = max(self._peak_in_flight, self._in_flight)
+            if self._in_flight == 0:
+                self._busy_s += now - self._busy_since
+                self._busy_since = now
+            busy = self._busy_s + (now - self._busy_since if self._in_flight else 0.0)
+            self._rows += rows
+            self._tokens += tokens
+            snapshot = {"actor": self.name, "rows": self._rows, "generated_tokens": self._tokens, "busy_s": busy,
+                        "peak_batches_in_flight": self._peak_in_flight, **self._times}
+        if self.stats_sink is not None and delta < 0:
+            self.stats_sink.record.remote(snapshot)
+
+
+@ray.remote(num_cpus=0)
+class RunStats:
+    """Latest counters of every engine actor of this run (for the per-actor throughput)."""
+
+    def __init__(self):
+        self.actors: dict[str, dict] = {}
+
+    def record(self, snapshot: dict):
+        self.actors[snapshot["actor"]] = snapshot
+
+    def snapshot(self) -> list[dict]:
+        return sorted(self.actors.values(), key=lambda a: a["actor"])
+
+
+def _prepare(table: pa.Table, done_ids, id_column: str, generated_id: bool) -> pa.Table:
+    """Give every row its id and drop rows whose id is already in the output (resume)."""
+    if generated_id:
+        table = table.append_column(id_column, generated_ids(table.column("row_hash"))).drop_columns(["row_hash"])
+    done_ids = ray.get(done_ids)  # Ray Data passes fn_args through unresolved; the object store caches it
+    if len(done_ids):
+        ids = table.column(id_column)
+        done = done_ids.cast(ids.type) if done_ids.type != ids.type else done_ids
+        table = table.filter(pc.invert(pc.is_in(ids, value_set=done, skip_nulls=False)))
+    return table
+
+
+def read_inputs(cfg: JobConfig, plan: InputPlan, done_ids_ref) -> ray.data.Dataset:
+    """Input rows with their ids, minus the rows already in the output."""
+    ds = ray.data.read_parquet(plan.files, filesystem=plan.location.fs, include_row_hash=plan.generated_id)
+    if cfg.input.limit is not None:
+        ds = ds.limit(cfg.input.limit)
+    return ds.map_batches(_prepare, batch_format="pyarrow", fn_args=(done_ids_ref,),
+                          fn_kwargs={"id_column": cfg.input.id_column, "generated_id": plan.generated_id})
+
+
+def build_dataset(cfg: JobConfig, plan: InputPlan, schema: pa.Schema, done_ids_ref, *, use_draft: bool = True,
+                  stats_sink=None, fault_marker: str | None = None) -> ray.data.Dataset:
+    r = cfg.runtime
+    gpus = r.gpus_per_actor if r.gpus_per_actor is not None else (1 if ray.cluster_resources().get("GPU") else 0)
+    return read_inputs(cfg, plan, done_ids_ref).map_batches(
+        DominoPredictor, batch_size=r.batch_size, batch_format="pyarrow",
+        compute=ray.data.ActorPoolStrategy(min_size=r.min_actors, max_size=r.max_actors,
+                                           max_concurrent_calls_per_actor=r.max_concurrent_batches),
+        num_cpus=r.cpus_per_actor, num_gpus=gpus or None,
+        fn_constructor_args=(cfg, schema),
+        fn_constructor_kwargs={"use_draft": use_draft, "stats_sink": stats_sink, "fault_marker": fault_marker})
+
+
+def init_ray(cfg: JobConfig):
+    if not ray.is_initialized():
+        ray.init(address=cfg.runtime.ray_address)
+    ctx = ray.data.DataContext.get_current()
+    ctx.max_consecutive_actor_init_deaths = 0  # a model that does not load fails the job at once
+    # The V2 Parquet reader starts a pool of 32 footer-reading actors for every read: seconds of startup
+    # that dominate small jobs and crowd small clusters. Prompt files are small next to inference; the
+    # V1 reader (footers read by the driver) is enough and supports the same row hashes.
+    ctx.use_datasource_v2 = False
+    if cfg.input.limit is not None:
+        ctx.execution_options.preserve_order = True  # the same first rows on every run (resume)
+
+
+def count_input_rows(plan: InputPlan, limit: int | None) -> int:
+    total = 0
+    for path in plan.files:
+        with plan.location.fs.open_input_file(path) as f:
+            total += pq.ParquetFile(f).metadata.num_rows
+    return total if limit is None else min(total, limit)
+
+
+def read_output(out: Location, columns: list[str], files: list[str] | None = None) -> pa.Table:
+    tables = []
+    for path in list_parquet_files(out, missing_ok=True) if files is None else files:
+        with out.fs.open_input_file(path) as f:
+            tables.append(pq.read_table(f, columns=columns))
+    return pa.concat_tables(tables) if tables else pa.table({c: [] for c in columns})
+
+
+def run_job(cfg: JobConfig, log=print) -> dict:
+    """Run (or resume, or confirm finished) the batch job; returns the summary."""
+    plan, out, _ = check_input(cfg), check_output(cfg), check_models(cfg)
+    id_column = cfg.input.id_column
+    try:
+        scan = scan_output(out, id_column)
+    except ValueError as exc:
+        raise ConfigError(f"config key output.path={cfg.output.path!r}: {exc}") from None
+    for path in scan.removed:
+        log(f"removed {path}: a partial file from an interrupted run (its rows will be redone)")
+    input_rows = count_input_rows(plan, cfg.input.limit)
+    done_rows = len(scan.done_ids)  # one output row per input row: counts compare (ids must be unique)
+    previous = read_json(out, SUMMARY_NAME)
+    if previous is not None and not scan.removed and done_rows >= input_rows:
+        log(f"nothing to do: all {input_rows} rows are already in {cfg.output.path}; its {SUMMARY_NAME}:")
+        log(human_summary(previous))
+        return previous
+    delete_if_exists(out, SUMMARY_NAME)  # written again once every row is done
+    if done_rows:
+        log(f"resuming: {done_rows} of {input_rows} rows are already in {cfg.output.path}")
+    run = run_stats(0.0, done_rows, [])
+    if done_rows < input_rows:  # else every row was written before the summary: only the summary is missing
+        run = generate_missing(cfg, plan, out, scan, done_rows)
+    rows = read_output(out, [id_column, *STATS_COLUMNS])
+    missing = input_rows - rows.num_rows
+    if missing > 0:
+        raise RuntimeError(f"{missing} input rows have no output row in {cfg.output.path}: rerun to complete "
+                           f"them (a resumed job skips every row whose id is done: are the input ids unique?)")
+    summary = summarize(rows, id_column, run=run, config=to_dict(cfg), output_uri=cfg.output.path)
+    write_json_atomic(out, SUMMARY_NAME, summary)
+    log(human_summary(summary))
+    return summary
+
+
+def generate_missing(cfg: JobConfig, plan: InputPlan, out: Location, scan, done_rows: int) -> dict:
+    """Run the rows not yet in the output through the engine actors and write them; returns run stats."""
+    init_ray(cfg)
+    schema = output_schema(plan.schema, cfg.input.id_column, plan.generated_id)
+    done_ref = ray.put(scan.done_ids)
+    sink = RunStats.remote()
+    start = time.perf_counter()
+    build_dataset(cfg, plan, schema, done_ref, stats_sink=sink, fault_marker=os.environ.get(FAULT_ENV)).write_parquet(
+        out.path, filesystem=out.fs, min_rows_per_file=cfg.output.min_rows_per_file,
+        max_rows_per_file=cfg.output.max_rows_per_file, schema=schema, mode="append")
+    run = run_stats(time.perf_counter() - start, done_rows, ray.get(sink.snapshot.remote()))
+    if cfg.runtime.compare_baseline and run["rows"]:
+        new_files = sorted(set(list_parquet_files(out, missing_ok=True)) - set(scan.files))
+        run["baseline"] = compare_baseline(cfg, plan, schema, done_ref, out, new_files, run)
+    return run
+
+
+def compare_baseline(cfg: JobConfig, plan: InputPlan, schema: pa.Schema, done_ref, out: Location,
+                     new_files: list[str], run: dict) -> dict:
+    """The same rows through the same engine without the draft: throughput ratio and greedy equality."""
+    id_column = cfg.input.id_column
+    sink = RunStats.remote()
+    start = time.perf_counter()
+    ds = build_dataset(cfg, plan, schema, done_ref, use_draft=False, stats_sink=sink)
+    base = ds.select_columns([id_column, "generated_tokens", "finish_reason"]).to_arrow_refs()
+    base = pa.concat_tables(ray.get(base)).to_pydict() if base else {id_column: [], "generated_tokens": [],
+                                                                       "finish_reason": []}
+    wall = time.perf_counter() - start
+    ours = read_output(out, [id_column, "generated_tokens"], new_files).to_pydict()
+    ours = dict(zip(ours[id_column], ours["generated_tokens"]))
+    compared = [(i, tokens) for i, tokens, reason in zip(base[id_column], base["generated_tokens"],
+                                                         base["finish_reason"]) if reason != "error"]
+    spec_tps, base_tps = _busy_throughput(run["actors"]), _busy_throughput(ray.get(sink.snapshot.remote()))
+    return {"wall_time_s": wall, "tokens_per_s": base_tps, "speedup": spec_tps / base_tps if base_tps else 0.0,
+            "wall_time_ratio": wall / run["wall_time_s"], "compared": len(compared),
+            "identical": sum(ours.get(i) == tokens for i, tokens in compared)}
+
+
+def _busy_throughput(actors: list[dict]) -> float:
+    busy = sum(a["busy_s"] for a in actors)
+    return sum(a["generated_tokens"] for a in actors) / busy if busy else 0.0

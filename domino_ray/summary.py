@@ -1,0 +1,88 @@
+"""`_summary.json`: job totals computed from the output rows themselves, so they always reconcile.
+
+The totals and acceptance statistics cover every row in the output directory (all runs of a resumed
+job); `run` describes this invocation only (wall time, throughput overall and per actor).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from domino_ray.stats import merge_histograms, per_position_acceptance
+
+STATS_COLUMNS = ["finish_reason", "error", "num_input_tokens", "num_generated_tokens", "num_spec_tokens",
+                 "num_spec_steps", "num_draft_tokens", "num_accepted_draft_tokens", "acceptance_histogram",
+                 "time_to_first_token_s"]
+TOTALS = ["num_input_tokens", "num_generated_tokens", "num_spec_steps", "num_draft_tokens",
+          "num_accepted_draft_tokens"]
+
+
+def summarize(rows: pa.Table, id_column: str, *, run: dict, config: dict, output_uri: str) -> dict:
+    """Summary of the output `rows` (at least `STATS_COLUMNS` and the id column)."""
+    n = rows.num_rows
+    reasons = Counter(rows.column("finish_reason").to_pylist())
+    failed = reasons.get("error", 0)
+    totals = {name: int(pc.sum(rows.column(name)).as_py() or 0) for name in TOTALS}
+    steps, accepted, drafted = totals["num_spec_steps"], totals["num_accepted_draft_tokens"], totals["num_draft_tokens"]
+    ks = sorted(set(rows.column("num_spec_tokens").to_pylist()))
+    try:
+        histogram = merge_histograms(rows.column("acceptance_histogram").to_pylist())
+        per_position = per_position_acceptance(histogram) if histogram else []
+    except ValueError:  # rows written with different K (the config changed between runs)
+        histogram, per_position = None, None
+    ok = pc.not_equal(rows.column("finish_reason"), "error")
+    ttft = pc.mean(pc.filter(rows.column("time_to_first_token_s"), ok)).as_py() if n - failed else None
+    errors = Counter(e for e in rows.column("error").to_pylist() if e is not None)
+    return {
+        "output": output_uri,
+        "rows": {"total": n, "ok": n - failed, "failed": failed,
+                 "unique_ids": len(pc.unique(rows.column(id_column)))},
+        "finish_reasons": {k: reasons.get(k, 0) for k in ("stop", "length", "error")},
+        "num_spec_tokens": ks[0] if len(ks) == 1 else ks,
+        "totals": totals,
+        "mean_acceptance_length": 1.0 + accepted / steps if steps else 0.0,
+        "draft_acceptance_rate": accepted / drafted if drafted else 0.0,
+        "acceptance_histogram": histogram,
+        "per_position_acceptance": per_position,
+        "mean_time_to_first_token_s": ttft,
+        "errors": dict(errors.most_common(20)),
+        "run": run,
+        "config": config,
+    }
+
+
+def run_stats(wall_time_s: float, rows_done_before: int, actors: list[dict]) -> dict:
+    """This invocation: `actors` holds one {actor, rows, generated_tokens, busy_s} per engine actor."""
+    rows = sum(a["rows"] for a in actors)
+    tokens = sum(a["generated_tokens"] for a in actors)
+    for a in actors:
+        a["tokens_per_s"] = a["generated_tokens"] / a["busy_s"] if a["busy_s"] else 0.0
+    return {"wall_time_s": wall_time_s, "rows": rows, "rows_already_done": rows_done_before,
+            "generated_tokens": tokens, "tokens_per_s": tokens / wall_time_s if wall_time_s else 0.0,
+            "actors": actors}
+
+
+def human_summary(s: dict) -> str:
+    r, run = s["rows"], s["run"]
+    lines = [f"domino-ray batch job: {r['total']} rows ({r['ok']} ok, {r['failed']} failed) -> {s['output']}"]
+    if r["unique_ids"] != r["total"]:
+        lines.append(f"  WARNING: {r['total'] - r['unique_ids']} duplicate ids in the output (input ids not unique?)")
+    lines.append(f"  this run: {run['rows']} rows, {run['generated_tokens']} tokens in {run['wall_time_s']:.1f} s "
+                 f"({run['tokens_per_s']:.1f} tokens/s); {run['rows_already_done']} rows were already done")
+    for a in run["actors"]:
+        lines.append(f"    actor {a['actor']}: {a['rows']} rows, {a['tokens_per_s']:.1f} tokens/s while busy")
+    if s["totals"]["num_spec_steps"]:
+        lines.append(f"  mean acceptance length {s['mean_acceptance_length']:.2f} (K={s['num_spec_tokens']}), "
+                     f"draft acceptance rate {s['draft_acceptance_rate']:.3f}")
+        if s["per_position_acceptance"]:
+            lines.append("  per-position acceptance: " + " ".join(f"{p:.2f}" for p in s["per_position_acceptance"]))
+    base = run.get("baseline")
+    if base:
+        lines.append(f"  target only: {base['tokens_per_s']:.1f} tokens/s while busy -> speed-up "
+                     f"{base['speedup']:.2f}x; greedy outputs identical: {base['identical']}/{base['compared']}")
+    for reason, count in list(s["errors"].items())[:5]:
+        lines.append(f"  error x{count}: {reason}")
+    return "\n".join(lines)

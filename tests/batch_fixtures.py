@@ -1,0 +1,110 @@
+"""Shared pieces of the batch-job tests: one local Ray cluster per session, a saved tiny model pair,
+input writers, and the output invariants every job must satisfy.
+
+Test modules import the fixtures by name (`from batch_fixtures import ray_cluster, tiny_pair`).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from domino_ray.config import load_config
+from domino_ray.schema import GENERATED_FIELDS
+from tiny_models import CORPUS, save_tiny_pair
+
+REPO = Path(__file__).resolve().parents[1]
+AWS_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+WORDS = " ".join(CORPUS[:3]).split()
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """A small local Ray cluster (2 CPUs, small object store); yields its GCS address for subprocess drivers."""
+    import ray
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("RAY_DATA_DISABLE_PROGRESS_BARS", "1")
+    if ray.is_initialized():  # another test module of this session started it
+        yield ray.get_runtime_context().gcs_address
+        return
+    # Workers get fake AWS credentials for the moto S3 server (they read the standard AWS environment).
+    ray.init(address="local", num_cpus=2, object_store_memory=150 * 1024**2, include_dashboard=False,
+             runtime_env={"env_vars": AWS_ENV}, logging_level="WARNING")
+    yield ray.get_runtime_context().gcs_address
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def tiny_pair(tmp_path_factory):
+    """(target_dir, draft_dir): tiny Qwen3 target + tokenizer and a Domino draft, float64 so greedy
+    comparisons never flip on near-ties."""
+    return save_tiny_pair(tmp_path_factory.mktemp("pair"), dtype=torch.float64)
+
+
+def make_prompts(n: int, seed: int = 0) -> list[str]:
+    g = torch.Generator().manual_seed(seed)
+    return [" ".join(WORDS[j] for j in torch.randint(len(WORDS), (int(k),), generator=g).tolist())
+            for k in torch.randint(2, 9, (n,), generator=g)]
+
+
+def write_shards(directory: Path, columns: dict[str, list], shards: int = 2, schema: pa.Schema | None = None):
+    """Split columns into `shards` Parquet files under `directory`."""
+    directory.mkdir(parents=True, exist_ok=True)
+    table = pa.table(columns, schema=schema)
+    step = -(-table.num_rows // shards)
+    for s in range(shards):
+        pq.write_table(table.slice(s * step, step), directory / f"part-{s}.parquet")
+    return directory
+
+
+def job_overrides(pair, input_path, output_path, **extra) -> list[str]:
+    target, draft = pair
+    base = {"model.source": target, "draft.source": draft, "input.path": input_path, "output.path": output_path,
+            "runtime.cpus_per_actor": 0.5, "runtime.batch_size": 4, "runtime.max_concurrent_batches": 2,
+            "generation.max_new_tokens": 12, "generation.max_batch_size": 8}
+    base.update(extra)
+    return [f"{k}={v}" for k, v in base.items()]
+
+
+def job_config(pair, input_path, output_path, **extra):
+    return load_config(None, job_overrides(pair, input_path, output_path, **extra))
+
+
+def check_output_invariants(table: pa.Table, summary: dict, input_ids: list, id_column: str = "id"):
+    """Schema, one row per input id, per-row statistics, and summary totals == column sums."""
+    for f in GENERATED_FIELDS:
+        assert table.schema.field(f.name).type == f.type, f.name
+    ids = table.column(id_column).to_pylist()
+    assert len(ids) == len(set(ids)) and sorted(map(str, ids)) == sorted(map(str, input_ids))
+    rows = table.to_pylist()
+    for r in rows:
+        assert r["num_generated_tokens"] == len(r["generated_tokens"])
+        assert sum(r["acceptance_histogram"]) == r["num_spec_steps"]
+        assert len(r["acceptance_histogram"]) == r["num_spec_tokens"] + 1
+        if r["finish_reason"] == "error":
+            assert r["error"] and r["num_generated_tokens"] == 0
+        else:
+            assert r["error"] is None and r["finish_reason"] in ("stop", "length")
+            assert r["num_generated_tokens"] == 1 + r["num_spec_steps"] + r["num_accepted_draft_tokens"]
+    totals = summary["totals"]
+    for name in totals:
+        assert totals[name] == sum(r[name] for r in rows), name
+    failed = sum(r["finish_reason"] == "error" for r in rows)
+    assert summary["rows"] == {"total": len(rows), "ok": len(rows) - failed, "failed": failed,
+                               "unique_ids": len(rows)}
+    steps = totals["num_spec_steps"]
+    hist = [sum(col) for col in zip(*(r["acceptance_histogram"] for r in rows))]
+    assert summary["acceptance_histogram"] == hist and sum(hist) == steps
+    if steps:
+        assert summary["mean_acceptance_length"] == pytest.approx(1 + totals["num_accepted_draft_tokens"] / steps)
+
+
+def python() -> str:
+    return sys.executable

@@ -1,0 +1,230 @@
+"""The batch job end to end on a local Ray cluster with tiny models: local Parquet in and out.
+
+One job run (module fixture) feeds most tests: good plain and chat prompts, per-row overrides and a
+fuzz set of bad rows, with an actor killed once mid-job by the test-only fault hook, and the
+target-only comparison on. Its output is read back with pyarrow, pandas, DuckDB and Spark.
+"""
+
+import os
+import re
+import shutil
+import time
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import ray
+import torch
+
+from batch_fixtures import (check_output_invariants, job_config, make_prompts, ray_cluster,  # noqa: F401
+                            tiny_pair, write_shards)
+from domino_ray.config import ConfigError, load_config
+from domino_ray.preflight import check_input
+from domino_ray.ray_batch import FAULT_ENV, init_ray, read_inputs, run_job
+from domino_ray.target import encode_prompt, load_target, load_tokenizer
+
+pytestmark = pytest.mark.ray
+
+MAX_NEW = 12
+OVERRIDE_TYPE = pa.struct([("max_new_tokens", pa.int64()), ("temperature", pa.float64()), ("seed", pa.int64()),
+                           ("temprature", pa.float64())])
+SCHEMA = pa.schema([("id", pa.int64()), ("prompt", pa.binary()),
+                    ("messages", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))),
+                    ("sampling_params", OVERRIDE_TYPE), ("topic", pa.string())])
+
+# Bad rows: (prompt, messages, sampling_params, expected error).
+BAD_ROWS = [
+    (None, None, None, "prompt is null"),
+    (b"", None, None, "prompt is empty"),
+    (b" \n ", None, None, "prompt is empty"),
+    (b"\xc3\x28 invalid", None, None, "not valid UTF-8"),
+    (("the quick brown fox " * 150).encode(), None, None, "the model's limit is 512 tokens"),
+    (None, [{"role": "wizard", "content": "hi"}], None, "role='wizard'"),
+    (None, [{"role": "user", "content": ""}], None, "messages have no content"),
+    (b"a fine prompt", None, {"temprature": 0.5}, "unknown keys \\['temprature'\\]"),
+    (b"a fine prompt", None, {"temperature": -1.0}, "temperature=-1.0 is invalid"),
+    (b"a fine prompt", None, {"max_new_tokens": 0}, "max_new_tokens=0 is invalid"),
+]
+
+
+def _input_rows():
+    rows = [(p.encode(), None, None) for p in make_prompts(16)]
+    rows += [(None, [{"role": "user", "content": p}], None) for p in make_prompts(3, seed=1)]
+    rows += [(b"a batch of prompts", None, {"max_new_tokens": 3}), (b"the lazy dog", None, {"max_new_tokens": 5})]
+    rows += [(b"the quick brown fox", None, {"temperature": 0.8, "seed": 11})]
+    good = len(rows)
+    rows += [(p, m, s) for p, m, s, _ in BAD_ROWS]
+    return rows, good
+
+
+@pytest.fixture(scope="module")
+def job(ray_cluster, tiny_pair, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("job")
+    rows, good = _input_rows()
+    ids = [1000 + i for i in range(len(rows))]
+    columns = {"id": ids, "prompt": [r[0] for r in rows], "messages": [r[1] for r in rows],
+               "sampling_params": [r[2] for r in rows], "topic": [f"t{i % 3}" for i in range(len(rows))]}
+    write_shards(tmp / "in", columns, shards=2, schema=SCHEMA)
+    marker = tmp / "actor_killed"
+    os.environ[FAULT_ENV] = str(marker)
+    try:
+        cfg = job_config(tiny_pair, str(tmp / "in"), str(tmp / "out"),
+                         **{"generation.max_new_tokens": MAX_NEW, "runtime.compare_baseline": "true"})
+        start = time.perf_counter()
+        summary = run_job(cfg, log=lambda *_: None)
+        wall = time.perf_counter() - start
+    finally:
+        del os.environ[FAULT_ENV]
+    return {"out": tmp / "out", "summary": summary, "rows": rows, "good": good, "ids": ids, "marker": marker,
+            "wall": wall, "cfg": cfg}
+
+
+def test_output_schema_rows_and_stats(job):
+    table = pq.read_table(job["out"])
+    assert table.schema.names[:4] == ["id", "messages", "sampling_params", "topic"]  # carried, id first
+    assert table.schema.field("messages").type == SCHEMA.field("messages").type
+    check_output_invariants(table, job["summary"], job["ids"])
+    assert (job["out"] / "_summary.json").exists()
+    assert job["summary"]["rows"]["failed"] == len(BAD_ROWS)
+    assert job["summary"]["num_spec_tokens"] == 4 and job["summary"]["run"]["rows"] >= len(job["ids"])
+    # Ray handed actors two batches at once: their rows shared the engine (continuous batching across batches).
+    assert max(a["peak_batches_in_flight"] for a in job["summary"]["run"]["actors"]) == 2
+
+
+def test_actor_killed_mid_job_loses_and_duplicates_nothing(job):
+    assert job["marker"].exists()  # the fault hook fired: an actor died with a batch in flight
+    ids = pq.read_table(job["out"], columns=["id"]).column("id").to_pylist()
+    assert sorted(ids) == sorted(job["ids"])
+
+
+def test_bad_rows_are_error_rows_with_reasons(job):
+    by_id = {r["id"]: r for r in pq.read_table(job["out"]).to_pylist()}
+    for i, (_, _, _, reason) in enumerate(BAD_ROWS):
+        row = by_id[job["ids"][job["good"] + i]]
+        assert row["finish_reason"] == "error", row
+        assert row["num_generated_tokens"] == 0
+        assert re.search(reason, row["error"]), (reason, row["error"])
+    for i in range(job["good"]):
+        assert by_id[job["ids"][i]]["error"] is None
+
+
+def test_lost_summary_is_rebuilt_without_generating(job):
+    """Killed after the last file but before `_summary.json`: the rerun only writes the summary."""
+    (job["out"] / "_summary.json").unlink()
+    files = {p.name: p.stat().st_mtime_ns for p in job["out"].glob("*.parquet")}
+    start = time.perf_counter()
+    summary = run_job(job["cfg"], log=lambda *_: None)
+    assert time.perf_counter() - start < 15 and summary["run"]["rows"] == 0 and summary["run"]["actors"] == []
+    assert summary["totals"] == job["summary"]["totals"] and summary["rows"] == job["summary"]["rows"]
+    assert {p.name: p.stat().st_mtime_ns for p in job["out"].glob("*.parquet")} == files
+
+
+def test_greedy_outputs_equal_target_only(job, tiny_pair):
+    """Every greedy row equals Hugging Face `generate` on the target alone (no draft)."""
+    target, tokenizer = load_target(tiny_pair[0]), load_tokenizer(tiny_pair[0])
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    by_id = {r["id"]: r for r in pq.read_table(job["out"]).to_pylist()}
+    checked = 0
+    for i, (prompt, messages, overrides) in enumerate(job["rows"][:job["good"]]):
+        if overrides and overrides.get("temperature"):
+            continue
+        row = by_id[job["ids"][i]]
+        ids = (encode_prompt(tokenizer, messages=messages) if messages else
+               encode_prompt(tokenizer, prompt=prompt.decode(), chat_template=False))
+        budget = (overrides or {}).get("max_new_tokens") or MAX_NEW
+        out = target.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                              max_new_tokens=budget, do_sample=False, eos_token_id=eos, pad_token_id=eos)
+        assert row["generated_tokens"] == out[0, len(ids):].tolist(), row["id"]
+        assert row["num_input_tokens"] == len(ids)
+        assert row["finish_reason"] == ("stop" if row["generated_tokens"][-1] == eos else "length")
+        checked += 1
+    assert checked == job["good"] - 1
+
+
+def test_baseline_comparison(job):
+    base = job["summary"]["run"]["baseline"]
+    assert base["compared"] == job["good"] and base["identical"] == job["good"] - 1  # all but the sampled row
+    assert base["tokens_per_s"] > 0 and base["speedup"] > 0
+
+
+def test_read_back_with_pandas_and_duckdb(job):
+    import duckdb
+    import pandas as pd
+
+    df = pd.read_parquet(job["out"])
+    assert len(df) == len(job["ids"]) and df["id"].is_unique
+    assert (df["num_generated_tokens"] == df["generated_tokens"].map(len)).all()
+    con = duckdb.connect()
+    q = f"SELECT count(*), count(DISTINCT id), sum(num_spec_steps), sum(num_generated_tokens), " \
+        f"sum(CASE WHEN finish_reason = 'error' THEN 1 ELSE 0 END) FROM read_parquet('{job['out']}/*.parquet')"
+    rows, distinct, steps, tokens, failed = con.execute(q).fetchone()
+    totals = job["summary"]["totals"]
+    assert (rows, distinct, failed) == (len(job["ids"]), len(job["ids"]), len(BAD_ROWS))
+    assert (steps, tokens) == (totals["num_spec_steps"], totals["num_generated_tokens"])
+    types = dict(con.execute(f"DESCRIBE SELECT generated_tokens, acceptance_histogram, num_spec_steps "
+                             f"FROM read_parquet('{job['out']}/*.parquet')").fetchall()[i][:2] for i in range(3))
+    assert types == {"generated_tokens": "INTEGER[]", "acceptance_histogram": "INTEGER[]", "num_spec_steps": "INTEGER"}
+
+
+@pytest.mark.slow
+def test_read_back_with_spark(job):
+    from pyspark.sql import SparkSession
+
+    spark = (SparkSession.builder.master("local[1]").appName("domino-ray-test")
+             .config("spark.ui.enabled", "false").config("spark.sql.shuffle.partitions", "1").getOrCreate())
+    try:
+        df = spark.read.parquet(str(job["out"]))
+        types = dict(df.dtypes)
+        assert types["generated_tokens"] == "array<int>" and types["acceptance_histogram"] == "array<int>"
+        assert types["num_spec_steps"] == "int" and types["mean_acceptance_length"] == "double"
+        df.createOrReplaceTempView("out")
+        row = spark.sql("SELECT count(*) n, count(DISTINCT id) ids, sum(num_accepted_draft_tokens) acc, "
+                        "sum(size(generated_tokens)) toks, sum(num_generated_tokens) gen FROM out").collect()[0]
+        totals = job["summary"]["totals"]
+        assert (row.n, row.ids) == (len(job["ids"]), len(job["ids"]))
+        assert row.acc == totals["num_accepted_draft_tokens"] and row.toks == row.gen == totals["num_generated_tokens"]
+    finally:
+        spark.stop()
+
+
+def test_model_that_fails_to_load_fails_the_job_at_once(ray_cluster, tiny_pair, tmp_path):
+    """Config and shapes pass the pre-flight, the weights are corrupt: the actor's __init__ fails and
+    the job fails with the reason instead of restarting actors forever."""
+    target = tmp_path / "target"
+    shutil.copytree(tiny_pair[0], target)
+    (target / "model.safetensors").write_bytes(b"not a safetensors file")
+    write_shards(tmp_path / "in", {"id": [1, 2], "prompt": ["hi", "there"]}, shards=1)
+    cfg = job_config((str(target), tiny_pair[1]), str(tmp_path / "in"), str(tmp_path / "out"))
+    start = time.perf_counter()
+    with pytest.raises(Exception, match="(?i)safetensors|header"):
+        run_job(cfg, log=lambda *_: None)
+    assert time.perf_counter() - start < 90
+    assert not (tmp_path / "out" / "_summary.json").exists()
+    with pytest.raises(ConfigError, match="model.source"):  # a missing model never reaches Ray
+        run_job(job_config(tiny_pair, str(tmp_path / "in"), str(tmp_path / "out"), **{"model.source": tmp_path / "x"}))
+    assert ray.is_initialized()
+
+
+def test_generated_ids_are_stable_unique_and_resumable(ray_cluster, tmp_path):
+    """Without an id column, ids come from (file path, row position): the same on every read, unique
+    across files and row groups, and rows whose id is done are dropped."""
+    (tmp_path / "in").mkdir()
+    for s in range(2):
+        pq.write_table(pa.table({"prompt": [f"p{s}-{i}" for i in range(300)]}), tmp_path / "in" / f"s{s}.parquet",
+                       row_group_size=64)
+    cfg = load_config(None, [f"input.path={tmp_path / 'in'}", f"output.path={tmp_path / 'out'}"])
+    plan = check_input(cfg)
+    assert plan.generated_id
+    init_ray(cfg)
+
+    def ids(done: pa.Array) -> dict:
+        table = pa.concat_tables(ray.get(read_inputs(cfg, plan, ray.put(done)).to_arrow_refs()))
+        assert table.column_names == ["prompt", "id"]
+        return dict(zip(table.column("prompt").to_pylist(), table.column("id").to_pylist()))
+
+    first = ids(pa.array([], pa.null()))
+    assert len(first) == 600 and len(set(first.values())) == 600
+    assert ids(pa.array([], pa.null())) == first
+    prompts = sorted(first)
+    rest = ids(pa.array([first[p] for p in prompts[:250]]))
+    assert sorted(rest) == prompts[250:] and all(first[p] == i for p, i in rest.items())

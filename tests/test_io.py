@@ -1,0 +1,178 @@
+"""Ray-free pieces of the batch job: file resolution, resume scan, atomic JSON, row parsing, the output
+schema of ok and error rows, and summary totals."""
+
+import json
+import subprocess
+import sys
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from domino_ray.config import ConfigError, InputConfig, S3Config, load_config
+from domino_ray.engine import Completion
+from domino_ray.io import list_parquet_files, read_json, resolve, scan_output, write_json_atomic
+from domino_ray.sampling import SamplingParams
+from domino_ray.schema import (GENERATED_FIELDS, RowError, error_row, ok_row, output_schema, output_table, read_row,
+                               row_params)
+from domino_ray.stats import RowStats
+from domino_ray.summary import STATS_COLUMNS, human_summary, run_stats, summarize
+
+IC = InputConfig()
+
+
+def test_resolve_and_list(tmp_path):
+    for name in ("a.parquet", "sub/b.parquet", "_tmp/c.parquet", ".hidden.parquet", "notes.txt"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        pq.write_table(pa.table({"x": [1]}), tmp_path / name)
+    loc = resolve(str(tmp_path), S3Config())
+    assert [p.removeprefix(str(tmp_path)) for p in list_parquet_files(loc)] == ["/a.parquet", "/sub/b.parquet"]
+    assert list_parquet_files(resolve(str(tmp_path / "sub/b.parquet"), S3Config())) == [str(tmp_path / "sub/b.parquet")]
+    glob = lambda pattern: [p.removeprefix(str(tmp_path)) for p in list_parquet_files(resolve(pattern, S3Config()))]
+    assert glob(str(tmp_path / "*.parquet")) == ["/a.parquet"]  # shell semantics: one segment, no hidden files
+    assert glob(str(tmp_path / "*" / "*.parquet")) == ["/sub/b.parquet"]
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        list_parquet_files(resolve(str(tmp_path / "missing"), S3Config()))
+    assert list_parquet_files(resolve(str(tmp_path / "missing"), S3Config()), missing_ok=True) == []
+    s3 = resolve("s3://bucket/prefix/", S3Config(endpoint_url="http://127.0.0.1:1"))
+    assert s3.path == "bucket/prefix"
+    with pytest.raises(ValueError, match="only local paths and s3://"):
+        resolve("gs://bucket/x", S3Config())
+
+
+def test_scan_output_trusts_only_complete_files(tmp_path):
+    pq.write_table(pa.table({"id": [1, 2, 3], "v": ["a", "b", "c"]}), tmp_path / "done.parquet")
+    pq.write_table(pa.table({"id": [4, 5], "v": ["d", "e"]}), tmp_path / "cut.parquet")
+    data = (tmp_path / "cut.parquet").read_bytes()
+    (tmp_path / "cut.parquet").write_bytes(data[: len(data) // 2])  # a writer killed mid-file: no footer
+    scan = scan_output(resolve(str(tmp_path), S3Config()), "id")
+    assert sorted(scan.done_ids.to_pylist()) == [1, 2, 3]
+    assert [p.rsplit("/", 1)[1] for p in scan.removed] == ["cut.parquet"]
+    assert not (tmp_path / "cut.parquet").exists()
+    assert len(scan_output(resolve(str(tmp_path / "none"), S3Config()), "id").done_ids) == 0
+    pq.write_table(pa.table({"key": [1]}), tmp_path / "foreign.parquet")  # complete, but not our output
+    with pytest.raises(ValueError, match="has no 'id' column"):
+        scan_output(resolve(str(tmp_path), S3Config()), "id")
+    assert (tmp_path / "foreign.parquet").exists()
+
+
+def test_write_json_atomic(tmp_path):
+    loc = resolve(str(tmp_path / "out"), S3Config())
+    write_json_atomic(loc, "_summary.json", {"rows": 3})
+    write_json_atomic(loc, "_summary.json", {"rows": 4})
+    assert read_json(loc, "_summary.json") == {"rows": 4}
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["_summary.json"]  # no temporary left
+    assert read_json(loc, "other.json") is None
+
+
+@pytest.mark.parametrize("row, reason", [
+    ({"prompt": None}, "prompt is null"),
+    ({"prompt": ""}, "prompt is empty"),
+    ({"prompt": " \n\t"}, "prompt is empty"),
+    ({"prompt": b"\xff\xfehello"}, "not valid UTF-8"),
+    ({"prompt": 42}, "must be a string, got int"),
+    ({"prompt": ["a", "b"]}, "must be a string, got list"),
+    ({"prompt": {"text": "hi"}}, "must be a string, got dict"),
+    ({"messages": []}, "non-empty list"),
+    ({"messages": "not json"}, "messages is not valid JSON"),
+    ({"messages": [{"role": "user"}]}, r"messages\[0\] must be an object"),
+    ({"messages": [{"role": "user", "content": None}]}, r"messages\[0\] must be an object"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "role='wizard'"),
+    ({"messages": '[{"role": "user", "content": 5}]'}, "content must be a string"),
+    ({"messages": [{"role": "user", "content": "  "}]}, "no content"),
+    ({"messages": None}, "no 'prompt' column"),
+])
+def test_bad_rows_say_why(row, reason):
+    with pytest.raises(RowError, match=reason):
+        read_row(row, IC)
+
+
+def test_good_rows():
+    assert read_row({"prompt": "hi", "messages": None}, IC).prompt == "hi"
+    assert read_row({"prompt": "héllo".encode()}, IC).prompt == "héllo"
+    chat = read_row({"prompt": None, "messages": [{"role": "user", "content": "hi", "name": None}]}, IC)
+    assert chat.messages == [{"role": "user", "content": "hi"}]  # Arrow struct nulls dropped
+    assert read_row({"messages": '[{"role": "user", "content": "hi"}]'}, IC).messages[0]["content"] == "hi"
+
+
+def test_row_params():
+    base = SamplingParams(max_new_tokens=8)
+    assert row_params(None, base, None, 1) == base
+    assert row_params({"temperature": None, "max_new_tokens": 3}, base, None, 1).max_new_tokens == 3
+    assert row_params('{"top_k": 5, "stop_token_ids": [1, 2]}', base, None, 1).stop_token_ids == (1, 2)
+    seeded = [row_params({"temperature": 1.0}, base, 7, i).seed for i in ("a", "a", "b")]
+    assert seeded[0] == seeded[1] != seeded[2]  # per-row seed from (generation.seed, id): batch-independent
+    for bad, reason in [({"temprature": 1.0}, "unknown keys"), ({"temperature": -1.0}, "temperature=-1.0"),
+                        ({"max_new_tokens": "5"}, "max_new_tokens='5'"), ("{oops", "not valid JSON"),
+                        ([1, 2], "must be an object"), ({"stop_token_ids": 5}, "sampling_params")]:
+        with pytest.raises(RowError, match=reason):
+            row_params(bad, base, None, 1)
+
+
+def _completion(tokens, k=2):
+    stats = RowStats(k)
+    stats.observe_step(2, 1)
+    stats.observe_step(1, 0)
+    return Completion(request_id=0, prompt_token_ids=[5, 6, 7], token_ids=tokens, finish_reason="length",
+                      stats=stats, time_to_first_token_s=0.1, time_taken_s=0.3)
+
+
+def test_error_and_ok_rows_share_the_schema():
+    input_schema = pa.schema([("id", pa.int64()), ("prompt", pa.binary()), ("topic", pa.string())])
+    schema = output_schema(input_schema, "id", generated_id=False)
+    assert schema.names[:2] == ["id", "topic"] and schema.names[2:] == [f.name for f in GENERATED_FIELDS]
+    assert output_schema(pa.schema([("prompt", pa.string())]), "id", generated_id=True).field("id").type == pa.string()
+    carried = pa.table({"id": [1, 2], "prompt": [b"a", None], "topic": ["x", "y"]}, schema=input_schema)
+    rows = [ok_row(prompt="a", text="hello", completion=_completion([1, 2, 3, 4])),
+            error_row("prompt is null", prompt=None, num_spec_tokens=2)]
+    table = output_table(carried, rows, schema)
+    assert table.schema == schema
+    ok, err = table.to_pylist()
+    assert ok["generated_tokens"] == [1, 2, 3, 4] and ok["acceptance_histogram"] == [1, 1, 0]
+    assert ok["num_generated_tokens"] == 1 + ok["num_spec_steps"] + ok["num_accepted_draft_tokens"]
+    assert err["finish_reason"] == "error" and err["error"] == "prompt is null" and err["generated_tokens"] == []
+    assert err["acceptance_histogram"] == [0, 0, 0] and err["topic"] == "y"
+
+
+def test_summary_reconciles_with_rows():
+    schema = output_schema(pa.schema([("id", pa.string())]), "id", generated_id=False)
+    rows = [ok_row(prompt="p", text="t", completion=_completion([1, 2, 3, 4])) for _ in range(3)]
+    rows.append(error_row("too long", prompt="p", num_spec_tokens=2, num_input_tokens=900))
+    table = output_table(pa.table({"id": ["a", "b", "c", "d"]}), rows, schema)
+    run = run_stats(2.0, 0, [{"actor": "x", "rows": 4, "generated_tokens": 12, "busy_s": 1.5}])
+    s = summarize(table.select(["id", *STATS_COLUMNS]), "id", run=run, config={}, output_uri="out")
+    assert s["rows"] == {"total": 4, "ok": 3, "failed": 1, "unique_ids": 4}
+    assert s["totals"] == {"num_input_tokens": 909, "num_generated_tokens": 12, "num_spec_steps": 6,
+                           "num_draft_tokens": 9, "num_accepted_draft_tokens": 3}
+    assert s["acceptance_histogram"] == [3, 3, 0] and s["per_position_acceptance"] == [0.5, 0.0]
+    assert s["mean_acceptance_length"] == 1.5 and s["draft_acceptance_rate"] == pytest.approx(3 / 9)
+    assert s["errors"] == {"too long": 1} and s["run"]["tokens_per_s"] == 6.0
+    text = human_summary(s)
+    assert "4 rows (3 ok, 1 failed)" in text and "0.50 0.00" in text
+    json.dumps(s)
+
+
+def test_summary_of_an_empty_output():
+    s = summarize(pa.table({c: [] for c in ["id", *STATS_COLUMNS]}), "id", run=run_stats(0.0, 0, []), config={},
+                  output_uri="out")
+    assert s["rows"] == {"total": 0, "ok": 0, "failed": 0, "unique_ids": 0} and s["totals"]["num_spec_steps"] == 0
+    assert "0 rows (0 ok, 0 failed)" in human_summary(s)
+
+
+def test_new_config_keys_are_checked():
+    cfg = load_config(None, ["runtime.max_concurrent_batches=3", "output.min_rows_per_file=10",
+                             "input.sampling_column=params", "runtime.compare_baseline=true"])
+    assert cfg.runtime.max_concurrent_batches == 3 and cfg.runtime.compare_baseline
+    for override, key in [("runtime.max_concurrent_batches=0", "runtime.max_concurrent_batches"),
+                          ("output.max_rows_per_file=0", "output.max_rows_per_file"),
+                          ("runtime.compare_baselin=true", "runtime.compare_baselin")]:
+        with pytest.raises(ConfigError, match=key):
+            load_config(None, [override])
+
+
+def test_job_helpers_import_without_ray():
+    """Ray stays at the edge (`ray_*.py`): the batch job's IO, schema, summary and pre-flight do not need it."""
+    code = ("import sys; sys.modules['ray'] = None\n"
+            "import domino_ray.io, domino_ray.schema, domino_ray.summary, domino_ray.preflight")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
