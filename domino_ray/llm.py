@@ -23,6 +23,22 @@ from domino_ray.sampling import SamplingParams
 from domino_ray.target import decode, encode_prompt, load_target, load_tokenizer, stop_token_ids
 
 
+def load_engine(model, draft, generation, seed: int = 0):
+    """(SpecEngine, tokenizer) from the config sections `model`, `draft` (None: target only) and
+    `generation`: what a Ray Data actor and a Serve replica each load once."""
+    target = load_target(model.source, dtype=model.dtype, device=model.device)
+    tokenizer = load_tokenizer(model.tokenizer or model.source)
+    proposer = None
+    if draft is not None and draft.source:
+        weight = next(target.parameters())
+        draft_model = load_draft(draft.source, target_config=target.config, device=weight.device, dtype=weight.dtype)
+        proposer = DominoProposer(draft_model, target, draft.num_draft_tokens)
+    engine = SpecEngine(target, proposer, max_rows=generation.max_batch_size, max_model_len=model.max_model_len,
+                        eos_token_ids=stop_token_ids(target, tokenizer), seed=seed,
+                        max_prefill_tokens=generation.max_prefill_tokens)
+    return engine, tokenizer
+
+
 @dataclass
 class GenerationOutput:
     prompt_token_ids: list[int]

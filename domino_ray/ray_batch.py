@@ -47,28 +47,16 @@ class DominoPredictor:
         started = time.time()
         import torch
 
-        from domino_ray.checkpoint import load_draft
-        from domino_ray.engine import SpecEngine
         from domino_ray.engine_loop import EngineLoop
-        from domino_ray.proposer import DominoProposer
-        from domino_ray.target import load_target, load_tokenizer, stop_token_ids
+        from domino_ray.llm import load_engine
 
-        target = load_target(cfg.model.source, dtype=cfg.model.dtype, device=cfg.model.device)
-        if next(target.parameters()).device.type == "cpu":
+        engine, self.tokenizer = load_engine(cfg.model, cfg.draft if use_draft else None, cfg.generation,
+                                             cfg.runtime.seed)
+        if engine.device.type == "cpu":
             torch.set_num_threads(max(1, int(cfg.runtime.cpus_per_actor)))  # the CPUs Ray reserved for us
-        self.tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.source)
-        proposer = None
-        if use_draft and cfg.draft.source:
-            weight = next(target.parameters())
-            draft = load_draft(cfg.draft.source, target_config=target.config, device=weight.device, dtype=weight.dtype)
-            proposer = DominoProposer(draft, target, cfg.draft.num_draft_tokens)
-        g = cfg.generation
-        engine = SpecEngine(target, proposer, max_rows=g.max_batch_size, max_model_len=cfg.model.max_model_len,
-                            eos_token_ids=stop_token_ids(target, self.tokenizer), seed=cfg.runtime.seed,
-                            max_prefill_tokens=g.max_prefill_tokens)
         self.loop = EngineLoop(engine)
         self.num_spec_tokens, self.eos_ids = engine.num_draft_tokens, engine.eos_token_ids
-        self.cfg, self.schema, self.base = cfg, schema, base_params(g)
+        self.cfg, self.schema, self.base = cfg, schema, base_params(cfg.generation)
         self.request_ids = itertools.count()  # engine ids: input ids may repeat across concurrent batches
         self.stats_sink, self.fault_marker = stats_sink, fault_marker
         self.name = f"{socket.gethostname()}:{os.getpid()}"

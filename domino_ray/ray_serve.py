@@ -26,35 +26,16 @@ from ray.serve.config import AutoscalingConfig, BackpressureConfig
 from ray.util import metrics
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from domino_ray.checkpoint import load_draft
 from domino_ray.config import JobConfig, load_config
-from domino_ray.engine import SpecEngine
 from domino_ray.engine_loop import EngineLoop
 from domino_ray.openai_api import (SSE_DONE, APIError, ModelSpec, chunk_body, generate, models_body, parse_request,
                                    response_body, sse)
-from domino_ray.proposer import DominoProposer
 from domino_ray.sampling import SamplingParams
-from domino_ray.target import load_target, load_tokenizer, stop_token_ids
+from domino_ray.llm import load_engine
 
 api = FastAPI(title="domino-ray", description="OpenAI-compatible speculative decoding (target + Domino draft)")
 TTFT_BOUNDARIES = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
 LATENCY_BOUNDARIES = [0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0]
-
-
-def load_engine(cfg: JobConfig):
-    """The target, its tokenizer and (unless `draft.source` is null) the Domino draft -> (SpecEngine, tokenizer)."""
-    target = load_target(cfg.model.source, dtype=cfg.model.dtype, device=cfg.model.device)
-    tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.source)
-    proposer = None
-    if cfg.draft.source:
-        weight = next(target.parameters())
-        draft = load_draft(cfg.draft.source, target_config=target.config, device=weight.device, dtype=weight.dtype)
-        proposer = DominoProposer(draft, target, cfg.draft.num_draft_tokens)
-    g = cfg.generation
-    engine = SpecEngine(target, proposer, max_rows=g.max_batch_size, max_model_len=cfg.model.max_model_len,
-                        eos_token_ids=stop_token_ids(target, tokenizer), seed=cfg.runtime.seed,
-                        max_prefill_tokens=g.max_prefill_tokens)
-    return engine, tokenizer
 
 
 class Metrics:
@@ -110,7 +91,7 @@ async def _http_error(request: Request, exc: StarletteHTTPException):
 @serve.ingress(api)
 class DominoServer:
     def __init__(self, cfg: JobConfig):
-        engine, self.tokenizer = load_engine(cfg)
+        engine, self.tokenizer = load_engine(cfg.model, cfg.draft, cfg.generation, cfg.runtime.seed)
         self.loop = EngineLoop(engine, max_waiting=cfg.serve.max_waiting_requests)
         g = cfg.generation
         self.model = ModelSpec(
