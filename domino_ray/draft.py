@@ -112,7 +112,7 @@ class DraftAttention(nn.Module):
         return apply_rotary(qs, cos, sin)  # [b, H, q, D]
 
     def attend(self, q, keys, values, mask) -> torch.Tensor:
-        """q `[b, H, q, D]` over keys/values `[b, Hkv, T, D]` under bool `mask [b, 1, q, T]` -> `[b, q, C]`."""
+        """q `[b, H, q, D]` over keys/values `[b, Hkv, T, D]` under `mask [b, 1, q, T]` (bool or additive) -> `[b, q, C]`."""
         a = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.head_dim ** -0.5,
                                            enable_gqa=self.num_heads != self.num_kv_heads)
         b, _, n, _ = a.shape

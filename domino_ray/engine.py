@@ -93,7 +93,7 @@ class SpecEngine:
         self.max_rows, self.max_prefill_tokens = max_rows, max_prefill_tokens
         self.eos_token_ids = frozenset(eos_token_ids)
         weight = next(target.parameters())
-        self.device = weight.device
+        self.device, self.dtype = weight.device, weight.dtype
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         capacity = self.max_model_len + self.num_draft_tokens + 1  # a verify may write K+1 past the last token
         _check_kv_fits(self.device, max_rows, capacity,
@@ -212,9 +212,9 @@ class SpecEngine:
         lengths = torch.tensor([len(r.request.prompt_token_ids) for r in batch], device=self.device)  # [k]
         zeros = torch.zeros(k, dtype=torch.long, device=self.device)
         positions = write_index(zeros, longest)  # [k, q]
-        self.cache.prepare(rows, zeros, longest, longest)
+        self.cache.prepare(rows, zeros, longest, longest, prefill=True)
         out = self.decoder(input_ids=ids.to(self.device), position_ids=positions, cache=self.cache, use_cache=True,
-                           attention_mask=causal_row_mask(positions, longest),
+                           attention_mask=causal_row_mask(positions, longest, self.dtype),
                            output_hidden_states=self.hidden_ids or False)
         last = out.last_hidden_state[torch.arange(k, device=self.device), lengths - 1]  # [k, C]
         self._set_sampling(rows, batch)
@@ -245,7 +245,7 @@ class SpecEngine:
         positions = write_index(lens, k + 1)            # [n, K+1]
         self.cache.prepare(rows, lens, k + 1, kv_len)
         out = self.decoder(input_ids=verify_ids, position_ids=positions, cache=self.cache, use_cache=True,
-                           attention_mask=causal_row_mask(positions, kv_len),
+                           attention_mask=causal_row_mask(positions, kv_len, self.dtype),
                            output_hidden_states=self.hidden_ids or False)
         logits = self.lm_head(out.last_hidden_state)  # [n, K+1, V]
         limit = self.remaining[rows] - 1              # drafts that fit the row's budget beside the bonus

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from domino_ray.draft import DominoDraft
-from domino_ray.kv_cache import KVBuffers, write_index
+from domino_ray.kv_cache import KVBuffers, additive_mask, write_index
 
 
 class DominoProposer:
@@ -65,7 +65,7 @@ class DominoProposer:
         kv_len = max(committed) - 1 + block_size  # host-known: no sync
         keys = torch.arange(kv_len, device=self.device)
         # Non-causal: every block slot sees the whole context and the whole block.
-        mask = (keys[None, :] < (offsets + block_size)[:, None])[:, None, None, :]  # [b, 1, 1, kv_len]
+        mask = additive_mask((keys[None, :] < (offsets + block_size)[:, None])[:, None, None, :], self.dtype)  # [b, 1, 1, kv_len]
         cos, sin = self.draft.rope(positions, self.dtype)
 
         def attend_layer(i, layer, x, cos, sin):
