@@ -204,8 +204,21 @@ class SpecEngine:
             longest = max(longest, m)
         if not batch:
             return
-        k, lo = len(batch), len(self.rows)
-        rows = slice(lo, lo + k)
+        batch.sort(key=lambda r: len(r.request.prompt_token_ids))  # rows are independent: any slot order works
+        lo, firsts = len(self.rows), []
+        for group in _length_groups(batch):
+            firsts.append(self._prefill(group, slice(lo, lo + len(group))))
+            lo += len(group)
+        first_tokens = torch.cat(firsts).tolist()  # host sync: the admitted rows' first tokens
+        now = time.perf_counter()
+        for row, token in zip(batch, first_tokens):
+            row.first_token_time = now
+            self.rows.append(row)
+            self._commit(row, [token], events, now)
+
+    def _prefill(self, batch: list[_Row], rows: slice) -> torch.Tensor:
+        """One target forward over right-padded prompts into slots `rows`; returns first tokens `[k]`."""
+        k, longest = len(batch), max(len(r.request.prompt_token_ids) for r in batch)
         ids = torch.zeros(k, longest, dtype=torch.long)
         for i, row in enumerate(batch):
             ids[i, :len(row.request.prompt_token_ids)] = torch.tensor(row.request.prompt_token_ids)
@@ -224,12 +237,7 @@ class SpecEngine:
         self.lens[rows] = lengths
         self.anchor[rows] = first
         self.remaining[rows] = torch.tensor([r.max_new - 1 for r in batch], device=self.device)
-        first_tokens = first.tolist()  # host sync: the admitted rows' first tokens
-        now = time.perf_counter()
-        for row, token in zip(batch, first_tokens):
-            row.first_token_time = now
-            self.rows.append(row)
-            self._commit(row, [token], events, now)
+        return first
 
     def _decode(self, events: list[StepEvent]):
         n, k = len(self.rows), self.num_draft_tokens
@@ -344,6 +352,22 @@ class SpecEngine:
 
     def _context_features(self, out) -> torch.Tensor:
         return torch.cat([out.hidden_states[i] for i in self.hidden_ids], -1)  # [n, q, F]
+
+
+def _length_groups(rows: list[_Row], slack: float = 1.25) -> list[list[_Row]]:
+    """Split rows sorted by prompt length so that padding stays within `slack` of the real tokens:
+    ragged prompts prefill in a few forwards instead of one mostly padded one."""
+    groups: list[list[_Row]] = []
+    real = 0
+    for row in rows:
+        m = len(row.request.prompt_token_ids)
+        if groups and (len(groups[-1]) + 1) * m <= slack * (real + m):
+            groups[-1].append(row)
+            real += m
+        else:
+            groups.append([row])
+            real = m
+    return groups
 
 
 def _check_kv_fits(device: torch.device, rows: int, positions: int, bytes_per_position: int):
