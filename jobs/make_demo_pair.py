@@ -109,8 +109,9 @@ def train_tokenizer(texts: list[str]):
     trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=SPECIAL_TOKENS, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(texts, trainer=trainer)
+    # <|mask|> fills the draft's block slots; the target never sees it.
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>",
-                                   chat_template=CHAT_TEMPLATE)
+                                   mask_token="<|mask|>", chat_template=CHAT_TEMPLATE)
 
 
 def target_config(tokenizer):
