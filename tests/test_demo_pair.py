@@ -91,3 +91,28 @@ def test_greedy_speculative_equals_target_only(pair, prompts):
     assert 1 + accepted / steps > 2.0  # a trained draft: well above the untrained ~1.0
     text = decode(tokenizer, baseline[0].token_ids, eos)
     assert text.strip()
+
+
+def test_trained_draft_training_logits_equal_inference(pair, prompts):
+    """On the shipped (trained) draft: the training forward's logits at an anchor equal the inference path's
+    (one block from scratch on the prefix, GRU stepped over the true tokens)."""
+    from domino_ray.train_draft import block_logits, context_features
+
+    target, tokenizer, draft = pair
+    ids = encode_prompt(tokenizer, prompt=prompts["prompt"][7], chat_template=False)
+    (done,) = SpecEngine(target, None, max_rows=1).generate([Request(0, ids, SamplingParams(max_new_tokens=40))])
+    seq = torch.tensor([ids + done.token_ids])  # [1, T]
+    embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
+    k, bs = draft.config.max_draft_tokens, draft.config.block_size
+    anchors = torch.tensor([[len(ids) - 1, len(ids) + 9, len(ids) + 25]])
+    with torch.no_grad():
+        features = context_features(target, seq, draft.config.target_layer_ids)
+        _, final = block_logits(draft, target, features, seq, anchors)
+        for a, p in enumerate(anchors[0].tolist()):
+            block = embed(torch.tensor([[seq[0, p].item()] + [draft.config.mask_token_id] * (bs - 1)]))
+            hidden = draft.block_hidden(features[:, :p], block, torch.arange(p, p + bs)[None],
+                                        torch.ones(1, 1, bs, p + bs, dtype=torch.bool))
+            reference = draft.corrected_logits_full_prefix(hidden, seq[0, p:p + 1], seq[:, p + 1:p + 1 + k], embed,
+                                                           lm_head)
+            assert torch.allclose(final[0, a], reference[0], atol=1e-4, rtol=1e-4)
+            assert torch.equal(final[0, a].argmax(-1), reference[0].argmax(-1))
