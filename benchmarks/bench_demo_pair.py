@@ -1,0 +1,130 @@
+"""The shipped demo pair in our engine: acceptance, the GRU head's effect, speed-up over target-only.
+
+    python benchmarks/bench_demo_pair.py --threads 1 --prompts 32 --max-new-tokens 128 --repeats 3
+
+Everything runs in one process, side by side, in interleaved repeats (this machine is shared and
+noisy): per batch size, target-only (`draft=None`, same engine), the Domino draft, and the same draft
+with its GRU head removed (base logits only: the head ablation at equal backbone); optional extra
+drafts (`--extra name=path`, e.g. a separately trained DFlash-only draft) and extra draft lengths
+(`--num-draft-tokens`). Speed-ups are the median over repeats of per-repeat ratios. Every speculative
+output is checked token for token against target-only greedy output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from domino_ray.checkpoint import load_draft
+from domino_ray.config import DEMO_ASSETS
+from domino_ray.engine import Request, SpecEngine
+from domino_ray.proposer import DominoProposer
+from domino_ray.sampling import SamplingParams
+from domino_ray.stats import merge_histograms, per_position_acceptance
+from domino_ray.target import encode_prompt, load_target, load_tokenizer, stop_token_ids
+from domino_ray.train_draft import backbone_only
+
+
+def run(target, draft, prompts, *, rows, max_new_tokens, eos, num_draft_tokens=None):
+    proposer = DominoProposer(draft, target, num_draft_tokens) if draft is not None else None
+    engine = SpecEngine(target, proposer, max_rows=rows, eos_token_ids=eos)
+    params = SamplingParams(max_new_tokens=max_new_tokens)
+    start = time.perf_counter()
+    out = engine.generate([Request(i, p, params) for i, p in enumerate(prompts)])
+    seconds = time.perf_counter() - start
+    steps = sum(c.stats.num_spec_steps for c in out)
+    accepted = sum(c.stats.num_accepted_draft_tokens for c in out)
+    return {"seconds": seconds, "tokens": sum(len(c.token_ids) for c in out),
+            "token_ids": [c.token_ids for c in out],
+            "mean_acceptance_length": 1 + accepted / steps if proposer and steps else None,
+            "histogram": merge_histograms(c.stats.acceptance_histogram for c in out) if proposer else None}
+
+
+def repeated_fraction(rows: list[list[int]], n: int = 4) -> float:
+    """Share of generated n-grams that already occurred earlier in the same row: how repetitive (and so how
+    easy to draft) the target's greedy output is."""
+    repeated = total = 0
+    for ids in rows:
+        seen = set()
+        for i in range(len(ids) - n + 1):
+            gram = tuple(ids[i:i + n])
+            repeated += gram in seen
+            total += 1
+            seen.add(gram)
+    return repeated / max(total, 1)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--assets", type=Path, default=DEMO_ASSETS)
+    p.add_argument("--prompts", type=int, default=32, help="held-out prompts per run")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--batch-sizes", default="1,16")
+    p.add_argument("--num-draft-tokens", default="", help="extra K values for the Domino draft, e.g. 4")
+    p.add_argument("--extra", action="append", default=[], help="name=path of another draft to compare")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--json", type=Path, default=None, help="also write the results here")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    import pyarrow.parquet as pq
+
+    target = load_target(str(args.assets / "target"), dtype="auto", device="cpu")
+    tokenizer = load_tokenizer(str(args.assets / "target"))
+    eos = stop_token_ids(target, tokenizer)
+    domino = load_draft(args.assets / "draft", target_config=target.config, dtype=target.dtype)
+    texts = pq.read_table(args.assets / "prompts.parquet").column("prompt").to_pylist()[:args.prompts]
+    prompts = [encode_prompt(tokenizer, prompt=t, chat_template=False) for t in texts]
+    drafts = {"target-only": (None, None), "domino": (domino, None), "domino-base-only": (backbone_only(domino), None)}
+    for k in filter(None, args.num_draft_tokens.split(",")):
+        drafts[f"domino-K{k}"] = (domino, int(k))
+    for item in args.extra:
+        name, path = item.split("=", 1)
+        drafts[name] = (load_draft(path, target_config=target.config, dtype=target.dtype), None)
+
+    results = {}
+    for rows in (int(b) for b in args.batch_sizes.split(",")):
+        for name, (draft, k) in drafts.items():  # warm-up: first-call costs (hooks, allocator) stay out of timing
+            run(target, draft, prompts[:rows], rows=rows, max_new_tokens=8, eos=eos, num_draft_tokens=k)
+        runs = {name: [] for name in drafts}
+        for _ in range(args.repeats):  # interleaved: every configuration sees the same machine state
+            for name, (draft, k) in drafts.items():
+                runs[name].append(run(target, draft, prompts, rows=rows, max_new_tokens=args.max_new_tokens,
+                                      eos=eos, num_draft_tokens=k))
+        reference = runs["target-only"][0]["token_ids"]
+        table = {}
+        for name, rs in runs.items():
+            assert all(r["token_ids"] == reference for r in rs), f"{name}: output differs from target-only greedy"
+            tps = [r["tokens"] / r["seconds"] for r in rs]
+            ratios = [r0["seconds"] / r["seconds"] for r0, r in zip(runs["target-only"], rs)]
+            entry = {"tokens_per_s": round(statistics.median(tps), 1), "speedup": round(statistics.median(ratios), 2),
+                     "speedups": [round(x, 2) for x in ratios]}
+            if rs[0]["histogram"] is not None:
+                entry["mean_acceptance_length"] = round(rs[0]["mean_acceptance_length"], 3)
+                entry["per_position_acceptance"] = [round(x, 3) for x in per_position_acceptance(rs[0]["histogram"])]
+            table[name] = entry
+        results[f"batch {rows}"] = {"drafts": table, "repeated_4gram_fraction": round(repeated_fraction(reference), 3)}
+        print(f"\nbatch {rows}: {len(prompts)} held-out prompts x {args.max_new_tokens} new tokens, greedy, "
+              f"{args.repeats} interleaved repeats (outputs equal target-only token for token; "
+              f"{repeated_fraction(reference):.0%} of generated 4-grams repeat an earlier one in their row)")
+        print(f"{'':<18} {'tok/s':>8} {'speed-up':>9} {'tau':>6}  per-position acceptance")
+        for name, e in table.items():
+            tau = f"{e['mean_acceptance_length']:.2f}" if "mean_acceptance_length" in e else "-"
+            pos = " ".join(f"{x:.2f}" for x in e.get("per_position_acceptance", []))
+            print(f"{name:<18} {e['tokens_per_s']:>8.1f} {e['speedup']:>8.2f}x {tau:>6}  {pos}")
+    meta = {"machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} torch threads",
+            "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "args": vars(args)}
+    if args.json:
+        args.json.write_text(json.dumps({"meta": meta, "results": results}, indent=1, default=str) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,323 @@
+"""Training a Domino (or plain DFlash) draft for any HF causal-LM target, on CPU or GPU.
+
+Recipe (reference/domino.md §1.4, §2.5):
+- Data: the target's own greedy continuations of prompts (`generate_sequences`, our engine, target
+  only), so every label is exactly what the draft must predict at inference.
+- Random anchors p in the generated part of each sequence; per anchor one block `[x_p, MASK x (B-1)]`
+  at positions p..p+B-1, embedded with the target's embedding. Several blocks share one sequence.
+- Context: the target's hidden states at `target_layer_ids` (HF `hidden_states[l + 1]`, computed
+  without gradients). A block's queries see context positions < p (strictly: at inference the anchor's
+  own hidden state is not computed yet) plus their own block, non-causally (`training_mask`).
+- Labels, in draft-index terms (i = 0..K-1, either `shift_label` layout): draft i predicts x_{p+1+i}.
+  Its GRU state is teacher-forced on the true tokens x_p..x_{p+i} (target embeddings), the state
+  `draft_tokens` reaches at inference once d_1..d_i were accepted, i.e. equal to the truth.
+- Loss: `(1 - lam) * L_final + lam * L_base`, both position-weighted cross-entropies with weight
+  `exp(-i / gamma)`; lam decays linearly from `lambda_base_start` to 0 over `lambda_base_decay_ratio`
+  of training (base-anchored curriculum). A plain DFlash draft trains on L_base alone.
+
+Logged per-position accuracy is teacher-forced, which for a prefix-accepting verifier is the exact
+acceptance event, so `accept_len = 1 + sum_i P(drafts 0..i all right)` estimates the engine's mean
+acceptance length on the same data. Tensor glossary: see `engine.py`; here b sequences, A anchors per
+sequence, B block size, K draft tokens per block.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, replace
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from domino_ray.draft import DominoDraft, DraftConfig, default_target_layer_ids
+from domino_ray.engine import Request, SpecEngine
+from domino_ray.proposer import DominoProposer
+from domino_ray.sampling import SamplingParams
+from domino_ray.stats import merge_histograms, per_position_acceptance
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 1000
+    batch_size: int = 16                  # sequences per step
+    anchors_per_sequence: int = 32        # blocks per sequence (A)
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    warmup_ratio: float = 0.04
+    gamma: float = 4.0                    # position weight exp(-i / gamma); 4 for B=8, 7 for B=16
+    lambda_base_start: float = 1.0        # curriculum: weight of L_base at step 0 ...
+    lambda_base_decay_ratio: float = 0.5  # ... decaying linearly to 0 over this fraction of the steps
+    grad_clip: float = 1.0
+    seed: int = 0
+    log_every: int = 50
+
+
+# ---- configuration and data ------------------------------------------------------------------------
+
+def draft_config_for(target_config, *, mask_token_id: int, num_layers: int = 1, block_size: int = 8,
+                     target_layer_ids: tuple[int, ...] | None = None, head: bool = True, emb_dim: int = 128,
+                     gru_hidden_dim: int = 256, shift_label: bool = True, num_uncorrected: int = 1) -> DraftConfig:
+    """A draft shaped like the target's layers (hidden size, heads, RoPE) for any HF decoder config."""
+    c = target_config
+    heads = c.num_attention_heads
+    rope = getattr(c, "rope_parameters", None) or {}
+    n_target = c.num_hidden_layers
+    # DFlash's spread over at least 3 layers (deduplicated: small targets repeat ids)
+    ids = tuple(target_layer_ids or sorted(set(default_target_layer_ids(n_target, max(3, num_layers)))))
+    if any(not 0 <= i < n_target for i in ids):
+        raise ValueError(f"target_layer_ids {list(ids)}: expected ids in [0, {n_target}) for a {n_target}-layer target")
+    if not 0 <= mask_token_id < c.vocab_size:
+        raise ValueError(f"mask_token_id={mask_token_id}: expected an id in [0, {c.vocab_size})")
+    return DraftConfig(
+        hidden_size=c.hidden_size, intermediate_size=c.intermediate_size, num_hidden_layers=num_layers,
+        num_attention_heads=heads, num_key_value_heads=getattr(c, "num_key_value_heads", None) or heads,
+        head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads, vocab_size=c.vocab_size,
+        block_size=block_size, target_layer_ids=ids, mask_token_id=mask_token_id, shift_label=shift_label,
+        num_uncorrected=num_uncorrected if head else 0, emb_dim=emb_dim if head else None,
+        gru_hidden_dim=gru_hidden_dim if head else None, rms_norm_eps=float(getattr(c, "rms_norm_eps", 1e-6)),
+        rope_theta=float(rope.get("rope_theta") or getattr(c, "rope_theta", None) or 10000.0),
+        attention_bias=bool(getattr(c, "attention_bias", False)))
+
+
+def generate_sequences(target, prompts: list[list[int]], *, max_new_tokens: int, batch_size: int = 32,
+                       eos_token_ids=(), on_progress: Callable[[int], None] | None = None) -> list[tuple[list[int], int]]:
+    """Greedy target-only continuations: `(prompt + generated ids, len(prompt))` per prompt."""
+    engine = SpecEngine(target, None, max_rows=batch_size, eos_token_ids=eos_token_ids)
+    params = SamplingParams(max_new_tokens=max_new_tokens)
+    done: dict[int, list[int]] = {}
+
+    def on_event(event):
+        if event.completion is not None:
+            done[event.request_id] = event.completion.token_ids
+            if on_progress:
+                on_progress(len(done))
+
+    engine.generate([Request(i, list(p), params) for i, p in enumerate(prompts)], on_event=on_event)
+    return [(list(p) + done[i], len(p)) for i, p in enumerate(prompts)]
+
+
+def collate(sequences: list[tuple[list[int], int]], pad_id: int = 0):
+    """ids `[b, T]` (right-padded), first generated position `[b]`, lengths `[b]`."""
+    t = max(len(ids) for ids, _ in sequences)
+    ids = torch.full((len(sequences), t), pad_id, dtype=torch.long)
+    for row, (seq, _) in enumerate(sequences):
+        ids[row, :len(seq)] = torch.tensor(seq)
+    starts = torch.tensor([start for _, start in sequences])
+    lengths = torch.tensor([len(seq) for seq, _ in sequences])
+    return ids, starts, lengths
+
+
+def sample_anchors(starts: torch.Tensor, lengths: torch.Tensor, num_anchors: int,
+                   generator: torch.Generator) -> torch.Tensor:
+    """Anchors `[b, A]`, uniform in [start - 1, length - 2]: the anchor is the last prompt token or a generated
+    one, and at least its first draft has a label."""
+    lo = (starts - 1).clamp(min=0)
+    hi = (lengths - 2).clamp(min=lo)
+    u = torch.rand(len(starts), num_anchors, generator=generator)
+    return (lo[:, None] + (u * (hi - lo + 1)[:, None]).long().clamp(max=(hi - lo)[:, None])).sort(-1).values
+
+
+def training_mask(anchors: torch.Tensor, seq_len: int, block_size: int) -> torch.Tensor:
+    """Bool `[b, 1, A*B, T + A*B]` over `[context ; blocks]`: block a's queries see context positions < anchor_a
+    and all of block a (non-causal), nothing of other blocks."""
+    b, a = anchors.shape
+    context = torch.arange(seq_len, device=anchors.device)[None, None, :] < anchors[:, :, None]  # [b, A, T]
+    own_block = torch.eye(a, dtype=torch.bool, device=anchors.device).repeat_interleave(block_size, 1)  # [A, A*B]
+    rows = torch.cat([context, own_block[None].expand(b, -1, -1)], -1)  # [b, A, T + A*B]
+    return rows.repeat_interleave(block_size, 1)[:, None]
+
+
+def context_features(target, ids: torch.Tensor, layer_ids) -> torch.Tensor:
+    """Concatenated target hidden states `[b, T, F]` at `layer_ids` (HF `hidden_states[l + 1]`), as the engine
+    takes them."""
+    hidden_ids = [i + 1 for i in layer_ids]
+    out = target.get_decoder()(input_ids=ids, output_hidden_states=hidden_ids)
+    return torch.cat([out.hidden_states[i] for i in hidden_ids], -1)
+
+
+# ---- the training forward --------------------------------------------------------------------------
+
+def block_logits(draft: DominoDraft, target, features: torch.Tensor, ids: torch.Tensor, anchors: torch.Tensor):
+    """Training-mode logits for every anchor: base `[b, A, K, V]` and final `[b, A, K, V]` (None without a head).
+
+    ids `[b, T]` are the true tokens; draft i of the block at anchor p predicts ids[p + 1 + i].
+    """
+    cfg = draft.config
+    if cfg.draft_vocab_size is not None:
+        raise ValueError("training a draft with its own pruned vocabulary (d2t) is not supported")
+    embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
+    b, t = ids.shape
+    a, bs, k = anchors.shape[1], cfg.block_size, cfg.max_draft_tokens
+    offsets = torch.arange(bs, device=ids.device)
+    block_ids = torch.full((b, a, bs), cfg.mask_token_id, dtype=torch.long, device=ids.device)
+    block_ids[:, :, 0] = ids.gather(1, anchors)
+    positions = (anchors[:, :, None] + offsets).reshape(b, a * bs)  # [b, A*B]
+    hidden = draft.block_hidden(features, embed(block_ids.reshape(b, a * bs)), positions,
+                                training_mask(anchors, t, bs))  # [b, A*B, C]
+    z = draft.select_draft_hidden(hidden.reshape(b * a, bs, -1), k)  # [b*A, K, C]
+    base = draft.base_logits(z, lm_head)  # [b*A, K, V]
+    if not cfg.has_head:
+        return base.view(b, a, k, -1), None
+    # Teacher forcing: the GRU reads x_p..x_{p+K-1}; its output i is the state after x_p..x_{p+i}.
+    index = (anchors[:, :, None] + offsets[:k]).clamp(max=t - 1).reshape(b, a * k)
+    gru_in = embed(ids.gather(1, index)).reshape(b * a, k, -1)  # [b*A, K, C]
+    states, _ = draft.prefix_gru(gru_in.to(draft.prefix_gru.weight_hh_l0.dtype))  # [b*A, K, G]
+    delta = draft.embed_proj(torch.cat([z.to(states.dtype), states], -1))  # [b*A, K, V]
+    corrected = (torch.arange(k, device=ids.device) >= cfg.num_uncorrected)[None, :, None]
+    final = torch.where(corrected, base + delta.to(base.dtype), base)
+    return base.view(b, a, k, -1), final.view(b, a, k, -1)
+
+
+def block_labels(ids: torch.Tensor, lengths: torch.Tensor, anchors: torch.Tensor, k: int) -> torch.Tensor:
+    """Labels `[b, A, K]`: ids[p + 1 + i], or -100 past the sequence's end."""
+    index = anchors[:, :, None] + 1 + torch.arange(k, device=ids.device)  # [b, A, K]
+    labels = ids.gather(1, index.clamp(max=ids.shape[1] - 1).flatten(1)).view_as(index)
+    return labels.masked_fill(index >= lengths[:, None, None], -100)
+
+
+def position_weights(k: int, gamma: float, device=None) -> torch.Tensor:
+    return torch.exp(-torch.arange(k, device=device, dtype=torch.float32) / gamma)  # [K]
+
+
+def weighted_ce(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Position-weighted mean cross-entropy of logits `[b, A, K, V]` against labels `[b, A, K]`."""
+    ce = F.cross_entropy(logits.flatten(0, 2).float(), labels.flatten(), ignore_index=-100, reduction="none")
+    w = (weights[None, None, :] * (labels != -100)).flatten()
+    return (ce * w).sum() / w.sum().clamp(min=1e-9)
+
+
+def lambda_base(step: int, steps: int, cfg: TrainConfig) -> float:
+    decay_steps = cfg.lambda_base_decay_ratio * steps
+    if decay_steps <= 0:
+        return 0.0
+    return cfg.lambda_base_start * max(0.0, 1.0 - step / decay_steps)
+
+
+def accuracy_stats(predictions: torch.Tensor, labels: torch.Tensor) -> dict:
+    """Per-position accuracy of predictions `[..., K]` and the acceptance-length estimate over blocks whose K
+    labels all exist."""
+    right = predictions == labels
+    valid = labels != -100
+    per_pos = [(right[..., i] & valid[..., i]).sum().item() / max(valid[..., i].sum().item(), 1)
+               for i in range(labels.shape[-1])]
+    full = valid.all(-1)
+    accepted = right.long().cumprod(-1).sum(-1)[full].float()
+    return {"accuracy": per_pos, "accept_len": 1.0 + (accepted.mean().item() if len(accepted) else 0.0)}
+
+
+# ---- the loop --------------------------------------------------------------------------------------
+
+def train_draft(draft: DominoDraft, target, sequences: list[tuple[list[int], int]], cfg: TrainConfig,
+                log: Callable[[str], None] = print, eval_sequences: list[tuple[list[int], int]] | None = None
+                ) -> list[dict]:
+    """Train `draft` in place on target-generated sequences; returns the logged history."""
+    device = next(target.parameters()).device
+    target.eval().requires_grad_(False)
+    draft.to(device).train()
+    generator = torch.Generator().manual_seed(cfg.seed)
+    optimizer = torch.optim.AdamW(draft.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    warmup = max(1, int(cfg.warmup_ratio * cfg.steps))
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (
+        1 + math.cos(math.pi * min(1.0, s / cfg.steps))))
+    k = draft.config.max_draft_tokens
+    weights = position_weights(k, cfg.gamma, device)
+    order: list[int] = []
+    history, start = [], time.perf_counter()
+    for step in range(cfg.steps):
+        if len(order) < cfg.batch_size:  # epochs in a seeded random order
+            order += torch.randperm(len(sequences), generator=generator).tolist()
+        batch, order = [sequences[i] for i in order[:cfg.batch_size]], order[cfg.batch_size:]
+        ids, starts, lengths = collate(batch)
+        anchors = sample_anchors(starts, lengths, cfg.anchors_per_sequence, generator)
+        ids, lengths, anchors = ids.to(device), lengths.to(device), anchors.to(device)
+        with torch.no_grad():
+            features = context_features(target, ids, draft.config.target_layer_ids)
+        base, final = block_logits(draft, target, features, ids, anchors)
+        labels = block_labels(ids, lengths, anchors, k)
+        lam = lambda_base(step, cfg.steps, cfg) if final is not None else 1.0
+        loss_base = weighted_ce(base, labels, weights)
+        loss = loss_base if final is None else (1 - lam) * weighted_ce(final, labels, weights) + lam * loss_base
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(draft.parameters(), cfg.grad_clip)
+        optimizer.step()
+        schedule.step()
+        if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
+            entry = {"step": step + 1, "loss": round(loss.item(), 4), "lambda_base": round(lam, 3),
+                     "seconds": round(time.perf_counter() - start, 1)}
+            with torch.no_grad():
+                head_logits = final if final is not None else base
+                entry["train"] = _rounded(accuracy_stats(head_logits.argmax(-1), labels),
+                                          accuracy_stats(base.argmax(-1), labels))
+                if eval_sequences:
+                    entry["eval"] = _rounded(*evaluate_blocks(draft, target, eval_sequences, cfg))
+            history.append(entry)
+            log(_format(entry))
+    draft.eval()
+    return history
+
+
+@torch.no_grad()
+def evaluate_blocks(draft: DominoDraft, target, sequences, cfg: TrainConfig, batch_size: int = 16):
+    """Teacher-forced statistics (final logits, base logits) on fixed anchors of held-out sequences."""
+    was_training = draft.training
+    draft.eval()
+    generator = torch.Generator().manual_seed(cfg.seed + 1)
+    device = next(target.parameters()).device
+    finals, bases, all_labels = [], [], []
+    for i in range(0, len(sequences), batch_size):
+        ids, starts, lengths = collate(sequences[i:i + batch_size])
+        anchors = sample_anchors(starts, lengths, cfg.anchors_per_sequence, generator).to(device)
+        ids, lengths = ids.to(device), lengths.to(device)
+        features = context_features(target, ids, draft.config.target_layer_ids)
+        base, final = block_logits(draft, target, features, ids, anchors)
+        bases.append(base.argmax(-1).flatten(0, 1))  # [b*A, K]
+        finals.append((final if final is not None else base).argmax(-1).flatten(0, 1))
+        all_labels.append(block_labels(ids, lengths, anchors, base.shape[2]).flatten(0, 1))
+    draft.train(was_training)
+    labels = torch.cat(all_labels)
+    return accuracy_stats(torch.cat(finals), labels), accuracy_stats(torch.cat(bases), labels)
+
+
+def _rounded(stats: dict, base_stats: dict) -> dict:
+    return {"accuracy": [round(x, 3) for x in stats["accuracy"]], "accept_len": round(stats["accept_len"], 3),
+            "base_accept_len": round(base_stats["accept_len"], 3)}
+
+
+def _format(entry: dict) -> str:
+    parts = [f"step {entry['step']}", f"loss {entry['loss']:.3f}", f"lambda_base {entry['lambda_base']:.2f}"]
+    for split in ("train", "eval"):
+        if split in entry:
+            s = entry[split]
+            parts.append(f"{split} accept_len {s['accept_len']:.2f} (base {s['base_accept_len']:.2f}) "
+                         f"acc/pos {' '.join(f'{x:.2f}' for x in s['accuracy'])}")
+    parts.append(f"{entry['seconds']:.0f}s")
+    return " | ".join(parts)
+
+
+# ---- evaluation in the engine ----------------------------------------------------------------------
+
+def backbone_only(draft: DominoDraft) -> DominoDraft:
+    """The same draft without its GRU head (base logits only): the head ablation at equal backbone."""
+    cfg = replace(draft.config, emb_dim=None, gru_hidden_dim=None, num_uncorrected=0)
+    plain = DominoDraft(cfg)
+    state = {k: v for k, v in draft.state_dict().items() if not k.startswith(("prefix_gru.", "embed_proj."))}
+    plain.load_state_dict(state, strict=True)
+    weight = next(draft.parameters())
+    return plain.to(device=weight.device, dtype=weight.dtype).eval()
+
+
+def engine_acceptance(target, draft: DominoDraft, prompts: list[list[int]], *, max_new_tokens: int,
+                      batch_size: int = 16, eos_token_ids=()) -> dict:
+    """Greedy speculative generation in the real engine: mean acceptance length and per-position acceptance."""
+    engine = SpecEngine(target, DominoProposer(draft, target), max_rows=batch_size, eos_token_ids=eos_token_ids)
+    params = SamplingParams(max_new_tokens=max_new_tokens)
+    out = engine.generate([Request(i, list(p), params) for i, p in enumerate(prompts)])
+    steps = sum(c.stats.num_spec_steps for c in out)
+    accepted = sum(c.stats.num_accepted_draft_tokens for c in out)
+    histogram = merge_histograms(c.stats.acceptance_histogram for c in out)
+    return {"mean_acceptance_length": 1 + accepted / max(steps, 1), "steps": steps,
+            "per_position_acceptance": per_position_acceptance(histogram), "acceptance_histogram": histogram,
+            "token_ids": [c.token_ids for c in out]}

@@ -1,0 +1,169 @@
+"""Train a Domino (or plain DFlash) draft for your own target, then check it in the real engine.
+
+    python jobs/train_draft.py --target Qwen/Qwen3-0.6B --prompts my_prompts.parquet --chat-template \
+        --out drafts/qwen3-0.6b-domino --layers 2 --block-size 8 --steps 4000 --device cuda
+
+1. The target generates greedy continuations of `--prompts` (a Parquet file with a `prompt` column;
+   use prompts from the domain you will serve) with our engine: the draft learns the target's own outputs.
+2. The draft (hidden size, heads and RoPE of the target; `--layers` decoder layers; Domino GRU head
+   unless `--no-head`) trains on them (domino_ray/train_draft.py: random anchors, [anchor, MASK...]
+   blocks, target hidden-state context, position-weighted loss, base-anchored curriculum), logging
+   per-position accuracy and the acceptance length it implies.
+3. It is saved in the HF/DFlash layout that `domino_ray.checkpoint.load_draft` reads (plus
+   `training.json`), and with `--eval-prompts` measured in the engine (greedy, target verifies).
+
+The generated sequences can be cached (`--sequences`) and reused by later runs, e.g. for ablations.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from domino_ray.checkpoint import save_draft
+from domino_ray.draft import DominoDraft
+from domino_ray.target import encode_prompt, load_target, load_tokenizer, resolve_device, stop_token_ids
+from domino_ray.train_draft import (TrainConfig, backbone_only, draft_config_for, engine_acceptance,
+                                    generate_sequences, train_draft)
+
+
+def read_prompts(path: Path, column: str, limit: int | None) -> list[str]:
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(path)
+    if column not in table.column_names:
+        raise SystemExit(f"error: {path} has no column {column!r} (columns: {table.column_names})")
+    prompts = [p for p in table.column(column).to_pylist() if isinstance(p, str) and p.strip()]
+    if not prompts:
+        raise SystemExit(f"error: {path} column {column!r} holds no non-empty prompts")
+    return prompts[:limit]
+
+
+def mask_token_id(args, tokenizer, target_config) -> int:
+    """--mask-token-id, else the tokenizer's mask token, else an embedding row no token uses."""
+    if args.mask_token_id is not None:
+        return args.mask_token_id
+    if getattr(tokenizer, "mask_token_id", None) is not None:
+        return tokenizer.mask_token_id
+    if target_config.vocab_size > len(tokenizer):
+        return target_config.vocab_size - 1  # padding rows exist (Qwen3 uses 151669 the same way)
+    raise SystemExit("error: the tokenizer has no mask token and no unused embedding row; pass --mask-token-id")
+
+
+def encode_all(tokenizer, prompts: list[str], chat: bool, max_len: int) -> list[list[int]]:
+    encoded = [encode_prompt(tokenizer, prompt=p, chat_template=chat) for p in prompts]
+    kept = [ids for ids in encoded if len(ids) < max_len]
+    if len(kept) < len(encoded):
+        print(f"skipped {len(encoded) - len(kept)} prompts longer than {max_len - 1} tokens")
+    return kept
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--target", required=True, help="target: local directory or hub id")
+    p.add_argument("--prompts", type=Path, required=True, help="Parquet file of training prompts")
+    p.add_argument("--prompt-column", default="prompt")
+    p.add_argument("--num-prompts", type=int, default=None, help="use the first N prompts")
+    p.add_argument("--chat-template", action="store_true", help="wrap prompts as one user turn")
+    p.add_argument("--out", type=Path, required=True, help="directory for the draft checkpoint")
+    p.add_argument("--sequences", type=Path, default=None, help="cache of generated sequences (.pt), reused if present")
+    p.add_argument("--max-new-tokens", type=int, default=192, help="tokens the target generates per prompt")
+    p.add_argument("--gen-batch", type=int, default=32, help="rows the engine generates at once")
+    p.add_argument("--layers", type=int, default=1, help="draft decoder layers")
+    p.add_argument("--block-size", type=int, default=8)
+    p.add_argument("--target-layer-ids", default=None, help="comma-separated target layers for the context")
+    p.add_argument("--mask-token-id", type=int, default=None)
+    p.add_argument("--no-head", action="store_true", help="plain DFlash draft (no GRU correction head)")
+    p.add_argument("--emb-dim", type=int, default=128, help="Domino head bottleneck E")
+    p.add_argument("--gru-hidden-dim", type=int, default=256, help="Domino GRU state size G")
+    p.add_argument("--steps", type=int, default=1000)
+    p.add_argument("--batch-size", type=int, default=16, help="sequences per step")
+    p.add_argument("--anchors", type=int, default=32, help="blocks per sequence")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--gamma", type=float, default=None, help="position-weight decay (default: 4 for B=8, 7 for B=16)")
+    p.add_argument("--lambda-decay-ratio", type=float, default=0.5, help="fraction of steps over which lambda_base 1 -> 0")
+    p.add_argument("--holdout", type=int, default=64, help="generated sequences kept out of training for eval logs")
+    p.add_argument("--log-every", type=int, default=50)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="float32", help="target and draft dtype while training")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--eval-prompts", type=Path, default=None, help="Parquet of held-out prompts: engine check")
+    p.add_argument("--eval-count", type=int, default=64)
+    p.add_argument("--eval-max-new-tokens", type=int, default=128)
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = resolve_device(args.device)
+    target = load_target(args.target, dtype=args.dtype, device=device)
+    tokenizer = load_tokenizer(args.target)
+    eos = stop_token_ids(target, tokenizer)
+    max_len = getattr(target.config, "max_position_embeddings", 4096)
+
+    if args.sequences is not None and args.sequences.exists():
+        sequences = torch.load(args.sequences)
+        print(f"loaded {len(sequences)} sequences from {args.sequences}")
+    else:
+        prompts = encode_all(tokenizer, read_prompts(args.prompts, args.prompt_column, args.num_prompts),
+                             args.chat_template, max_len)
+        start = time.perf_counter()
+        every = max(1, len(prompts) // 10)
+
+        def progress(n: int):
+            if n % every == 0:
+                print(f"generated {n}/{len(prompts)} ({time.perf_counter() - start:.0f}s)", flush=True)
+
+        sequences = generate_sequences(target, prompts, max_new_tokens=min(args.max_new_tokens, max_len - 1),
+                                       batch_size=args.gen_batch, eos_token_ids=eos, on_progress=progress)
+        generated = sum(len(s) - n for s, n in sequences)
+        print(f"generated {generated} tokens for {len(sequences)} prompts in {time.perf_counter() - start:.0f}s")
+        if args.sequences is not None:
+            args.sequences.parent.mkdir(parents=True, exist_ok=True)
+            torch.save(sequences, args.sequences)
+    train_seqs, eval_seqs = sequences[:len(sequences) - args.holdout], sequences[len(sequences) - args.holdout:]
+
+    layer_ids = tuple(int(x) for x in args.target_layer_ids.split(",")) if args.target_layer_ids else None
+    draft_cfg = draft_config_for(target.config, mask_token_id=mask_token_id(args, tokenizer, target.config),
+                                 num_layers=args.layers, block_size=args.block_size, target_layer_ids=layer_ids,
+                                 head=not args.no_head, emb_dim=args.emb_dim, gru_hidden_dim=args.gru_hidden_dim)
+    gamma = args.gamma if args.gamma is not None else {8: 4.0, 10: 5.0, 16: 7.0}.get(args.block_size, args.block_size / 2)
+    train_cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, anchors_per_sequence=args.anchors,
+                            lr=args.lr, gamma=gamma, lambda_base_decay_ratio=args.lambda_decay_ratio, seed=args.seed,
+                            log_every=args.log_every)
+    torch.manual_seed(args.seed)
+    draft = DominoDraft(draft_cfg).to(device=device, dtype=target.dtype)
+    print(f"draft: {sum(p.numel() for p in draft.parameters()) / 1e6:.2f}M parameters, {draft_cfg}")
+    history = train_draft(draft, target, train_seqs, train_cfg, log=lambda s: print(s, flush=True),
+                          eval_sequences=eval_seqs or None)
+    save_draft(draft, args.out)
+    record = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+              "train_config": vars(train_cfg), "history": history}
+
+    if args.eval_prompts is not None:
+        prompts = encode_all(tokenizer, read_prompts(args.eval_prompts, "prompt", args.eval_count),
+                             args.chat_template, max_len)
+        record["engine"] = {}
+        for name, candidate in (("domino", draft), ("backbone_only", backbone_only(draft))):
+            if name == "backbone_only" and not draft_cfg.has_head:
+                continue
+            result = engine_acceptance(target, candidate, prompts, max_new_tokens=args.eval_max_new_tokens,
+                                       eos_token_ids=eos)
+            result.pop("token_ids")
+            record["engine"][name] = result
+            print(f"engine, {len(prompts)} held-out prompts, {name}: mean acceptance length "
+                  f"{result['mean_acceptance_length']:.2f}, per position "
+                  f"{' '.join(f'{x:.2f}' for x in result['per_position_acceptance'])}")
+    (args.out / "training.json").write_text(json.dumps(record, indent=1) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
