@@ -10,7 +10,9 @@ no new request after `--time-limit` seconds. Every request uses `ignore_eos` and
 modes generate exactly the same tokens. Reported per level: requests/s, output tokens/s, p50/p99
 end-to-end latency and time to first token (client side), and the mean acceptance length the server
 reported. `--tiny DIR` writes a tiny random target + draft to DIR and serves that (CPU smoke runs; a
-random draft accepts nothing, so it measures the drafting overhead, not a speed-up).
+random draft accepts nothing, so it measures the drafting overhead, not a speed-up). `--prompts FILE`
+takes the prompts from a Parquet `prompt` column instead of the built-in dozen (the demo pair, trained on
+Python source: `--prompts domino_ray/assets/demo/prompts.parquet`).
 On a GPU box: `python benchmarks/bench_serve.py --config configs/qwen3_4b.yaml`.
 """
 
@@ -59,7 +61,8 @@ async def one_request(http, body: dict) -> dict:
             "mean_acceptance_length": final["speculative_decoding_stats"]["mean_acceptance_length"]}
 
 
-async def run_level(url: str, model: str, concurrency: int, requests: int, max_tokens: int, time_limit: float):
+async def run_level(url: str, model: str, prompts: list[str], concurrency: int, requests: int, max_tokens: int,
+                    time_limit: float):
     import httpx
 
     todo = iter(range(max(requests, concurrency)))
@@ -70,7 +73,7 @@ async def run_level(url: str, model: str, concurrency: int, requests: int, max_t
         for i in todo:
             if time.perf_counter() > deadline:
                 return
-            body = {"model": model, "prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": max_tokens,
+            body = {"model": model, "prompt": prompts[i % len(prompts)], "max_tokens": max_tokens,
                     "temperature": 0, "ignore_eos": True, "stream": True}
             results.append(await one_request(http, body))
 
@@ -91,7 +94,7 @@ async def run_level(url: str, model: str, concurrency: int, requests: int, max_t
             "mean_acceptance_length": statistics.fmean(r["mean_acceptance_length"] for r in ok)}
 
 
-def bench_mode(cfg, mode: str, args) -> list[dict]:
+def bench_mode(cfg, mode: str, prompts: list[str], args) -> list[dict]:
     from ray import serve
 
     from domino_ray.ray_serve import build_app
@@ -99,10 +102,10 @@ def bench_mode(cfg, mode: str, args) -> list[dict]:
     serve.run(build_app(cfg), name=f"bench-{mode}", route_prefix="/")
     url = f"http://127.0.0.1:{cfg.serve.port}"
     try:
-        asyncio.run(run_level(url, cfg.serve.model_name, 1, 2, 8, args.time_limit))  # warm-up
+        asyncio.run(run_level(url, cfg.serve.model_name, prompts, 1, 2, 8, args.time_limit))  # warm-up
         rows = []
         for c in args.concurrency:
-            row = {"mode": mode, **asyncio.run(run_level(url, cfg.serve.model_name, c, args.requests,
+            row = {"mode": mode, **asyncio.run(run_level(url, cfg.serve.model_name, prompts, c, args.requests,
                                                          args.max_tokens, args.time_limit))}
             print(json.dumps(row), flush=True)
             rows.append(row)
@@ -137,6 +140,7 @@ def main(argv=None) -> int:
     parser.add_argument("--time-limit", type=float, default=60.0, help="seconds per level before no new requests")
     parser.add_argument("--modes", nargs="+", default=["spec", "target"], choices=["spec", "target"])
     parser.add_argument("--tiny", help="write a tiny random target + draft here and serve it (CPU smoke runs)")
+    parser.add_argument("--prompts", help="Parquet file whose `prompt` column replaces the built-in prompts")
     parser.add_argument("--json", help="also write the rows to this file")
     parser.add_argument("overrides", nargs="*", help="key=value config overrides")
     args = parser.parse_args(argv)
@@ -153,6 +157,12 @@ def main(argv=None) -> int:
 
         target, draft = save_tiny_pair(args.tiny)
         overrides = [f"model.source={target}", f"draft.source={draft}", *overrides]
+    prompts = PROMPTS
+    if args.prompts:
+        import pyarrow.parquet as pq
+
+        prompts = [p for p in pq.read_table(args.prompts, columns=["prompt"]).column("prompt").to_pylist() if p]
+        prompts = prompts[:max(args.requests, 1)]
     port = free_port()
     base = load_config(args.config, [f"serve.port={port}", *overrides])
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -163,7 +173,7 @@ def main(argv=None) -> int:
         for mode in args.modes:
             cfg = base if mode == "spec" else load_config(args.config, [f"serve.port={port}", *overrides,
                                                                         "draft.source=null"])
-            rows += bench_mode(cfg, mode, args)
+            rows += bench_mode(cfg, mode, prompts, args)
     finally:
         serve.shutdown()
         ray.shutdown()
