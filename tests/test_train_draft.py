@@ -32,9 +32,10 @@ def make_draft(target, seed=1, **kwargs):
     return DominoDraft(cfg).to(next(target.parameters()).dtype)
 
 
-@pytest.fixture(scope="module")
-def target64():
-    return tiny_target("qwen3", seed=0)  # float64: exact comparisons
+@pytest.fixture(scope="module", params=["qwen3", "llama"])
+def target64(request):
+    """Any HF causal LM can be a target: the training path only uses the embedding, hidden states and LM head."""
+    return tiny_target(request.param, seed=0)  # float64: exact comparisons
 
 
 @pytest.fixture(scope="module")
