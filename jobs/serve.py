@@ -10,16 +10,8 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
-from domino_ray.config import ConfigError, JobConfig, load_config
-
-
-def check_local_sources(cfg: JobConfig):
-    """A local model or draft path that does not exist fails here, not in a replica Serve keeps restarting."""
-    for key, value in (("model.source", cfg.model.source), ("draft.source", cfg.draft.source)):
-        if value and value.startswith(("/", ".", "~")) and not Path(value).expanduser().exists():
-            raise ConfigError(f"config key {key}: {value} does not exist")
+from domino_ray.config import ConfigError, load_config
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,7 +22,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
-        check_local_sources(cfg)
+        # The batch job's model checks (configs, tokenizer, draft shapes; no weights): a model that cannot
+        # load fails here, not in a replica that Serve keeps restarting.
+        from domino_ray.preflight import check_models
+
+        check_models(cfg)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

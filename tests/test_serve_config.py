@@ -79,4 +79,6 @@ def test_local_start_refuses_a_bad_config_before_starting_ray(tmp_path, capsys):
     assert "generation.temperature" in capsys.readouterr().err
     assert job.main([f"model.source={tmp_path}/missing"]) == 2
     assert "model.source" in capsys.readouterr().err
+    assert job.main([f"draft.source={tmp_path}"]) == 2  # a directory without a draft checkpoint
+    assert "draft.source" in capsys.readouterr().err
     assert job.main(["--config", str(tmp_path / "none.yaml")]) == 2
