@@ -26,7 +26,7 @@ from domino_ray.config import DEMO_ASSETS
 from domino_ray.engine import Request, SpecEngine
 from domino_ray.proposer import DominoProposer
 from domino_ray.sampling import SamplingParams
-from domino_ray.stats import merge_histograms, per_position_acceptance
+from domino_ray.stats import per_position_acceptance, total_stats
 from domino_ray.target import encode_prompt, load_target, load_tokenizer, stop_token_ids
 from domino_ray.train_draft import backbone_only
 
@@ -38,12 +38,11 @@ def run(target, draft, prompts, *, rows, max_new_tokens, eos, num_draft_tokens=N
     start = time.perf_counter()
     out = engine.generate([Request(i, p, params) for i, p in enumerate(prompts)])
     seconds = time.perf_counter() - start
-    steps = sum(c.stats.num_spec_steps for c in out)
-    accepted = sum(c.stats.num_accepted_draft_tokens for c in out)
+    total = total_stats(c.stats for c in out)
     return {"seconds": seconds, "tokens": sum(len(c.token_ids) for c in out),
             "token_ids": [c.token_ids for c in out],
-            "mean_acceptance_length": 1 + accepted / steps if proposer and steps else None,
-            "histogram": merge_histograms(c.stats.acceptance_histogram for c in out) if proposer else None}
+            "mean_acceptance_length": total.mean_acceptance_length if proposer else None,
+            "histogram": total.acceptance_histogram if proposer else None}
 
 
 def repeated_fraction(rows: list[list[int]], n: int = 4) -> float:

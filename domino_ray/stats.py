@@ -69,3 +69,17 @@ def merge_histograms(histograms) -> list[int]:
             raise ValueError(f"histograms of different lengths: {len(h)} vs {len(total)}")
         total = [a + b for a, b in zip(total, h)]
     return total
+
+
+def total_stats(rows) -> RowStats:
+    """Sum of several rows' statistics (same K), e.g. a whole run: its mean acceptance length is
+    1 + all accepted / all steps, not a mean of the rows' ratios."""
+    rows = list(rows)
+    total = RowStats(rows[0].num_spec_tokens if rows else 0)
+    for r in rows:
+        total.num_spec_steps += r.num_spec_steps
+        total.num_draft_tokens += r.num_draft_tokens
+        total.num_accepted_draft_tokens += r.num_accepted_draft_tokens
+    if rows:
+        total.acceptance_histogram = merge_histograms(r.acceptance_histogram for r in rows)
+    return total

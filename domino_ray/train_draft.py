@@ -35,7 +35,7 @@ from domino_ray.draft import DominoDraft, DraftConfig, default_target_layer_ids
 from domino_ray.engine import Request, SpecEngine
 from domino_ray.proposer import DominoProposer
 from domino_ray.sampling import SamplingParams
-from domino_ray.stats import merge_histograms, per_position_acceptance
+from domino_ray.stats import per_position_acceptance, total_stats
 
 
 @dataclass
@@ -315,9 +315,7 @@ def engine_acceptance(target, draft: DominoDraft, prompts: list[list[int]], *, m
     engine = SpecEngine(target, DominoProposer(draft, target), max_rows=batch_size, eos_token_ids=eos_token_ids)
     params = SamplingParams(max_new_tokens=max_new_tokens)
     out = engine.generate([Request(i, list(p), params) for i, p in enumerate(prompts)])
-    steps = sum(c.stats.num_spec_steps for c in out)
-    accepted = sum(c.stats.num_accepted_draft_tokens for c in out)
-    histogram = merge_histograms(c.stats.acceptance_histogram for c in out)
-    return {"mean_acceptance_length": 1 + accepted / max(steps, 1), "steps": steps,
-            "per_position_acceptance": per_position_acceptance(histogram), "acceptance_histogram": histogram,
-            "token_ids": [c.token_ids for c in out]}
+    total = total_stats(c.stats for c in out)
+    return {"mean_acceptance_length": total.mean_acceptance_length, "steps": total.num_spec_steps,
+            "per_position_acceptance": per_position_acceptance(total.acceptance_histogram),
+            "acceptance_histogram": total.acceptance_histogram, "token_ids": [c.token_ids for c in out]}

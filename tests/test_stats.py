@@ -1,6 +1,6 @@
 import pytest
 
-from domino_ray.stats import RowStats, merge_histograms, per_position_acceptance
+from domino_ray.stats import RowStats, merge_histograms, per_position_acceptance, total_stats
 
 
 def test_row_stats_conventions():
@@ -33,3 +33,15 @@ def test_per_position_acceptance_and_merge():
     assert per_position_acceptance([0, 0, 0]) == [0.0, 0.0]
     with pytest.raises(ValueError):
         merge_histograms([[1, 2], [1, 2, 3]])
+
+
+def test_total_stats_pools_steps_not_ratios():
+    a, b = RowStats(2), RowStats(2)
+    a.observe_step(2, 2)                       # one step, 3 tokens
+    for _ in range(3):
+        b.observe_step(2, 0)                   # three steps, 1 token each
+    total = total_stats([a, b])
+    assert (total.num_spec_steps, total.num_accepted_draft_tokens, total.num_draft_tokens) == (4, 2, 8)
+    assert total.acceptance_histogram == [3, 0, 1]
+    assert total.mean_acceptance_length == 1.5  # 6 tokens / 4 steps, not the mean of 3.0 and 1.0
+    assert total_stats([]).mean_acceptance_length == 0.0
