@@ -118,8 +118,8 @@ def target_config(tokenizer):
     from transformers import Qwen3Config
 
     eos = tokenizer.convert_tokens_to_ids("<|endoftext|>")
-    # Deep and narrow: a forward's fixed cost grows with depth, its per-token cost with width, so
-    # verifying K+1 tokens costs little more than one while the 1-layer draft stays cheap.
+    # Deep and narrow: a forward's fixed cost grows with depth, its per-token cost with width, so at small
+    # batch verifying K+1 tokens costs little more than one, while the 2-layer draft stays cheap.
     return Qwen3Config(vocab_size=len(tokenizer), hidden_size=192, intermediate_size=512, num_hidden_layers=10,
                        num_attention_heads=6, num_key_value_heads=2, head_dim=32, max_position_embeddings=SEQ_LEN,
                        rope_theta=10000.0, tie_word_embeddings=True, bos_token_id=None, eos_token_id=eos,

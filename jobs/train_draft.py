@@ -151,9 +151,8 @@ def main(argv=None):
         prompts = encode_all(tokenizer, read_prompts(args.eval_prompts, "prompt", args.eval_count),
                              args.chat_template, max_len)
         record["engine"] = {}
-        for name, candidate in (("domino", draft), ("backbone_only", backbone_only(draft))):
-            if name == "backbone_only" and not draft_cfg.has_head:
-                continue
+        candidates = [("domino", draft)] + ([("backbone_only", backbone_only(draft))] if draft_cfg.has_head else [])
+        for name, candidate in candidates:
             result = engine_acceptance(target, candidate, prompts, max_new_tokens=args.eval_max_new_tokens,
                                        eos_token_ids=eos)
             result.pop("token_ids")
