@@ -70,13 +70,10 @@ def job(ray_cluster, tiny_pair, tmp_path_factory):
     try:
         cfg = job_config(tiny_pair, str(tmp / "in"), str(tmp / "out"),
                          **{"generation.max_new_tokens": MAX_NEW, "runtime.compare_baseline": "true"})
-        start = time.perf_counter()
         summary = run_job(cfg, log=lambda *_: None)
-        wall = time.perf_counter() - start
     finally:
         del os.environ[FAULT_ENV]
-    return {"out": tmp / "out", "summary": summary, "rows": rows, "good": good, "ids": ids, "marker": marker,
-            "wall": wall, "cfg": cfg}
+    return {"out": tmp / "out", "summary": summary, "rows": rows, "good": good, "ids": ids, "marker": marker, "cfg": cfg}
 
 
 def test_output_schema_rows_and_stats(job):
@@ -112,9 +109,8 @@ def test_lost_summary_is_rebuilt_without_generating(job):
     """Killed after the last file but before `_summary.json`: the rerun only writes the summary."""
     (job["out"] / "_summary.json").unlink()
     files = {p.name: p.stat().st_mtime_ns for p in job["out"].glob("*.parquet")}
-    start = time.perf_counter()
     summary = run_job(job["cfg"], log=lambda *_: None)
-    assert time.perf_counter() - start < 15 and summary["run"]["rows"] == 0 and summary["run"]["actors"] == []
+    assert summary["run"]["rows"] == 0 and summary["run"]["actors"] == []  # no actor started, nothing generated
     assert summary["totals"] == job["summary"]["totals"] and summary["rows"] == job["summary"]["rows"]
     assert {p.name: p.stat().st_mtime_ns for p in job["out"].glob("*.parquet")} == files
 
