@@ -48,6 +48,12 @@ def models(args, tmp: Path) -> tuple[str, str, str]:
     return target, draft, "tiny random pair (tests/tiny_models.save_tiny_pair, float32)"
 
 
+def shared_overrides(target_dir: str, draft_dir: str, args) -> list[str]:
+    """The engine settings both sides use."""
+    return [f"model.source={target_dir}", f"draft.source={draft_dir}",
+            f"generation.max_new_tokens={args.max_new_tokens}", f"generation.max_batch_size={args.max_batch_size}"]
+
+
 def direct_process(target_dir: str, draft_dir: str, n: int, args) -> dict:
     """`direct` in a fresh process; wall time from start to exit (imports included)."""
     import subprocess
@@ -65,20 +71,17 @@ def direct(target_dir: str, draft_dir: str, prompts: list[str], args) -> dict:
     """The engine alone: load, tokenize, generate everything with continuous batching."""
     import torch
 
-    from domino_ray.checkpoint import load_draft
-    from domino_ray.engine import Request, SpecEngine
-    from domino_ray.proposer import DominoProposer
-    from domino_ray.sampling import SamplingParams
-    from domino_ray.target import encode_prompt, load_target, load_tokenizer, stop_token_ids
+    from domino_ray.config import load_config
+    from domino_ray.engine import Request
+    from domino_ray.llm import load_engine
+    from domino_ray.schema import base_params
+    from domino_ray.target import encode_prompt
 
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
-    target, tokenizer = load_target(target_dir), load_tokenizer(target_dir)
-    weight = next(target.parameters())
-    draft = load_draft(draft_dir, target_config=target.config, device=weight.device, dtype=weight.dtype)
-    engine = SpecEngine(target, DominoProposer(draft, target), max_rows=args.max_batch_size,
-                        eos_token_ids=stop_token_ids(target, tokenizer))
-    params = SamplingParams(max_new_tokens=args.max_new_tokens)
+    cfg = load_config(None, shared_overrides(target_dir, draft_dir, args))
+    engine, tokenizer = load_engine(cfg.model, cfg.draft, cfg.generation)  # as each job actor loads it
+    params = base_params(cfg.generation)  # the job's per-row parameters, no overrides
     requests = [Request(i, encode_prompt(tokenizer, prompt=p, chat_template=False), params)
                 for i, p in enumerate(prompts)]
     gen_start = time.perf_counter()
@@ -99,11 +102,9 @@ def job(target_dir: str, draft_dir: str, prompts: list[str], tmp: Path, args) ->
     inp, out = tmp / f"in-{n}", tmp / f"out-{n}"
     inp.mkdir(parents=True)
     pq.write_table(pa.table({"id": list(range(n)), "prompt": prompts}), inp / "prompts.parquet")
-    cfg = load_config(None, [f"model.source={target_dir}", f"draft.source={draft_dir}", f"input.path={inp}",
+    cfg = load_config(None, [*shared_overrides(target_dir, draft_dir, args), f"input.path={inp}",
                              f"output.path={out}", f"runtime.cpus_per_actor={args.threads}",
-                             f"runtime.batch_size={args.batch_size}", "runtime.max_concurrent_batches=2",
-                             f"generation.max_new_tokens={args.max_new_tokens}",
-                             f"generation.max_batch_size={args.max_batch_size}"])
+                             f"runtime.batch_size={args.batch_size}", "runtime.max_concurrent_batches=2"])
     start, start_epoch = time.perf_counter(), time.time()
     summary = run_job(cfg, log=lambda *_: None)
     wall = time.perf_counter() - start

@@ -110,10 +110,11 @@ def main(argv=None):
                 entry["mean_acceptance_length"] = round(rs[0]["mean_acceptance_length"], 3)
                 entry["per_position_acceptance"] = [round(x, 3) for x in per_position_acceptance(rs[0]["histogram"])]
             table[name] = entry
-        results[f"batch {rows}"] = {"drafts": table, "repeated_4gram_fraction": round(repeated_fraction(reference), 3)}
+        repeated = repeated_fraction(reference)
+        results[f"batch {rows}"] = {"drafts": table, "repeated_4gram_fraction": round(repeated, 3)}
         print(f"\nbatch {rows}: {len(prompts)} held-out prompts x {args.max_new_tokens} new tokens, greedy, "
               f"{args.repeats} interleaved repeats (outputs equal target-only token for token; "
-              f"{repeated_fraction(reference):.0%} of generated 4-grams repeat an earlier one in their row)")
+              f"{repeated:.0%} of generated 4-grams repeat an earlier one in their row)")
         print(f"{'':<18} {'tok/s':>8} {'speed-up':>9} {'tau':>6}  per-position acceptance")
         for name, e in table.items():
             tau = f"{e['mean_acceptance_length']:.2f}" if "mean_acceptance_length" in e else "-"

@@ -127,6 +127,17 @@ class JobConfig:
     serve: ServeConfig = field(default_factory=ServeConfig)
 
 
+def config_from_command_line(argv: list[str] | None, description: str, example: str) -> JobConfig:
+    """`[--config FILE] [key=value ...]`, the command line of jobs/generate.py and jobs/serve.py."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--config", help="YAML config (default: the built-in CPU demo config)")
+    parser.add_argument("overrides", nargs="*", help=f"key=value overrides, e.g. {example}")
+    args = parser.parse_args(argv)
+    return load_config(args.config, args.overrides)
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> JobConfig:
     """Defaults <- YAML file <- `key=value` overrides, checked; raises ConfigError naming the key."""
     from omegaconf import OmegaConf

@@ -65,7 +65,8 @@ class DominoProposer:
         kv_len = max(committed) - 1 + block_size  # host-known: no sync
         keys = torch.arange(kv_len, device=self.device)
         # Non-causal: every block slot sees the whole context and the whole block.
-        mask = additive_mask((keys[None, :] < (offsets + block_size)[:, None])[:, None, None, :], self.dtype)  # [b, 1, 1, kv_len]
+        visible = (keys[None, :] < (offsets + block_size)[:, None])[:, None, None, :]  # [b, 1, 1, kv_len]
+        mask = additive_mask(visible, self.dtype)
         cos, sin = self.draft.rope(positions, self.dtype)
 
         def attend_layer(i, layer, x, cos, sin):

@@ -11,7 +11,7 @@ from collections import Counter
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from domino_ray.stats import merge_histograms, per_position_acceptance
+from domino_ray.stats import RowStats, merge_histograms, per_position_acceptance
 
 STATS_COLUMNS = ["finish_reason", "error", "num_input_tokens", "num_generated_tokens", "num_spec_tokens",
                  "num_spec_steps", "num_draft_tokens", "num_accepted_draft_tokens", "acceptance_histogram",
@@ -26,7 +26,8 @@ def summarize(rows: pa.Table, id_column: str, *, run: dict, config: dict, output
     reasons = Counter(rows.column("finish_reason").to_pylist())
     failed = reasons.get("error", 0)
     totals = {name: int(pc.sum(rows.column(name)).as_py() or 0) for name in TOTALS}
-    steps, accepted, drafted = totals["num_spec_steps"], totals["num_accepted_draft_tokens"], totals["num_draft_tokens"]
+    # Pooled over rows (1 + all accepted / all steps, not a mean of ratios); K is not used by the ratios.
+    pooled = RowStats(0, totals["num_spec_steps"], totals["num_draft_tokens"], totals["num_accepted_draft_tokens"])
     ks = sorted(set(rows.column("num_spec_tokens").to_pylist()))
     try:
         histogram = merge_histograms(rows.column("acceptance_histogram").to_pylist())
@@ -43,8 +44,8 @@ def summarize(rows: pa.Table, id_column: str, *, run: dict, config: dict, output
         "finish_reasons": {k: reasons.get(k, 0) for k in ("stop", "length", "error")},
         "num_spec_tokens": ks[0] if len(ks) == 1 else ks,
         "totals": totals,
-        "mean_acceptance_length": 1.0 + accepted / steps if steps else 0.0,
-        "draft_acceptance_rate": accepted / drafted if drafted else 0.0,
+        "mean_acceptance_length": pooled.mean_acceptance_length,  # pooled over rows: 1 + all accepted / all steps
+        "draft_acceptance_rate": pooled.draft_acceptance_rate,
         "acceptance_histogram": histogram,
         "per_position_acceptance": per_position,
         "mean_time_to_first_token_s": ttft,

@@ -8,20 +8,14 @@ Exit status: 0 done, 2 bad config or inputs (nothing ran), 1 the job failed.
 
 from __future__ import annotations
 
-import argparse
 import sys
 
-from domino_ray.config import ConfigError, load_config
+from domino_ray.config import ConfigError, config_from_command_line
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", help="YAML config (default: the built-in CPU demo config)")
-    parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. generation.max_new_tokens=64")
-    args = parser.parse_args(argv)
     try:
-        cfg = load_config(args.config, args.overrides)
+        cfg = config_from_command_line(argv, __doc__.splitlines()[0], "generation.max_new_tokens=64")
         from domino_ray.ray_batch import run_job
 
         run_job(cfg)

@@ -7,21 +7,15 @@ KubeRay manifest deploy/rayservice.yaml. Exit status: 0 stopped, 2 bad config (n
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 
-from domino_ray.config import ConfigError, load_config
+from domino_ray.config import ConfigError, config_from_command_line
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", help="YAML config (default: the built-in CPU demo config)")
-    parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. serve.port=8001")
-    args = parser.parse_args(argv)
     try:
-        cfg = load_config(args.config, args.overrides)
+        cfg = config_from_command_line(argv, __doc__.splitlines()[0], "serve.port=8001")
         # The batch job's model checks (configs, tokenizer, draft shapes; no weights): a model that cannot
         # load fails here, not in a replica that Serve keeps restarting.
         from domino_ray.preflight import check_models

@@ -12,16 +12,7 @@ from domino_ray.train_draft import (TrainConfig, backbone_only, block_labels, bl
                                     context_features, draft_config_for, engine_acceptance, evaluate_blocks,
                                     generate_sequences, lambda_base, position_weights, sample_anchors,
                                     train_draft, training_mask)
-from tiny_models import ragged_prompts, tiny_target
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models gain nothing from a second thread, and on a shared CPU its barrier waits cost seconds."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+from tiny_models import Recorder, ragged_prompts, tiny_target
 
 
 def make_draft(target, seed=1, **kwargs):
@@ -107,18 +98,6 @@ def test_training_logits_equal_stateless_inference(target64, sequences64, shift_
                 assert torch.allclose(base[row, a], draft.base_logits(z, lm_head)[0], atol=1e-10)
                 checked += 1
         assert checked >= 10
-
-
-class Recorder:
-    def __init__(self, inner):
-        self.inner, self.records = inner, []
-        self.num_draft_tokens, self.target_layer_ids = inner.num_draft_tokens, inner.target_layer_ids
-        self.allocate, self.append_context, self.move_row = inner.allocate, inner.append_context, inner.move_row
-
-    def propose(self, rows, anchor, offsets, committed, request_ids):
-        drafts = self.inner.propose(rows, anchor, offsets, committed, request_ids)
-        self.records += list(zip(request_ids, committed, drafts.tolist()))
-        return drafts
 
 
 def test_engine_drafts_are_the_training_argmax(target64, sequences64):
