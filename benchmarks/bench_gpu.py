@@ -21,6 +21,9 @@ import json
 import os
 import time
 
+import sys
+from pathlib import Path
+
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -28,8 +31,11 @@ from bench_engine_cpu import prompts_for
 from domino_ray.checkpoint import parse_draft_config
 from domino_ray.draft import DominoDraft
 from domino_ray.engine import Request, SpecEngine
-from domino_ray.proposer import DominoProposer, OracleProposer
+from domino_ray.proposer import DominoProposer
 from domino_ray.sampling import SamplingParams
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from oracles import OracleProposer  # noqa: E402  (test support, kept out of the core)
 
 QWEN3_4B = dict(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
                 num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,

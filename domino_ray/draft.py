@@ -111,6 +111,11 @@ class DraftAttention(nn.Module):
         qs = self.q_norm(self.q_proj(x).view(b, q, self.num_heads, self.head_dim)).transpose(1, 2)
         return apply_rotary(qs, cos, sin)  # [b, H, q, D]
 
+    def output(self, attended: torch.Tensor) -> torch.Tensor:
+        """Attention output `[b, q, H, D]` -> `[b, q, C]`."""
+        b, n = attended.shape[:2]
+        return self.o_proj(attended.reshape(b, n, self.num_heads * self.head_dim))
+
     def attend(self, q, keys, values, mask) -> torch.Tensor:
         """q `[b, H, q, D]` over keys/values `[b, Hkv, T, D]` under `mask [b, 1, q, T]` (bool or additive) -> `[b, q, C]`."""
         a = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.head_dim ** -0.5,
@@ -217,8 +222,9 @@ class DominoDraft(nn.Module):
                      embed: nn.Module, target_lm_head: nn.Module) -> torch.Tensor:
         """Greedy draft tokens `[b, K]` (target ids) from block hidden `[b, B, C]` and `anchor [b]`.
 
-        Base logits for all K positions come from one GEMM; only the small GRU + MLP runs step by
-        step, carrying the GRU state (O(K) GRU work, not O(K^2)).
+        Base logits for all K positions come from one GEMM; only the small GRU cell + MLP runs step by
+        step, carrying the GRU state (O(K) GRU work, not O(K^2)). The cell is explicit math (no cuDNN
+        `nn.GRU` call), so the loop is capturable in a CUDA graph and runs in bf16.
         """
         z = self.select_draft_hidden(hidden, num_draft)  # [b, K, C]
         base = self.base_logits(z, target_lm_head)       # [b, K, Vd]
@@ -226,34 +232,32 @@ class DominoDraft(nn.Module):
             return self.to_target_ids(base.argmax(-1))
         p = min(self.config.num_uncorrected, num_draft)
         tokens = [self.to_target_ids(base[:, :p].argmax(-1))]  # [b, P] uncorrected prefix
-        gru_dtype = self.prefix_gru.weight_hh_l0.dtype
-        _, state = self.prefix_gru(embed(torch.cat([anchor[:, None], tokens[0]], 1)).to(gru_dtype))  # [1, b, G]
+        w_ih, w_hh = self.prefix_gru.weight_ih_l0, self.prefix_gru.weight_hh_l0
+        prefix = embed(torch.cat([anchor[:, None], tokens[0]], 1)).to(w_ih.dtype)  # [b, P+1, C]
+        state = prefix.new_zeros(prefix.shape[0], w_hh.shape[1])                  # [b, G]
+        for j in range(prefix.shape[1]):
+            state = gru_cell(prefix[:, j], state, w_ih, w_hh)
         fc1, fc2 = self.embed_proj[0], self.embed_proj[2]
         c = z.shape[-1]
         z_part = F.linear(z.to(fc1.weight.dtype), fc1.weight[:, :c])  # [b, K, E], batched over positions
         w_state = fc1.weight[:, c:]                                    # [E, G]
         for i in range(p, num_draft):
-            delta = fc2(F.silu(z_part[:, i] + F.linear(state[0], w_state)))  # [b, Vd]
+            delta = fc2(F.silu(z_part[:, i] + F.linear(state, w_state)))  # [b, Vd]
             tok = self.to_target_ids((base[:, i] + delta.to(base.dtype)).argmax(-1))  # [b]
             tokens.append(tok[:, None])
             if i + 1 < num_draft:
-                _, state = self.prefix_gru(embed(tok[:, None]).to(gru_dtype), state)
+                state = gru_cell(embed(tok).to(w_ih.dtype), state, w_ih, w_hh)
         return torch.cat(tokens, 1)
 
-    def corrected_logits_full_prefix(self, hidden: torch.Tensor, anchor: torch.Tensor, drafts: torch.Tensor,
-                                     embed: nn.Module, target_lm_head: nn.Module) -> torch.Tensor:
-        """Slow oracle: logits `[b, K, Vd]` for given drafts `[b, K]`, rerunning the GRU over the whole
-        prefix for every position (the O(K^2) form of the reference test harness)."""
-        k = drafts.shape[1]
-        z = self.select_draft_hidden(hidden, k)
-        base = self.base_logits(z, target_lm_head)
-        out = base.clone()
-        seq = torch.cat([anchor[:, None], drafts], 1)  # [b, K+1]
-        for i in range(self.config.num_uncorrected, k):
-            _, s = self.prefix_gru(embed(seq[:, :i + 1]).to(self.prefix_gru.weight_hh_l0.dtype))
-            delta = self.embed_proj(torch.cat([z[:, i].to(s.dtype), s[0]], -1))
-            out[:, i] = base[:, i] + delta.to(base.dtype)
-        return out
+
+def gru_cell(x: torch.Tensor, state: torch.Tensor, w_ih: torch.Tensor, w_hh: torch.Tensor) -> torch.Tensor:
+    """One step of a bias-free GRU with `nn.GRU`'s weights and gate order (reset, update, new):
+    x `[b, C]`, state `[b, G]`, w_ih `[3G, C]`, w_hh `[3G, G]` -> new state `[b, G]`."""
+    i_r, i_z, i_n = F.linear(x, w_ih).chunk(3, -1)
+    h_r, h_z, h_n = F.linear(state, w_hh).chunk(3, -1)
+    reset, update = torch.sigmoid(i_r + h_r), torch.sigmoid(i_z + h_z)
+    new = torch.tanh(i_n + reset * h_n)
+    return new + update * (state - new)  # (1 - update) * new + update * state
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:

@@ -3,8 +3,9 @@
 Token ids in, token ids out: no text, no IO, no Ray. One engine serves a list of requests with a fixed
 number of slots; a finished row frees its slot and the next pending request is prefilled into it.
 
-Glossary (shape comments): n active rows (at most R slots), q query positions, T buffer positions,
-K draft tokens per step, B draft block size, V vocabulary, C hidden size, F = len(target_layer_ids) * C.
+Glossary (shape comments): n active rows (at most R slots), r = the row bucket (n padded up), q query
+positions, T buffer positions (the key bucket), K draft tokens per step, B draft block size, V
+vocabulary, C hidden size, F = len(target_layer_ids) * C.
 Speculative-decoding words (draft tokens, accepted, bonus, step) are defined in `verify.py`.
 
 A row's committed tokens are prompt + generated. Its last committed token, the *anchor*, has not been
@@ -17,6 +18,12 @@ does the draft's context. One step, for all active rows at once:
      buffers beyond `lens` and are overwritten next step: nothing is cropped.
   4. one host sync: accepted counts and tokens; stop checks, statistics, finished rows leave.
 Target-only decoding is the same loop with K = 0 (no proposer): the baseline.
+
+Steps 1-3 are pure device work on fixed-address buffers with fixed shapes per *bucket*: the active
+rows are padded to a row bucket (1, 2, 4, 8, ... up to R) and the attended keys to a multiple of
+`kv_chunk`. Padding slots are free slots with `remaining == 0`: they compute but never advance, and
+the host never reads them. On CUDA each bucket's draft step and verify step is captured once as a CUDA
+graph and replayed (`step_graphs.py`); on CPU the same functions run eagerly.
 """
 
 from __future__ import annotations
@@ -28,9 +35,12 @@ from typing import Callable, Hashable, Iterable
 
 import torch
 
-from domino_ray.kv_cache import KVBuffers, RowKVCache, causal_row_mask, write_index
+from domino_ray.kv_cache import KVBuffers, visible_keys
+from domino_ray.rng import counter_uniforms
 from domino_ray.sampling import SamplingParams, sampling_probs
 from domino_ray.stats import RowStats
+from domino_ray.step_graphs import StepGraphs, use_cuda_graphs
+from domino_ray.target_forward import RowAttention, install, run_decoder
 from domino_ray.verify import greedy_accept, rejection_accept, sample_from_probs
 
 
@@ -64,7 +74,7 @@ class _Row:
     request: Request
     max_new: int                     # generated tokens allowed (max_new_tokens capped by the model length)
     stop_ids: frozenset
-    generator: torch.Generator | None  # per-row randomness for sampled decoding
+    seed: int                        # per-row randomness for sampled decoding (rng.counter_uniforms)
     stats: RowStats
     arrival: float
     tokens: list[int] = field(default_factory=list)
@@ -77,14 +87,19 @@ class _Row:
 
 
 class SpecEngine:
-    """Batched speculative (or, without a proposer, target-only) generation on one device."""
+    """Batched speculative (or, without a proposer, target-only) generation on one device.
+
+    `kv_chunk`: the attended key length is padded to a multiple of it (the key bucket).
+    `cuda_graphs`: "auto" (on for CUDA), "on" or "off".
+    """
 
     def __init__(self, target, proposer=None, *, max_rows: int = 16, max_model_len: int | None = None,
-                 eos_token_ids: Iterable[int] = (), seed: int = 0, max_prefill_tokens: int = 8192):
+                 eos_token_ids: Iterable[int] = (), seed: int = 0, max_prefill_tokens: int = 8192,
+                 kv_chunk: int = 256, cuda_graphs: str = "auto"):
         cfg = target.config
         self.target, self.decoder, self.lm_head = target, target.get_decoder(), target.get_output_embeddings()
         self.proposer = proposer
-        self.num_draft_tokens = proposer.num_draft_tokens if proposer is not None else 0
+        k = self.num_draft_tokens = proposer.num_draft_tokens if proposer is not None else 0
         limits = [x for x in (max_model_len, getattr(cfg, "max_position_embeddings", None)) if x]
         if not limits:
             raise ValueError("max_model_len is required: the target config has no max_position_embeddings")
@@ -94,33 +109,59 @@ class SpecEngine:
         self.eos_token_ids = frozenset(eos_token_ids)
         weight = next(target.parameters())
         self.device, self.dtype = weight.device, weight.dtype
+        install(target)
+        # A step writes up to `span` positions past a row's committed context (verify K+1, draft block B).
+        self.span = max(k + 1, proposer.block_size if proposer is not None else 1)
+        self.kv_chunk = kv_chunk
+        self.capacity = _round_up(self.max_model_len + self.span, kv_chunk)
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        capacity = self.max_model_len + self.num_draft_tokens + 1  # a verify may write K+1 past the last token
-        _check_kv_fits(self.device, max_rows, capacity,
-                       2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * weight.element_size())
-        self.kv = KVBuffers(cfg.num_hidden_layers, max_rows, capacity, cfg.num_key_value_heads, head_dim,
+        self.groups = cfg.num_attention_heads // cfg.num_key_value_heads
+        self.kv = KVBuffers(cfg.num_hidden_layers, max_rows, self.capacity, cfg.num_key_value_heads, head_dim,
                             weight.dtype, self.device)
-        self.cache = RowKVCache(self.kv)
-        self.hidden_ids = None
+        self.tap_layers: tuple[int, ...] = ()
         if proposer is not None:
-            proposer.allocate(max_rows, capacity)
             layer_ids = list(proposer.target_layer_ids)
             bad = [i for i in layer_ids if not 0 <= i < cfg.num_hidden_layers]
             if bad:
                 raise ValueError(f"draft target_layer_ids {layer_ids} out of range for a target with "
                                  f"{cfg.num_hidden_layers} layers: {bad}")
-            self.hidden_ids = [i + 1 for i in layer_ids] or None  # HF hidden_states[l + 1] = output of layer l
+            proposer.allocate(max_rows, self.capacity)
+            self.tap_layers = tuple(layer_ids)
+        self.row_buckets = sorted({min(1 << i, max_rows) for i in range(max_rows.bit_length() + 1)})
         r, dev = max_rows, self.device
         self.lens = torch.zeros(r, dtype=torch.long, device=dev)       # [R] committed positions in the KV
         self.anchor = torch.zeros(r, dtype=torch.long, device=dev)     # [R] last committed token
-        self.remaining = torch.zeros(r, dtype=torch.long, device=dev)  # [R] tokens the row may still emit
+        self.remaining = torch.zeros(r, dtype=torch.long, device=dev)  # [R] tokens the row may still emit; 0 = free
         self.temperature = torch.zeros(r, device=dev)                 # [R]
         self.top_p = torch.ones(r, device=dev)                        # [R]
         self.top_k = torch.zeros(r, dtype=torch.long, device=dev)     # [R]
+        self.seeds = torch.zeros(r, dtype=torch.long, device=dev)     # [R] sampled rows' seeds
+        self.draws = torch.zeros(r, dtype=torch.long, device=dev)     # [R] random draws so far (one per step)
+        self.drafts = torch.zeros(r, k, dtype=torch.long, device=dev)  # [R, K] the draft step's output
+        self.packed = torch.zeros(r, k + 2, dtype=torch.long, device=dev)  # [R, 1 + K+1] accepted, tokens
+        self.packed_host = torch.zeros(r, k + 2, dtype=torch.long, pin_memory=dev.type == "cuda")
+        self.verify_offsets = torch.arange(k + 1, device=dev)        # [K+1]
+        self.key_positions = torch.arange(self.capacity, device=dev)  # [T]
         self.rows: list[_Row] = []      # active rows; rows[i] lives in slot i
         self.pending: deque[_Row] = deque()
         self._running_ids: set = set()  # request ids of pending and active rows
         self.rng = torch.Generator().manual_seed(seed)
+        self.graphs = StepGraphs(self.device) if use_cuda_graphs(cuda_graphs, self.device) else None
+        _check_memory_fits(self.device, self.memory_plan())
+
+    def memory_plan(self) -> dict[str, int]:
+        """Bytes the engine preallocates or peaks at beyond the weights (README "Memory")."""
+        cfg, elt = self.target.config, self.kv.keys[0].element_size()
+        r, q, t = self.max_rows, self.num_draft_tokens + 1, self.capacity
+        # The largest decode bucket's intermediates: logits (+ float32 probabilities and float64 CDF when
+        # sampling), the widest activations, one layer's attention scores and the key mask. CUDA graphs share
+        # one pool, so this is also about what the captured graphs hold.
+        step = r * q * (cfg.vocab_size * (elt + 4 + 8) + 4 * cfg.intermediate_size * elt) \
+            + r * cfg.num_attention_heads * q * t * 4 + r * self.groups * q * t
+        prefill = self.max_prefill_tokens * (6 * cfg.hidden_size + 3 * cfg.intermediate_size) * elt
+        plan = {"target_kv": self.kv.nbytes, "draft_kv": getattr(getattr(self.proposer, "kv", None), "nbytes", 0),
+                "decode_step": step, "prefill_peak": prefill}
+        return plan
 
     # ---- requests ---------------------------------------------------------------------------------
 
@@ -137,15 +178,14 @@ class SpecEngine:
         if request.request_id in self._running_ids:
             raise ValueError(f"request_id {request.request_id!r} is already running")
         params.validate()
-        generator = None
+        seed = 0
         if not params.greedy:
             seed = params.seed if params.seed is not None else int(torch.randint(2**62, (1,), generator=self.rng))
-            generator = torch.Generator().manual_seed(seed)
         stop = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
         self._running_ids.add(request.request_id)
         self.pending.append(_Row(request=Request(request.request_id, list(ids), params),
                                  max_new=min(params.max_new_tokens, self.max_model_len - len(ids)),
-                                 stop_ids=frozenset(stop), generator=generator,
+                                 stop_ids=frozenset(stop), seed=int(seed),
                                  stats=RowStats(self.num_draft_tokens), arrival=time.perf_counter()))
 
     def abort(self, request_id: Hashable) -> bool:
@@ -222,60 +262,101 @@ class SpecEngine:
         ids = torch.zeros(k, longest, dtype=torch.long)
         for i, row in enumerate(batch):
             ids[i, :len(row.request.prompt_token_ids)] = torch.tensor(row.request.prompt_token_ids)
-        lengths = torch.tensor([len(r.request.prompt_token_ids) for r in batch], device=self.device)  # [k]
-        zeros = torch.zeros(k, dtype=torch.long, device=self.device)
-        positions = write_index(zeros, longest)  # [k, q]
-        self.cache.prepare(rows, zeros, longest, longest, prefill=True)
-        out = self.decoder(input_ids=ids.to(self.device), position_ids=positions, cache=self.cache, use_cache=True,
-                           attention_mask=causal_row_mask(positions, longest, self.dtype),
-                           output_hidden_states=self.hidden_ids or False)
-        last = out.last_hidden_state[torch.arange(k, device=self.device), lengths - 1]  # [k, C]
-        self._set_sampling(rows, batch)
+        # Per-row settings in two host->device copies: [length, remaining, top_k, seed], [temperature, top_p].
+        ints = torch.tensor([[len(r.request.prompt_token_ids), r.max_new - 1, r.request.params.top_k, r.seed]
+                             for r in batch], dtype=torch.long).to(self.device)
+        floats = torch.tensor([[r.request.params.temperature, r.request.params.top_p] for r in batch]
+                              ).to(self.device, self.temperature.dtype)
+        lengths = ints[:, 0]
+        self.top_k[rows], self.seeds[rows] = ints[:, 2], ints[:, 3]
+        self.temperature[rows], self.top_p[rows] = floats[:, 0], floats[:, 1]
+        self.draws[rows] = 0
+        positions = self.key_positions[:longest].expand(k, longest)  # [k, m]: every prompt starts at 0
+        hidden, taps = run_decoder(self.decoder, ids.to(self.device), positions,
+                                   RowAttention(self.kv, write_index=positions, prefill_rows=rows), self.tap_layers)
+        last = hidden[torch.arange(k, device=self.device), lengths - 1]  # [k, C]
         first = self._choose_first(self.lm_head(last)[:, None], rows, batch)  # [k]
-        if self.hidden_ids:
-            self.proposer.append_context(rows, self._context_features(out), zeros)
+        if taps is not None:
+            self.proposer.append_context(rows, taps, torch.zeros_like(lengths))
         self.lens[rows] = lengths
         self.anchor[rows] = first
-        self.remaining[rows] = torch.tensor([r.max_new - 1 for r in batch], device=self.device)
+        self.remaining[rows] = ints[:, 1]
         return first
 
     def _decode(self, events: list[StepEvent]):
         n, k = len(self.rows), self.num_draft_tokens
-        rows = slice(0, n)
-        lens, anchor = self.lens[rows], self.anchor[rows]
+        r = next(b for b in self.row_buckets if b >= n)
+        longest = max(row.committed for row in self.rows)  # committed - 1 positions are in the KV
+        t = min(_round_up(longest - 1 + self.span, self.kv_chunk), self.capacity)
+        sampled = any(not row.request.params.greedy for row in self.rows)
+        filtered = sampled and any(row.request.params.top_k > 0 or row.request.params.top_p < 1.0
+                                   for row in self.rows)
         if k:
-            drafts = self.proposer.propose(rows, anchor, lens, [r.committed for r in self.rows],
-                                           [r.request.request_id for r in self.rows])  # [n, K]
-        else:
-            drafts = torch.zeros(n, 0, dtype=torch.long, device=self.device)
-        verify_ids = torch.cat([anchor[:, None], drafts.to(self.device)], 1)  # [n, K+1]
-        kv_len = max(r.committed for r in self.rows) + k  # (committed - 1) + (K + 1), host-known
-        positions = write_index(lens, k + 1)            # [n, K+1]
-        self.cache.prepare(rows, lens, k + 1, kv_len)
-        out = self.decoder(input_ids=verify_ids, position_ids=positions, cache=self.cache, use_cache=True,
-                           attention_mask=causal_row_mask(positions, kv_len, self.dtype),
-                           output_hidden_states=self.hidden_ids or False)
-        logits = self.lm_head(out.last_hidden_state)  # [n, K+1, V]
-        limit = self.remaining[rows] - 1              # drafts that fit the row's budget beside the bonus
-        accepted, tokens = greedy_accept(target_logits=logits, drafts=verify_ids[:, 1:], limit=limit)
-        if any(not r.request.params.greedy for r in self.rows):
-            probs = sampling_probs(logits, self.temperature[rows], self.top_k[rows], self.top_p[rows],
-                                   filtered=self._any_filtered())
-            s_accepted, s_tokens = rejection_accept(target_probs=probs, drafts=verify_ids[:, 1:], limit=limit,
-                                                    uniforms=self._uniforms(k + 1))
-            sampled = self.temperature[rows] > 0
-            accepted = torch.where(sampled, s_accepted, accepted)
-            tokens = torch.where(sampled[:, None], s_tokens, tokens)
-        if self.hidden_ids:
-            self.proposer.append_context(rows, self._context_features(out), lens)
-        self.lens[rows] += accepted + 1
-        self.remaining[rows] -= accepted + 1
-        self.anchor[rows] = tokens.gather(1, accepted[:, None])[:, 0]
-        packed = torch.cat([accepted[:, None], tokens], 1).tolist()  # the step's one host sync
+            if getattr(self.proposer, "graph_safe", False):
+                self._run(("draft", r, t), lambda: self._draft_step(r, t))
+            else:
+                self._draft_step(r, t, [row.committed for row in self.rows],
+                                 [row.request.request_id for row in self.rows])
+        self._run(("verify", r, t, sampled, filtered), lambda: self._verify_step(r, t, sampled, filtered))
+        packed = self._read_packed(n)  # the step's one host sync
         now = time.perf_counter()
         for row, (a, *row_tokens) in zip(self.rows, packed):
             budget = row.max_new - len(row.tokens)
             self._commit(row, row_tokens[:a + 1], events, now, drafted=min(k, budget - 1))
+
+    def _run(self, key: tuple, step: Callable[[], None]):
+        if self.graphs is None:
+            step()
+        else:
+            self.graphs.run(key, step)
+
+    # ---- the fixed-shape steps (device work only: no host syncs, no shape that varies within a bucket) ----
+
+    def _draft_step(self, r: int, t: int, committed=None, request_ids=None):
+        """Draft tokens for slots `0..r` into `self.drafts`."""
+        self.drafts[:r] = self.proposer.propose(r, self.anchor[:r], self.lens[:r], t, committed, request_ids)
+
+    def _verify_step(self, r: int, t: int, sampled: bool, filtered: bool):
+        """Verify `[anchor, drafts]` for slots `0..r` over `t` key positions, accept, advance the rows and
+        write `self.packed[:r]` = (accepted, tokens)."""
+        k = self.num_draft_tokens
+        lens, remaining = self.lens[:r], self.remaining[:r]
+        verify_ids = torch.cat([self.anchor[:r, None], self.drafts[:r]], 1)  # [r, K+1]
+        positions = lens[:, None] + self.verify_offsets                       # [r, K+1]
+        visible = visible_keys(positions + 1, self.groups, self.key_positions[:t])  # causal after the prefix
+        hidden, taps = run_decoder(self.decoder, verify_ids, positions,
+                                   RowAttention(self.kv, write_index=positions, visible=visible, kv_len=t),
+                                   self.tap_layers)
+        logits = self.lm_head(hidden)  # [r, K+1, V]
+        limit = remaining - 1          # drafts that fit the row's budget beside the bonus
+        accepted, tokens = greedy_accept(target_logits=logits, drafts=verify_ids[:, 1:], limit=limit)
+        if sampled:
+            probs = sampling_probs(logits, self.temperature[:r], self.top_k[:r], self.top_p[:r], filtered=filtered)
+            uniforms = counter_uniforms(self.seeds[:r], self.draws[:r], k + 1, stride=k + 1)
+            s_accepted, s_tokens = rejection_accept(target_probs=probs, drafts=verify_ids[:, 1:], limit=limit,
+                                                    uniforms=uniforms)
+            is_sampled = self.temperature[:r] > 0
+            accepted = torch.where(is_sampled, s_accepted, accepted)
+            tokens = torch.where(is_sampled[:, None], s_tokens, tokens)
+        if taps is not None:
+            self.proposer.append_context(slice(0, r), taps, lens)
+        advance = torch.where(remaining > 0, accepted + 1, 0)  # padding slots (remaining 0) stay put
+        self.packed[:r, 0] = accepted
+        self.packed[:r, 1:] = tokens
+        self.anchor[:r] = tokens.gather(1, accepted[:, None])[:, 0]
+        lens += advance
+        remaining -= advance
+        self.draws[:r] += 1
+
+    def _read_packed(self, n: int) -> list[list[int]]:
+        if self.device.type != "cuda":
+            return self.packed[:n].tolist()
+        host = self.packed_host[:n]
+        host.copy_(self.packed[:n], non_blocking=True)
+        torch.cuda.current_stream(self.device).synchronize()
+        return host.tolist()
+
+    # ---- host bookkeeping -------------------------------------------------------------------------
 
     def _commit(self, row: _Row, new_tokens: list[int], events: list[StepEvent], now: float,
                 drafted: int | None = None):
@@ -310,6 +391,8 @@ class SpecEngine:
             if slot != last:
                 self._move_row(last, slot)
             self.rows.pop()
+            self.lens[last] = 0  # a free slot is an inert padding row: it never advances
+            self.remaining[last] = 0
             self._running_ids.discard(row.request.request_id)
 
     def _move_row(self, src: int, dst: int):
@@ -317,41 +400,26 @@ class SpecEngine:
         self.kv.move_row(src, dst, length)
         if self.proposer is not None:
             self.proposer.move_row(src, dst, length)
-        for t in (self.lens, self.anchor, self.remaining, self.temperature, self.top_p, self.top_k):
+        for t in (self.lens, self.anchor, self.remaining, self.temperature, self.top_p, self.top_k, self.seeds,
+                  self.draws):
             t[dst] = t[src]
         self.rows[dst] = self.rows[src]
 
-    # ---- sampling helpers -------------------------------------------------------------------------
-
-    def _set_sampling(self, rows: slice, batch: list[_Row]):
-        p = [r.request.params for r in batch]
-        self.temperature[rows] = torch.tensor([x.temperature for x in p], device=self.device)
-        self.top_p[rows] = torch.tensor([x.top_p for x in p], device=self.device)
-        self.top_k[rows] = torch.tensor([x.top_k for x in p], device=self.device)
-
-    def _any_filtered(self) -> bool:
-        return any(r.request.params.top_k > 0 or r.request.params.top_p < 1.0 for r in self.rows)
-
-    def _uniforms(self, count: int, rows: list[_Row] | None = None) -> torch.Tensor:
-        """`[n, count]` uniforms from each sampled row's own generator (zeros for greedy rows)."""
-        rows = self.rows if rows is None else rows
-        u = torch.stack([torch.rand(count, generator=r.generator, dtype=torch.float64) if r.generator is not None
-                         else torch.zeros(count, dtype=torch.float64) for r in rows])
-        return u.to(self.device)
-
     def _choose_first(self, logits: torch.Tensor, rows: slice, batch: list[_Row]) -> torch.Tensor:
-        """First token per admitted row from the prompt's last logits `[k, 1, V]` -> `[k]`."""
+        """First token per admitted row from the prompt's last logits `[k, 1, V]` -> `[k]` (draw 0)."""
         first = logits[:, 0].argmax(-1)
-        if any(r.generator is not None for r in batch):
+        if any(not r.request.params.greedy for r in batch):
             probs = sampling_probs(logits, self.temperature[rows], self.top_k[rows], self.top_p[rows],
                                    filtered=any(r.request.params.top_k > 0 or r.request.params.top_p < 1.0
                                                 for r in batch))
-            sampled = sample_from_probs(probs[:, 0], self._uniforms(1, batch)[:, 0])
-            first = torch.where(self.temperature[rows] > 0, sampled, first)
+            uniforms = counter_uniforms(self.seeds[rows], self.draws[rows], 1, stride=self.num_draft_tokens + 1)
+            first = torch.where(self.temperature[rows] > 0, sample_from_probs(probs[:, 0], uniforms[:, 0]), first)
+        self.draws[rows] = 1
         return first
 
-    def _context_features(self, out) -> torch.Tensor:
-        return torch.cat([out.hidden_states[i] for i in self.hidden_ids], -1)  # [n, q, F]
+
+def _round_up(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple
 
 
 def _length_groups(rows: list[_Row], slack: float = 1.25) -> list[list[_Row]]:
@@ -370,12 +438,14 @@ def _length_groups(rows: list[_Row], slack: float = 1.25) -> list[list[_Row]]:
     return groups
 
 
-def _check_kv_fits(device: torch.device, rows: int, positions: int, bytes_per_position: int):
-    """Fail with advice instead of an opaque out-of-memory error: KV buffers are static per row."""
+def _check_memory_fits(device: torch.device, plan: dict[str, int]):
+    """Fail with advice instead of an opaque out-of-memory error: buffers are static per slot."""
     if device.type != "cuda":
         return
-    need = rows * positions * bytes_per_position
+    need = sum(plan.values())
     free, _ = torch.cuda.mem_get_info(device)
     if need > 0.9 * free:
-        raise ValueError(f"KV buffers for max_rows={rows} x max_model_len={positions} need {need / 2**30:.1f} GiB "
-                         f"but {free / 2**30:.1f} GiB are free on {device}: lower max_model_len or max_batch_size")
+        parts = ", ".join(f"{k} {v / 2**30:.2f}" for k, v in plan.items())
+        raise ValueError(f"the engine needs {need / 2**30:.1f} GiB beyond the weights ({parts} GiB) but "
+                         f"{free / 2**30:.1f} GiB are free on {device}: lower generation.max_batch_size, "
+                         "model.max_model_len or generation.max_prefill_tokens")

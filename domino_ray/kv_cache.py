@@ -1,24 +1,25 @@
-"""Per-row KV buffers: every row writes at its own offset, nothing is ever cropped.
+"""Per-row KV buffers and the attention over them: every row writes at its own offset, nothing is cropped.
 
-Rows of a batch occupy slots `0..n` of preallocated buffers `[B, Hkv, T, D]`. A forward pass runs on a
-contiguous slot range (`rows`), writes its new keys/values at `offsets[b] + arange(q)` and attends over
-the first `kv_len` positions under an explicit mask. Positions beyond a row's committed length hold
-stale keys from rejected draft tokens; the mask hides them and the next step overwrites them, so a
-rejection costs nothing.
+Rows of a batch occupy slots `0..n` of preallocated buffers `[R, Hkv, T, D]`. A decode forward runs on
+the first `r` slots (`r` = the row bucket, padding slots included) and attends over the first `kv_len`
+positions (the key bucket). A query sees the keys of its own row below its *key limit*: for a verify
+block at `lens[b] + i` that is `lens[b] + i + 1` (causal after the committed prefix); for a draft block
+it is `lens[b] + B` for every slot (non-causal over `[context ; block]`). Positions beyond a row's
+committed length hold stale keys from rejected drafts; the limit hides them and the next step
+overwrites them, so a rejection costs nothing.
 
-`RowKVCache` adapts the buffers to stock transformers decoders (Qwen3, Llama) through the `Cache`
-interface: their attention calls `update(key_states, value_states, layer_idx, ...)` and attends over
-whatever it returns.
+Attention is GQA-native: the query heads that share a K/V head are folded into the query axis
+(`[b, Hkv, G*q, D]`), so K and V are read as stored, never repeated per query head.
 """
 
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import Cache
+import torch.nn.functional as F
 
 
 class KVBuffers:
-    """Static key/value storage for one model: per layer `[B, Hkv, T, D]`."""
+    """Static key/value storage for one model: per layer `[R, Hkv, T, D]`."""
 
     def __init__(self, num_layers: int, max_rows: int, max_len: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str):
@@ -26,6 +27,10 @@ class KVBuffers:
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.max_len = max_len
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
 
     def write(self, layer: int, rows: slice, index: torch.Tensor, keys: torch.Tensor, values: torch.Tensor):
         """Scatter `keys/values [b, Hkv, q, D]` to positions `index [b, q]` of slots `rows`."""
@@ -44,50 +49,34 @@ class KVBuffers:
             buf[dst, :, :length] = buf[src, :, :length]
 
 
-def write_index(offsets: torch.Tensor, q: int) -> torch.Tensor:
-    """Positions `[b, q]` = `offsets[b] + arange(q)`."""
-    return offsets[:, None] + torch.arange(q, device=offsets.device)
+def visible_keys(key_limit: torch.Tensor, groups: int, key_positions: torch.Tensor) -> torch.Tensor:
+    """Bool mask `[r, 1, G*q, T]` for `row_attention`: query i of a row sees key positions below
+    `key_limit [r, q]`; `groups` = query heads per K/V head; `key_positions` = `arange(T)`. Built once
+    per forward and shared by its layers."""
+    r, q = key_limit.shape
+    limit = key_limit[:, None, :].expand(r, groups, q).reshape(r, 1, groups * q, 1)
+    return key_positions < limit
 
 
-def causal_row_mask(query_pos: torch.Tensor, kv_len: int, dtype: torch.dtype) -> torch.Tensor:
-    """Mask `[b, 1, q, kv_len]`: a query at position p sees keys at positions <= p of its own row."""
-    keys = torch.arange(kv_len, device=query_pos.device)
-    return additive_mask((keys[None, None, :] <= query_pos[:, :, None])[:, None], dtype)
+def row_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor,
+                  scale: float) -> torch.Tensor:
+    """Attention of each row's queries over its own keys, GQA-native.
 
-
-def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """0 where allowed, -inf elsewhere: SDPA runs faster with an additive mask than with a bool one."""
-    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
-
-
-class RowKVCache(Cache):
-    """A transformers `Cache` over `KVBuffers` for one forward at a time.
-
-    Call `prepare(rows, offsets, q, kv_len)` before each forward; `update` then scatters each layer's
-    new `[b, Hkv, q, D]` keys/values at the rows' offsets and returns the `[b, Hkv, kv_len, D]` views.
+    query `[r, H, q, D]`, keys/values `[r, Hkv, T, D]`, visible `[r, 1, G*q, T]` (see `visible_keys`)
+    -> `[r, q, H, D]` (the layout HF's attention functions return). The G query heads of a K/V group
+    are folded into the query axis, so the keys are attended as stored: no per-head copies.
     """
+    r, h, q, d = query.shape
+    folded = query.reshape(r, keys.shape[1], -1, d)  # [r, Hkv, G*q, D]: heads of a group are adjacent
+    out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=visible, scale=scale)
+    return out.reshape(r, h, q, d).transpose(1, 2)
 
-    def __init__(self, buffers: KVBuffers):
-        super().__init__(layers=[])
-        self.buffers = buffers
-        self.rows = slice(0, 0)
-        self.index = None  # [b, q] write positions of the current forward
-        self.kv_len, self.prefill = 0, False
 
-    def prepare(self, rows: slice, offsets: torch.Tensor, q: int, kv_len: int, prefill: bool = False):
-        """`prefill`: every row starts at offset 0 and kv_len == q, so the new keys are the whole context."""
-        assert kv_len <= self.buffers.max_len, (kv_len, self.buffers.max_len)
-        assert not prefill or kv_len == q
-        self.rows, self.index, self.kv_len, self.prefill = rows, write_index(offsets, q), kv_len, prefill
-
-    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        self.buffers.write(layer_idx, self.rows, self.index, key_states, value_states)
-        if self.prefill:  # attend over the contiguous new keys rather than strided buffer views
-            return key_states, value_states
-        return self.buffers.view(layer_idx, self.rows, self.kv_len)
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.kv_len
-
-    def __len__(self) -> int:
-        return len(self.buffers.keys)
+def causal_prefill_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                             scale: float) -> torch.Tensor:
+    """Prefill over right-padded prompts that all start at position 0: plain causal attention over the
+    contiguous new keys (padding sits after each row's real tokens, so no row mask is needed).
+    query `[k, H, m, D]`, keys/values `[k, Hkv, m, D]` -> `[k, m, H, D]`."""
+    out = F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scale,
+                                         enable_gqa=query.shape[1] != keys.shape[1])
+    return out.transpose(1, 2)

@@ -4,8 +4,8 @@ wrong from a chosen draft position: every acceptance length 0..K happens and is 
 import pytest
 
 from domino_ray.engine import Request, SpecEngine
-from domino_ray.proposer import OracleProposer
 from domino_ray.sampling import SamplingParams
+from oracles import OracleProposer
 from tiny_models import ragged_prompts, tiny_target
 
 K = 5

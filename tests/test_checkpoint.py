@@ -10,6 +10,7 @@ from checkpoint_layouts import write_dflash, write_hub_cache, write_speculators,
 from domino_ray.checkpoint import CheckpointError, load_draft, parse_draft_config
 from domino_ray.draft import DominoDraft, default_target_layer_ids
 from tiny_models import tiny_draft, tiny_target
+from oracles import corrected_logits_full_prefix
 
 
 @pytest.fixture(scope="module")
@@ -34,8 +35,8 @@ def same_function(a: DominoDraft, b: DominoDraft, target) -> None:
         assert torch.equal(drafts, b.draft_tokens(hb, anchor, k, embed, head))
         if a.config.has_head:
             ids = torch.randint(0, a.config.vocab_size, (2, k), generator=g)
-            assert torch.equal(a.corrected_logits_full_prefix(ha, anchor, ids, embed, head),
-                               b.corrected_logits_full_prefix(hb, anchor, ids, embed, head))
+            assert torch.equal(corrected_logits_full_prefix(a, ha, anchor, ids, embed, head),
+                               corrected_logits_full_prefix(b, hb, anchor, ids, embed, head))
 
 
 LAYOUTS = {

@@ -15,6 +15,7 @@ from domino_ray.proposer import DominoProposer
 from domino_ray.sampling import SamplingParams
 from domino_ray.stats import total_stats
 from domino_ray.target import decode, encode_prompt, load_target, load_tokenizer, stop_token_ids
+from oracles import corrected_logits_full_prefix
 
 MAX_ASSET_BYTES = 30 * 2**20
 
@@ -108,7 +109,7 @@ def test_trained_draft_training_logits_equal_inference(pair, prompts):
             block = embed(torch.tensor([[seq[0, p].item()] + [draft.config.mask_token_id] * (bs - 1)]))
             hidden = draft.block_hidden(features[:, :p], block, torch.arange(p, p + bs)[None],
                                         torch.ones(1, 1, bs, p + bs, dtype=torch.bool))
-            reference = draft.corrected_logits_full_prefix(hidden, seq[0, p:p + 1], seq[:, p + 1:p + 1 + k], embed,
+            reference = corrected_logits_full_prefix(draft, hidden, seq[0, p:p + 1], seq[:, p + 1:p + 1 + k], embed,
                                                            lm_head)
             assert torch.allclose(final[0, a], reference[0], atol=1e-4, rtol=1e-4)
             assert torch.equal(final[0, a].argmax(-1), reference[0].argmax(-1))

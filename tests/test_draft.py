@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from tiny_models import tiny_draft, tiny_target
+from oracles import corrected_logits_full_prefix
 
 
 @pytest.mark.parametrize("shift_label,num_uncorrected,draft_vocab", [
@@ -22,7 +23,7 @@ def test_stepwise_gru_equals_full_prefix(shift_label, num_uncorrected, draft_voc
     k = draft.config.max_draft_tokens
     with torch.no_grad():
         drafts = draft.draft_tokens(hidden, anchor, k, embed, head)                    # [6, K]
-        slow = draft.corrected_logits_full_prefix(hidden, anchor, drafts, embed, head)  # [6, K, Vd]
+        slow = corrected_logits_full_prefix(draft, hidden, anchor, drafts, embed, head)  # [6, K, Vd]
         base = draft.base_logits(draft.select_draft_hidden(hidden, k), head)
     assert torch.equal(drafts, draft.to_target_ids(slow.argmax(-1)))
     corrected = draft.to_target_ids(base.argmax(-1)) != drafts

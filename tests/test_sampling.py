@@ -12,7 +12,7 @@ import itertools
 import torch
 
 from domino_ray.engine import Request, SpecEngine
-from domino_ray.proposer import OracleProposer
+from oracles import OracleProposer
 from domino_ray.sampling import SamplingParams, sampling_probs
 from domino_ray.verify import rejection_accept, sample_from_probs
 from tiny_models import tiny_target

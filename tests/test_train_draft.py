@@ -13,6 +13,7 @@ from domino_ray.train_draft import (TrainConfig, backbone_only, block_labels, bl
                                     generate_sequences, lambda_base, position_weights, sample_anchors,
                                     train_draft, training_mask)
 from tiny_models import Recorder, ragged_prompts, tiny_target
+from oracles import corrected_logits_full_prefix
 
 
 def make_draft(target, seed=1, **kwargs):
@@ -91,7 +92,7 @@ def test_training_logits_equal_stateless_inference(target64, sequences64, shift_
                 block = embed(torch.tensor([[seq[p].item()] + [draft.config.mask_token_id] * (bs - 1)]))
                 hidden = draft.block_hidden(features[row:row + 1, :p], block, torch.arange(p, p + bs)[None],
                                             torch.ones(1, 1, bs, p + bs, dtype=torch.bool))
-                reference = draft.corrected_logits_full_prefix(hidden, seq[p:p + 1], seq[None, p + 1:p + 1 + k],
+                reference = corrected_logits_full_prefix(draft, hidden, seq[p:p + 1], seq[None, p + 1:p + 1 + k],
                                                                embed, lm_head)
                 assert torch.allclose(final[row, a], reference[0], atol=1e-10)
                 z = draft.select_draft_hidden(hidden, k)

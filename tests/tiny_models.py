@@ -126,6 +126,7 @@ class Recorder:
     def __init__(self, inner):
         self.inner, self.records = inner, []
         self.num_draft_tokens, self.target_layer_ids = inner.num_draft_tokens, inner.target_layer_ids
+        self.block_size = inner.block_size
 
     def allocate(self, *a):
         self.inner.allocate(*a)
@@ -136,7 +137,7 @@ class Recorder:
     def move_row(self, *a):
         self.inner.move_row(*a)
 
-    def propose(self, rows, anchor, offsets, committed, request_ids):
-        drafts = self.inner.propose(rows, anchor, offsets, committed, request_ids)
-        self.records += list(zip(request_ids, committed, drafts.tolist()))
+    def propose(self, r, anchor, offsets, kv_len, committed, request_ids):
+        drafts = self.inner.propose(r, anchor, offsets, kv_len, committed, request_ids)
+        self.records += list(zip(request_ids, committed, drafts.tolist()))  # real rows only (zip stops at them)
         return drafts

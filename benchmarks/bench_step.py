@@ -1,0 +1,105 @@
+"""Per-step cost of the engine: tokens/s and torch calls per steady-state decode step.
+
+    python benchmarks/bench_step.py --threads 2 --json /tmp/step.json
+
+Pairs: the shipped demo pair, and a random pair of the same shapes (demo target and draft configs,
+random weights: acceptance ~ nothing, so the step's fixed cost shows). Batch 1 and 16, 128 new
+tokens per row (`ignore_eos`), target-only and speculative, interleaved repeats in one process.
+"Torch calls" counts every torch function and tensor method the step dispatches from Python (a
+`TorchFunctionMode`), i.e. the Python-side work a GPU would otherwise wait for.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from domino_ray.checkpoint import load_draft
+from domino_ray.config import DEMO_ASSETS
+from domino_ray.draft import DominoDraft
+from domino_ray.engine import Request, SpecEngine
+from domino_ray.proposer import DominoProposer
+from domino_ray.sampling import SamplingParams
+from domino_ray.target import encode_prompt, load_target, load_tokenizer
+
+
+class CallCounter(TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+def run(target, draft, prompts, rows, max_new_tokens, count_calls=False):
+    """All rows admitted in the first step, so every later step is a pure decode step."""
+    proposer = DominoProposer(draft, target) if draft is not None else None
+    engine = SpecEngine(target, proposer, max_rows=rows)
+    params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
+    for i, p in enumerate(prompts[:rows]):
+        engine.add_request(Request(i, p, params))
+    engine.step()  # admission + the first decode step
+    counter, steps, tokens = CallCounter(), 0, 0
+    start = time.perf_counter()
+    while engine.has_unfinished():
+        if count_calls:
+            with counter:
+                events = engine.step()
+        else:
+            events = engine.step()
+        steps += 1
+        tokens += sum(len(e.new_token_ids) for e in events)
+    seconds = time.perf_counter() - start
+    return {"tokens_per_s": tokens / seconds, "steps": steps, "calls_per_step": counter.calls / max(steps, 1)}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--assets", type=Path, default=DEMO_ASSETS)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--batch-sizes", default="1,16")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    import pyarrow.parquet as pq
+
+    target = load_target(str(args.assets / "target"), dtype="auto", device="cpu")
+    tokenizer = load_tokenizer(str(args.assets / "target"))
+    demo_draft = load_draft(args.assets / "draft", target_config=target.config, dtype=target.dtype)
+    torch.manual_seed(0)
+    random_target = type(target)(target.config).to(target.dtype).eval()
+    random_draft = DominoDraft(demo_draft.config).to(target.dtype).eval()
+    texts = pq.read_table(args.assets / "prompts.parquet").column("prompt").to_pylist()[:32]
+    prompts = [encode_prompt(tokenizer, prompt=t, chat_template=False) for t in texts]
+    pairs = {"demo": (target, demo_draft), "random": (random_target, random_draft)}
+
+    results = {}
+    for rows in (int(b) for b in args.batch_sizes.split(",")):
+        for pair, (tgt, drf) in pairs.items():
+            for mode, d in (("target-only", None), ("spec", drf)):
+                run(tgt, d, prompts, rows, 8)  # warm-up
+                calls = run(tgt, d, prompts, rows, 16, count_calls=True)["calls_per_step"]
+                tps = [run(tgt, d, prompts, rows, args.max_new_tokens)["tokens_per_s"] for _ in range(args.repeats)]
+                key = f"{pair} batch {rows} {mode}"
+                results[key] = {"tokens_per_s": round(statistics.median(tps), 1), "calls_per_step": round(calls, 1)}
+                print(f"{key:<32} {results[key]['tokens_per_s']:>9.1f} tok/s {calls:>8.1f} torch calls/step", flush=True)
+    meta = {"machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} torch threads",
+            "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "args": vars(args)}
+    if args.json:
+        args.json.write_text(json.dumps({"meta": meta, "results": results}, indent=1, default=str) + "\n")
+
+
+if __name__ == "__main__":
+    main()

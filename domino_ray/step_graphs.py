@@ -1,0 +1,62 @@
+"""CUDA graphs for the engine's fixed-shape steps: captured once per bucket, replayed every step.
+
+A step (`SpecEngine._draft_step`, `_verify_step`) reads and writes only the engine's preallocated
+buffers, with shapes fixed by its bucket key, and makes no host sync, so its kernels can be recorded
+once and replayed. The first call of a key runs eagerly: it is the real step and the warm-up the
+capture needs (lazy kernels, cuBLAS workspaces, allocator state). The capture that follows only
+records (kernels do not run while capturing), so it changes no state. All graphs share one memory
+pool; a capture that fails is logged once and its key runs eagerly from then on.
+
+Capturing lazily bounds the graphs to the buckets a workload meets: row buckets x key buckets
+(max_model_len / kv_chunk of them) x {greedy, sampled, sampled+filtered} would be thousands ahead of time.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, Hashable
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+def use_cuda_graphs(setting: str, device: torch.device) -> bool:
+    """`runtime.cuda_graphs`: auto (on for CUDA devices) | on | off."""
+    if setting not in ("auto", "on", "off"):
+        raise ValueError(f"cuda_graphs={setting!r} must be one of auto, on, off")
+    if setting == "on" and device.type != "cuda":
+        raise ValueError(f"cuda_graphs=on needs a CUDA device; the model is on {device}")
+    return device.type == "cuda" and setting != "off"
+
+
+class StepGraphs:
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.pool = torch.cuda.graph_pool_handle()
+        self.graphs: dict[Hashable, torch.cuda.CUDAGraph] = {}
+        self.eager: set[Hashable] = set()  # keys whose capture failed
+
+    def run(self, key: Hashable, step: Callable[[], None]):
+        graph = self.graphs.get(key)
+        if graph is not None:
+            graph.replay()
+            return
+        step()  # the real step, and the capture's warm-up
+        if key not in self.eager:
+            self._capture(key, step)
+
+    def _capture(self, key: Hashable, step: Callable[[], None]):
+        graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        try:
+            with torch.cuda.stream(stream), torch.cuda.graph(graph, pool=self.pool, stream=stream):
+                step()
+        except Exception as exc:  # noqa: BLE001 -- any capture failure: this bucket runs eagerly
+            log.warning("CUDA graph capture failed for step %s, running it eagerly: %s", key, exc)
+            self.eager.add(key)
+            return
+        finally:
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+        self.graphs[key] = graph

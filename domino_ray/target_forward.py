@@ -1,0 +1,88 @@
+"""Our own pass over a stock HF decoder (Qwen3, Llama): per-row KV buffers, hidden-state taps, no masks.
+
+We run `embed_tokens`, the model's rotary embedding, each decoder layer and `norm` ourselves, so the
+hidden states the draft needs are taken between layers (no `output_hidden_states` capture), and no
+4-D mask is ever built. The layers stay HF's own: only their attention function is ours, installed
+through transformers' attention-function registration under the name `domino_ray`. It reads the
+`RowAttention` passed through the layers' keyword arguments; any other caller of the model (HF
+`generate`, training, a test oracle) passes none and gets stock SDPA, so the model keeps working
+outside the engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from domino_ray.kv_cache import KVBuffers, causal_prefill_attention, row_attention
+
+ATTENTION = "domino_ray"
+
+
+@dataclass
+class RowAttention:
+    """What one forward's attention needs, shared by every layer.
+
+    Decode: new keys go to `write_index [r, q]` of slots `0..r` and queries attend over the first
+    `kv_len` buffer positions where `visible [r, 1, G*q, kv_len]` (`kv_cache.visible_keys`). Prefill
+    (`prefill_rows` set): the new keys are positions `0..m` of slots `prefill_rows`, attention is causal
+    over them.
+    """
+    buffers: KVBuffers
+    write_index: torch.Tensor
+    visible: torch.Tensor | None = None
+    kv_len: int = 0
+    prefill_rows: slice | None = None
+
+
+def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, domino_rows=None, **kwargs):
+    """HF attention-function signature: query `[r, H, q, D]`, key/value `[r, Hkv, q, D]` (rotated) ->
+    (`[r, q, H, D]`, None)."""
+    if domino_rows is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                      **kwargs)
+    step, layer = domino_rows, module.layer_idx
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if step.prefill_rows is not None:
+        step.buffers.write(layer, step.prefill_rows, step.write_index, key, value)
+        return causal_prefill_attention(query, key, value, scale), None
+    rows = slice(0, query.shape[0])
+    step.buffers.write(layer, rows, step.write_index, key, value)
+    keys, values = step.buffers.view(layer, rows, step.kv_len)
+    return row_attention(query, keys, values, step.visible, scale), None
+
+
+def install(target) -> None:
+    """Route the target's attention through `_attention` (stock SDPA for callers other than the engine)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(ATTENTION, _attention)
+    AttentionMaskInterface.register(ATTENTION, sdpa_mask)  # HF's own forward still builds its SDPA masks
+    layer_types = set(getattr(target.config, "layer_types", None) or ["full_attention"])
+    if layer_types != {"full_attention"}:
+        raise ValueError(f"target layer types {sorted(layer_types)}: only full-attention decoders are supported")
+    target.config._attn_implementation = ATTENTION
+
+
+def run_decoder(decoder, input_ids: torch.Tensor, positions: torch.Tensor, attention: RowAttention,
+                tap_layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """input_ids/positions `[r, q]` -> (normed last hidden `[r, q, C]`, taps `[r, q, L*C]` or None).
+
+    `tap_layers`: decoder layers whose outputs feed the draft, as HF's `hidden_states[l + 1]` (which is
+    after the final norm for the last layer).
+    """
+    hidden = decoder.embed_tokens(input_ids)              # [r, q, C]
+    rotary = decoder.rotary_emb(hidden, positions)        # cos, sin [r, q, D]
+    taps = {}
+    for i, layer in enumerate(decoder.layers):
+        hidden = layer(hidden, attention_mask=None, position_ids=positions, position_embeddings=rotary,
+                       domino_rows=attention)
+        if i in tap_layers:
+            taps[i] = hidden
+    hidden = decoder.norm(hidden)
+    taps[len(decoder.layers) - 1] = hidden
+    return hidden, (torch.cat([taps[i] for i in tap_layers], -1) if tap_layers else None)
