@@ -1,18 +1,26 @@
 """Per-step cost of the engine: tokens/s and torch calls per steady-state decode step.
 
-    python benchmarks/bench_step.py --threads 2 --json /tmp/step.json
+    python benchmarks/bench_step.py --threads 2 --baseline-ref b0a8359 --json /tmp/step.json
 
 Pairs: the shipped demo pair, and a random pair of the same shapes (demo target and draft configs,
 random weights: acceptance ~ nothing, so the step's fixed cost shows). Batch 1 and 16, 128 new
 tokens per row (`ignore_eos`), target-only and speculative, interleaved repeats in one process.
 "Torch calls" counts every torch function and tensor method the step dispatches from Python (a
 `TorchFunctionMode`), i.e. the Python-side work a GPU would otherwise wait for.
+
+`--baseline-ref REF` also runs the engine as of git commit REF (its `domino_ray` extracted to a
+temporary directory and imported under another name), interleaved with this one in the same process:
+before/after figures measured side by side.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
+import subprocess
+import sys
+import tempfile
 import platform
 import statistics
 import time
@@ -40,13 +48,36 @@ class CallCounter(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def run(target, draft, prompts, rows, max_new_tokens, count_calls=False):
+CURRENT = {"SpecEngine": SpecEngine, "Request": Request, "DominoProposer": DominoProposer,
+           "SamplingParams": SamplingParams}
+
+
+def baseline_engine(ref: str) -> dict:
+    """The engine classes of git commit `ref`, importable beside today's (package renamed)."""
+    root = Path(tempfile.mkdtemp(prefix="domino_baseline_"))
+    repo = Path(__file__).resolve().parent.parent
+    names = subprocess.run(["git", "-C", str(repo), "ls-tree", "--name-only", ref, "domino_ray/"], check=True,
+                           capture_output=True, text=True).stdout.split()
+    (root / "domino_ray_baseline").mkdir()
+    for name in names:
+        if name.endswith(".py"):
+            text = subprocess.run(["git", "-C", str(repo), "show", f"{ref}:{name}"], check=True, capture_output=True,
+                                  text=True).stdout
+            (root / "domino_ray_baseline" / Path(name).name).write_text(text.replace("domino_ray.", "domino_ray_baseline."))
+    sys.path.insert(0, str(root))
+    engine = importlib.import_module("domino_ray_baseline.engine")
+    return {"SpecEngine": engine.SpecEngine, "Request": engine.Request,
+            "DominoProposer": importlib.import_module("domino_ray_baseline.proposer").DominoProposer,
+            "SamplingParams": importlib.import_module("domino_ray_baseline.sampling").SamplingParams}
+
+
+def run(target, draft, prompts, rows, max_new_tokens, count_calls=False, api=CURRENT):
     """All rows admitted in the first step, so every later step is a pure decode step."""
-    proposer = DominoProposer(draft, target) if draft is not None else None
-    engine = SpecEngine(target, proposer, max_rows=rows)
-    params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
+    proposer = api["DominoProposer"](draft, target) if draft is not None else None
+    engine = api["SpecEngine"](target, proposer, max_rows=rows)
+    params = api["SamplingParams"](max_new_tokens=max_new_tokens, ignore_eos=True)
     for i, p in enumerate(prompts[:rows]):
-        engine.add_request(Request(i, p, params))
+        engine.add_request(api["Request"](i, p, params))
     engine.step()  # admission + the first decode step
     counter, steps, tokens = CallCounter(), 0, 0
     start = time.perf_counter()
@@ -70,7 +101,11 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--baseline-ref", default=None, help="also time the engine of this git commit, interleaved")
     args = p.parse_args(argv)
+    engines = {"now": CURRENT}
+    if args.baseline_ref:
+        engines = {"before": baseline_engine(args.baseline_ref), "now": CURRENT}
     if args.threads:
         torch.set_num_threads(args.threads)
     import pyarrow.parquet as pq
@@ -89,12 +124,19 @@ def main(argv=None):
     for rows in (int(b) for b in args.batch_sizes.split(",")):
         for pair, (tgt, drf) in pairs.items():
             for mode, d in (("target-only", None), ("spec", drf)):
-                run(tgt, d, prompts, rows, 8)  # warm-up
-                calls = run(tgt, d, prompts, rows, 16, count_calls=True)["calls_per_step"]
-                tps = [run(tgt, d, prompts, rows, args.max_new_tokens)["tokens_per_s"] for _ in range(args.repeats)]
-                key = f"{pair} batch {rows} {mode}"
-                results[key] = {"tokens_per_s": round(statistics.median(tps), 1), "calls_per_step": round(calls, 1)}
-                print(f"{key:<32} {results[key]['tokens_per_s']:>9.1f} tok/s {calls:>8.1f} torch calls/step", flush=True)
+                calls, tps = {}, {name: [] for name in engines}
+                for name, api in engines.items():
+                    run(tgt, d, prompts, rows, 8, api=api)  # warm-up
+                    calls[name] = run(tgt, d, prompts, rows, 16, count_calls=True, api=api)["calls_per_step"]
+                for _ in range(args.repeats):  # interleaved: both engines see the same machine state
+                    for name, api in engines.items():
+                        tps[name].append(run(tgt, d, prompts, rows, args.max_new_tokens, api=api)["tokens_per_s"])
+                for name in engines:
+                    key = f"{pair} batch {rows} {mode} {name}"
+                    results[key] = {"tokens_per_s": round(statistics.median(tps[name]), 1),
+                                    "calls_per_step": round(calls[name], 1)}
+                    print(f"{key:<38} {results[key]['tokens_per_s']:>9.1f} tok/s {calls[name]:>8.1f} torch calls/step",
+                          flush=True)
     meta = {"machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} torch threads",
             "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "args": vars(args)}
     if args.json:

@@ -89,13 +89,14 @@ class _Row:
 class SpecEngine:
     """Batched speculative (or, without a proposer, target-only) generation on one device.
 
-    `kv_chunk`: the attended key length is padded to a multiple of it (the key bucket).
+    `kv_chunk`: the attended key length is padded to a multiple of it (the key bucket); default 256 with
+    CUDA graphs (fewer graphs to capture), 32 without (less attention over padding).
     `cuda_graphs`: "auto" (on for CUDA), "on" or "off".
     """
 
     def __init__(self, target, proposer=None, *, max_rows: int = 16, max_model_len: int | None = None,
                  eos_token_ids: Iterable[int] = (), seed: int = 0, max_prefill_tokens: int = 8192,
-                 kv_chunk: int = 256, cuda_graphs: str = "auto"):
+                 kv_chunk: int | None = None, cuda_graphs: str = "auto"):
         cfg = target.config
         self.target, self.decoder, self.lm_head = target, target.get_decoder(), target.get_output_embeddings()
         self.proposer = proposer
@@ -110,10 +111,11 @@ class SpecEngine:
         weight = next(target.parameters())
         self.device, self.dtype = weight.device, weight.dtype
         install(target)
+        graphs = use_cuda_graphs(cuda_graphs, self.device)
         # A step writes up to `span` positions past a row's committed context (verify K+1, draft block B).
         self.span = max(k + 1, proposer.block_size if proposer is not None else 1)
-        self.kv_chunk = kv_chunk
-        self.capacity = _round_up(self.max_model_len + self.span, kv_chunk)
+        self.kv_chunk = kv_chunk or (256 if graphs else 32)
+        self.capacity = _round_up(self.max_model_len + self.span, self.kv_chunk)
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.groups = cfg.num_attention_heads // cfg.num_key_value_heads
         self.kv = KVBuffers(cfg.num_hidden_layers, max_rows, self.capacity, cfg.num_key_value_heads, head_dim,
@@ -146,7 +148,7 @@ class SpecEngine:
         self.pending: deque[_Row] = deque()
         self._running_ids: set = set()  # request ids of pending and active rows
         self.rng = torch.Generator().manual_seed(seed)
-        self.graphs = StepGraphs(self.device) if use_cuda_graphs(cuda_graphs, self.device) else None
+        self.graphs = StepGraphs(self.device) if graphs else None
         _check_memory_fits(self.device, self.memory_plan())
 
     def memory_plan(self) -> dict[str, int]:

@@ -113,7 +113,7 @@ def test_compiled_steps_are_one_graph_without_recompiles(target):
         return gm.forward
 
     draft = tiny_draft(target, block_size=4)
-    engine = SpecEngine(target, DominoProposer(draft, target), max_rows=4, max_model_len=200)
+    engine = SpecEngine(target, DominoProposer(draft, target), max_rows=4, max_model_len=200, kv_chunk=256)
     engine._draft_step = torch.compile(engine._draft_step, fullgraph=True, backend=backend)
     engine._verify_step = torch.compile(engine._verify_step, fullgraph=True, backend=backend)
     params = SamplingParams(max_new_tokens=100, ignore_eos=True)
