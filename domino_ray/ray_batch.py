@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import os
 import socket
 import threading
@@ -33,17 +34,29 @@ from domino_ray.schema import (RowError, base_params, error_row, generated_ids, 
                                output_schema, output_table, read_row, row_params)
 from domino_ray.summary import STATS_COLUMNS, human_summary, run_stats, summarize
 
-# Test-only fault hook: path of a marker file. The first actor to finish a row while the file does not
-# exist creates it and dies mid-batch, so tests can check that Ray redoes the batch without losing or
-# duplicating rows. Read on the driver and handed to the actors; never set in production.
-FAULT_ENV = "DOMINO_RAY_TEST_KILL_ACTOR_ONCE"
+# Test-only fault injection: a JSON object read on the driver and handed to the actors, never set in
+# production. {"kill_actor_once": marker path}: the first actor to finish a row while the file does not
+# exist creates it and dies mid-batch (Ray must redo the batch, losing and doubling nothing).
+# {"crash_engine_on_row": id}: the engine thread raises whenever that row is waiting to be admitted.
+FAULT_ENV = "DOMINO_RAY_TEST_FAULT"
+
+
+class RowCrashesEngine(RuntimeError):
+    """A row that crashed an engine while it ran alone: the job stops instead of restarting actors forever."""
 
 
 class DominoPredictor:
-    """map_batches callable class: one engine per actor; `pyarrow.Table` in, output rows out."""
+    """map_batches callable class: one engine per actor; `pyarrow.Table` in, output rows out.
+
+    Engine crashes (the engine thread died: every row in it is lost) are reported to the run's
+    `RunStats` with the ids of the rows that were inside, then the actor exits and Ray restarts it and
+    retries its batches. A restarted actor runs those suspect rows one at a time with the engine to
+    themselves; a row that crashes the engine alone is named, and the next batch holding it fails the
+    job (RowCrashesEngine) rather than looping through actor restarts.
+    """
 
     def __init__(self, cfg: JobConfig, schema: pa.Schema, *, use_draft: bool = True, stats_sink=None,
-                 fault_marker: str | None = None):
+                 fault: dict | None = None):
         started = time.time()
         import torch
 
@@ -58,7 +71,13 @@ class DominoPredictor:
         self.num_spec_tokens, self.eos_ids = engine.num_draft_tokens, engine.eos_token_ids
         self.cfg, self.schema, self.base = cfg, schema, base_params(cfg.generation)
         self.request_ids = itertools.count()  # engine ids: input ids may repeat across concurrent batches
-        self.stats_sink, self.fault_marker = stats_sink, fault_marker
+        self.stats_sink = stats_sink
+        # Earlier engine crashes of this run (this actor may be a restart after one).
+        crashes = ray.get(stats_sink.crashes.remote()) if stats_sink is not None else {"suspects": [], "culprits": {}}
+        self._suspects, self._culprits = set(crashes["suspects"]), crashes["culprits"]
+        self._in_engine: dict[int, object] = {}  # engine request id -> row id, for rows inside the engine now
+        self._crash_rows: list | None = None      # the rows inside when the engine died
+        self._alone = asyncio.Lock()              # held while a suspect row runs with the engine to itself
         self.name = f"{socket.gethostname()}:{os.getpid()}"
         self._lock = threading.Lock()
         self._admission: asyncio.Semaphore | None = None
@@ -66,6 +85,8 @@ class DominoPredictor:
         self._peak_in_flight = 0  # > 1 means batches overlapped in the engine (continuous batching across them)
         self._times = {"started_at": started, "load_s": time.time() - started, "first_batch_at": None,
                        "last_batch_done_at": None}
+        if fault:
+            self._install_test_fault(fault)
 
     async def __call__(self, batch: pa.Table):
         # Ray may run several batches of one task at once besides several tasks: admit exactly
@@ -77,25 +98,25 @@ class DominoPredictor:
         yield table
 
     async def _generate(self, batch: pa.Table) -> pa.Table:
-        self._busy(+1)
         rows = batch.to_pylist()
+        row_ids = [row.get(self.cfg.input.id_column) for row in rows]
         prepared = [self._prepare(row) for row in rows]
-        pending = {}
-        try:
-            for i, item in enumerate(prepared):
-                if not isinstance(item, dict):
-                    prompt, ids, params = item
-                    pending[i] = self.loop.submit(Request(next(self.request_ids), ids, params))
-            done = await asyncio.gather(*(self._finish(s) for s in pending.values()), return_exceptions=True)
-        except EngineDead:
-            self._die()
-        for i, result in zip(pending, done):
+        runnable = [i for i, item in enumerate(prepared) if not isinstance(item, dict)]
+        for i in runnable:
+            if row_ids[i] in self._culprits:
+                raise RowCrashesEngine(
+                    f"input row {self.cfg.input.id_column}={row_ids[i]!r} crashes the engine "
+                    f"({self._culprits[row_ids[i]]}); it did so running alone, so the job stops here. "
+                    "Fix or remove the row and rerun: finished rows are kept.")
+        self._busy(+1)
+        done = await asyncio.gather(*(self._complete(row_ids[i], *prepared[i][1:]) for i in runnable),
+                                    return_exceptions=True)
+        for i, result in zip(runnable, done):
             prompt, ids, params = prepared[i]
             if isinstance(result, EngineDead):
-                self._die()
+                self._die(result)
             if isinstance(result, BaseException):  # the engine refused the row (e.g. too long)
-                prepared[i] = error_row(str(result), prompt=prompt, num_spec_tokens=self.num_spec_tokens,
-                                        num_input_tokens=len(ids))
+                prepared[i] = error_row(str(result), prompt=prompt, num_spec_tokens=self.num_spec_tokens)
                 continue
             text = self._decode(result.token_ids, self.eos_ids | set(params.stop_token_ids))
             prepared[i] = ok_row(prompt=prompt, text=text, completion=result)
@@ -127,23 +148,70 @@ class DominoPredictor:
                              num_spec_tokens=self.num_spec_tokens)
         return prompt, ids, params
 
-    async def _finish(self, stream):
-        completion = await stream.completion()
-        if self.fault_marker and not os.path.exists(self.fault_marker):
-            open(self.fault_marker, "w").close()
-            os._exit(1)  # test-only: die mid-batch, like a crashed node
-        return completion
+    async def _complete(self, row_id, ids: list[int], params) -> object:
+        request = Request(next(self.request_ids), ids, params)
+        if row_id in self._suspects:  # inside the engine when one crashed: run it alone to find the culprit
+            async with self._alone:
+                while self._in_engine:
+                    await asyncio.sleep(0.01)
+                return await self._run(row_id, request)
+        while self._alone.locked():  # polls only while a suspect runs (after a crash)
+            await asyncio.sleep(0.01)
+        return await self._run(row_id, request)
+
+    async def _run(self, row_id, request: Request):
+        self._in_engine[request.request_id] = row_id
+        try:
+            return await self.loop.submit(request).completion()
+        except EngineDead:
+            if self._crash_rows is None:  # the first row to hear of it sees every row still inside
+                self._crash_rows = list(self._in_engine.values())
+            raise
+        finally:
+            del self._in_engine[request.request_id]
 
     def _decode(self, token_ids, stop_ids) -> str:
         from domino_ray.target import decode
 
         return decode(self.tokenizer, token_ids, stop_ids)
 
-    def _die(self):
+    def _die(self, exc: EngineDead):
         # The engine thread is dead (e.g. a CUDA error): this actor can never finish a row again.
         # Raising would send Ray's retries back to this same actor; exiting the process is a system
         # error, so Ray restarts the actor (max_restarts=-1) and retries its batches on a fresh engine.
+        # The run's RunStats learns which rows were inside, so restarted actors run them alone.
+        if self.stats_sink is not None:
+            try:
+                ray.get(self.stats_sink.record_crash.remote(str(exc), self._crash_rows or []), timeout=30)
+            except Exception:  # noqa: BLE001 (exiting regardless: a lost report only costs another crash)
+                pass
         os._exit(1)
+
+    def _install_test_fault(self, fault: dict):
+        """Test-only faults (FAULT_ENV), installed once here so that production rows run none of this."""
+        if "kill_actor_once" in fault:
+            marker, run = fault["kill_actor_once"], self._run
+
+            async def run_then_die_once(row_id, request):
+                completion = await run(row_id, request)
+                if not os.path.exists(marker):
+                    open(marker, "w").close()
+                    os._exit(1)  # die mid-batch, like a crashed node
+                return completion
+            self._run = run_then_die_once
+        if "crash_engine_on_row" in fault:
+            engine, step, run, poisoned = self.loop.engine, self.loop.engine.step, self._run, set()
+
+            async def run_marking_poison(row_id, request):
+                if row_id == fault["crash_engine_on_row"]:
+                    poisoned.add(request.request_id)
+                return await run(row_id, request)
+
+            def step_that_crashes():
+                if any(r.request.request_id in poisoned for r in engine.pending):
+                    raise RuntimeError("test fault: the engine crashed admitting a row")
+                return step()
+            self._run, engine.step = run_marking_poison, step_that_crashes
 
     def _busy(self, delta: int, rows: int = 0, tokens: int = 0):
         """Track the union of intervals with a batch in flight (throughput while busy)."""
@@ -175,9 +243,19 @@ class RunStats:
 
     def __init__(self):
         self.actors: dict[str, dict] = {}
+        self.crash_rows: list[list] = []   # per engine crash: ids of the rows inside the engine
+        self.culprits: dict = {}            # row id -> error, for rows that crashed an engine alone
 
     def record(self, snapshot: dict):
         self.actors[snapshot["actor"]] = snapshot
+
+    def record_crash(self, error: str, row_ids: list):
+        self.crash_rows.append(row_ids)
+        if len(row_ids) == 1:
+            self.culprits.setdefault(row_ids[0], error)
+
+    def crashes(self) -> dict:
+        return {"suspects": sorted({i for ids in self.crash_rows for i in ids}, key=repr), "culprits": self.culprits}
 
     def snapshot(self) -> list[dict]:
         return sorted(self.actors.values(), key=lambda a: a["actor"])
@@ -205,7 +283,7 @@ def read_inputs(cfg: JobConfig, plan: InputPlan, done_ids_ref) -> ray.data.Datas
 
 
 def build_dataset(cfg: JobConfig, plan: InputPlan, schema: pa.Schema, done_ids_ref, *, use_draft: bool = True,
-                  stats_sink=None, fault_marker: str | None = None) -> ray.data.Dataset:
+                  stats_sink=None, fault: dict | None = None) -> ray.data.Dataset:
     r = cfg.runtime
     gpus = r.gpus_per_actor if r.gpus_per_actor is not None else (1 if ray.cluster_resources().get("GPU") else 0)
     return read_inputs(cfg, plan, done_ids_ref).map_batches(
@@ -214,7 +292,7 @@ def build_dataset(cfg: JobConfig, plan: InputPlan, schema: pa.Schema, done_ids_r
                                            max_concurrent_calls_per_actor=r.max_concurrent_batches),
         num_cpus=r.cpus_per_actor, num_gpus=gpus or None,
         fn_constructor_args=(cfg, schema),
-        fn_constructor_kwargs={"use_draft": use_draft, "stats_sink": stats_sink, "fault_marker": fault_marker})
+        fn_constructor_kwargs={"use_draft": use_draft, "stats_sink": stats_sink, "fault": fault})
 
 
 def init_ray(cfg: JobConfig):
@@ -287,9 +365,19 @@ def generate_missing(cfg: JobConfig, plan: InputPlan, out: Location, scan, done_
     done_ref = ray.put(scan.done_ids)
     sink = RunStats.remote()
     start = time.perf_counter()
-    build_dataset(cfg, plan, schema, done_ref, stats_sink=sink, fault_marker=os.environ.get(FAULT_ENV)).write_parquet(
-        out.path, filesystem=out.fs, min_rows_per_file=cfg.output.min_rows_per_file,
-        max_rows_per_file=cfg.output.max_rows_per_file, schema=schema, mode="append")
+    fault = json.loads(os.environ[FAULT_ENV]) if os.environ.get(FAULT_ENV) else None
+    try:
+        build_dataset(cfg, plan, schema, done_ref, stats_sink=sink, fault=fault).write_parquet(
+            out.path, filesystem=out.fs, min_rows_per_file=cfg.output.min_rows_per_file,
+            max_rows_per_file=cfg.output.max_rows_per_file, schema=schema, mode="append")
+    except Exception as exc:
+        culprits = ray.get(sink.crashes.remote())["culprits"]
+        if not culprits:
+            raise
+        row_id, error = next(iter(culprits.items()))
+        raise RowCrashesEngine(f"input row {cfg.input.id_column}={row_id!r} crashes the engine ({error}): it did so "
+                               "running alone on a fresh actor, so the job stopped. Fix or remove the row and rerun "
+                               "the same command: finished rows are kept.") from exc
     run = run_stats(time.perf_counter() - start, done_rows, ray.get(sink.snapshot.remote()))
     if cfg.runtime.compare_baseline and run["rows"]:
         new_files = sorted(set(list_parquet_files(out, missing_ok=True)) - set(scan.files))

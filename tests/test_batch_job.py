@@ -5,6 +5,7 @@ fuzz set of bad rows, with an actor killed once mid-job by the test-only fault h
 target-only comparison on. Its output is read back with pyarrow, pandas, DuckDB and Spark.
 """
 
+import json
 import os
 import re
 import shutil
@@ -66,7 +67,7 @@ def job(ray_cluster, tiny_pair, tmp_path_factory):
                "sampling_params": [r[2] for r in rows], "topic": [f"t{i % 3}" for i in range(len(rows))]}
     write_shards(tmp / "in", columns, shards=2, schema=SCHEMA)
     marker = tmp / "actor_killed"
-    os.environ[FAULT_ENV] = str(marker)
+    os.environ[FAULT_ENV] = json.dumps({"kill_actor_once": str(marker)})
     try:
         cfg = job_config(tiny_pair, str(tmp / "in"), str(tmp / "out"),
                          **{"generation.max_new_tokens": MAX_NEW, "runtime.compare_baseline": "true"})
@@ -99,7 +100,7 @@ def test_bad_rows_are_error_rows_with_reasons(job):
     for i, (_, _, _, reason) in enumerate(BAD_ROWS):
         row = by_id[job["ids"][job["good"] + i]]
         assert row["finish_reason"] == "error", row
-        assert row["num_generated_tokens"] == 0
+        assert row["num_generated_tokens"] == 0 and row["num_input_tokens"] == 0  # refused: no work in the totals
         assert re.search(reason, row["error"]), (reason, row["error"])
     for i in range(job["good"]):
         assert by_id[job["ids"][i]]["error"] is None

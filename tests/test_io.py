@@ -137,12 +137,12 @@ def test_error_and_ok_rows_share_the_schema():
 def test_summary_reconciles_with_rows():
     schema = output_schema(pa.schema([("id", pa.string())]), "id", generated_id=False)
     rows = [ok_row(prompt="p", text="t", completion=_completion([1, 2, 3, 4])) for _ in range(3)]
-    rows.append(error_row("too long", prompt="p", num_spec_tokens=2, num_input_tokens=900))
+    rows.append(error_row("too long", prompt="p", num_spec_tokens=2))
     table = output_table(pa.table({"id": ["a", "b", "c", "d"]}), rows, schema)
     run = run_stats(2.0, 0, [{"actor": "x", "rows": 4, "generated_tokens": 12, "busy_s": 1.5}])
     s = summarize(table.select(["id", *STATS_COLUMNS]), "id", run=run, config={}, output_uri="out")
     assert s["rows"] == {"total": 4, "ok": 3, "failed": 1, "unique_ids": 4}
-    assert s["totals"] == {"num_input_tokens": 909, "num_generated_tokens": 12, "num_spec_steps": 6,
+    assert s["totals"] == {"num_input_tokens": 9, "num_generated_tokens": 12, "num_spec_steps": 6,
                            "num_draft_tokens": 9, "num_accepted_draft_tokens": 3}
     assert s["acceptance_histogram"] == [3, 3, 0] and s["per_position_acceptance"] == [0.5, 0.0]
     assert s["mean_acceptance_length"] == 1.5 and s["draft_acceptance_rate"] == pytest.approx(3 / 9)
