@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import logging
 import os
 import socket
 import threading
@@ -27,9 +28,10 @@ import ray
 from domino_ray.config import ConfigError, JobConfig, to_dict
 from domino_ray.engine import Request
 from domino_ray.engine_loop import EngineDead
-from domino_ray.io import (SUMMARY_NAME, Location, delete_if_exists, list_parquet_files, read_json, scan_output,
-                           write_json_atomic)
-from domino_ray.preflight import InputPlan, check_input, check_models, check_output
+from domino_ray.io import (SETTINGS_NAME, SUMMARY_NAME, Location, delete_if_exists, list_parquet_files, read_json,
+                           scan_output, write_json_atomic)
+from domino_ray.preflight import (InputPlan, check_input, check_models, check_output, check_settings,
+                                  output_settings)
 from domino_ray.schema import (RowError, base_params, error_row, generated_ids, ok_row,
                                output_schema, output_table, read_row, row_params)
 from domino_ray.summary import STATS_COLUMNS, human_summary, run_stats, summarize
@@ -295,9 +297,19 @@ def build_dataset(cfg: JobConfig, plan: InputPlan, schema: pa.Schema, done_ids_r
         fn_constructor_kwargs={"use_draft": use_draft, "stats_sink": stats_sink, "fault": fault})
 
 
+def _not_the_stale_cpu_warning(record: logging.LogRecord) -> bool:
+    # Ray Data's write_parquet materializes the written dataset and checks for free CPUs again right after
+    # the pipeline ran, while its finished actors still hold their CPUs (they are released asynchronously):
+    # "does not have any available CPUs ... will hang" at the end of every run, about nothing that runs.
+    return "does not have any available CPUs" not in record.getMessage()
+
+
 def init_ray(cfg: JobConfig):
     if not ray.is_initialized():
         ray.init(address=cfg.runtime.ray_address)
+    dataset_logger = logging.getLogger("ray.data.dataset")
+    if _not_the_stale_cpu_warning not in dataset_logger.filters:
+        dataset_logger.addFilter(_not_the_stale_cpu_warning)
     ctx = ray.data.DataContext.get_current()
     ctx.max_consecutive_actor_init_deaths = 0  # a model that does not load fails the job at once
     # The V2 Parquet reader starts a pool of 32 footer-reading actors for every read: seconds of startup
@@ -308,14 +320,6 @@ def init_ray(cfg: JobConfig):
         ctx.execution_options.preserve_order = True  # the same first rows on every run (resume)
 
 
-def count_input_rows(plan: InputPlan, limit: int | None) -> int:
-    total = 0
-    for path in plan.files:
-        with plan.location.fs.open_input_file(path) as f:
-            total += pq.ParquetFile(f).metadata.num_rows
-    return total if limit is None else min(total, limit)
-
-
 def read_output(out: Location, columns: list[str], files: list[str] | None = None) -> pa.Table:
     tables = []
     for path in list_parquet_files(out, missing_ok=True) if files is None else files:
@@ -324,9 +328,29 @@ def read_output(out: Location, columns: list[str], files: list[str] | None = Non
     return pa.concat_tables(tables) if tables else pa.table({c: [] for c in columns})
 
 
+def _missing_ids(plan: InputPlan, done_ids: pa.Array) -> pa.Array:
+    """Input ids with no output row yet (explicit ids only)."""
+    if not len(done_ids):
+        return plan.ids
+    done = done_ids.cast(plan.ids.type) if done_ids.type != plan.ids.type else done_ids
+    return pc.filter(plan.ids, pc.invert(pc.is_in(plan.ids, value_set=done)))
+
+
+def rows_to_do(plan: InputPlan, done_ids: pa.Array, previous_summary: dict | None) -> int | None:
+    """Input rows without an output row; None when only the pipeline can tell (generated ids)."""
+    if not plan.generated_id:
+        return len(_missing_ids(plan, done_ids))
+    # Generated ids exist only inside Ray (row hashes of file path and position): counts compare only
+    # for the very input files the output was made from.
+    same_files = previous_summary is not None and previous_summary.get("input", {}).get("files") == plan.file_rows
+    return max(0, plan.num_rows - len(done_ids)) if same_files else None
+
+
 def run_job(cfg: JobConfig, log=print) -> dict:
     """Run (or resume, or confirm finished) the batch job; returns the summary."""
     plan, out, _ = check_input(cfg), check_output(cfg), check_models(cfg)
+    for warning in plan.warnings:
+        log(warning)
     id_column = cfg.input.id_column
     try:
         scan = scan_output(out, id_column)
@@ -334,25 +358,37 @@ def run_job(cfg: JobConfig, log=print) -> dict:
         raise ConfigError(f"config key output.path={cfg.output.path!r}: {exc}") from None
     for path in scan.removed:
         log(f"removed {path}: a partial file from an interrupted run (its rows will be redone)")
-    input_rows = count_input_rows(plan, cfg.input.limit)
-    done_rows = len(scan.done_ids)  # one output row per input row: counts compare (ids must be unique)
-    previous = read_json(out, SUMMARY_NAME)
-    if previous is not None and not scan.removed and done_rows >= input_rows:
+    settings = output_settings(cfg)
+    recorded = read_json(out, SETTINGS_NAME)
+    differ = check_settings(recorded and recorded["settings"], settings, cfg.output.path,
+                            cfg.output.allow_mixed_settings)
+    input_rows, previous = plan.num_rows, read_json(out, SUMMARY_NAME)
+    todo = rows_to_do(plan, scan.done_ids, previous)
+    if previous is not None and not scan.removed and todo == 0:
         log(f"nothing to do: all {input_rows} rows are already in {cfg.output.path}; its {SUMMARY_NAME}:")
         log(human_summary(previous))
         return previous
+    if recorded is None or differ:
+        if differ:
+            log(f"warning: output.allow_mixed_settings=true: {cfg.output.path} now mixes settings ({differ})")
+        earlier = (recorded or {}).get("earlier", []) + ([recorded["settings"]] if recorded else [])
+        write_json_atomic(out, SETTINGS_NAME, {"settings": settings, "earlier": earlier})
     delete_if_exists(out, SUMMARY_NAME)  # written again once every row is done
+    done_rows = min(len(scan.done_ids), input_rows) if todo is None else input_rows - todo
     if done_rows:
         log(f"resuming: {done_rows} of {input_rows} rows are already in {cfg.output.path}")
     run = run_stats(0.0, done_rows, [])
-    if done_rows < input_rows:  # else every row was written before the summary: only the summary is missing
+    if todo != 0:  # else every row was written before the summary: only the summary is missing
         run = generate_missing(cfg, plan, out, scan, done_rows)
     rows = read_output(out, [id_column, *STATS_COLUMNS])
-    missing = input_rows - rows.num_rows
+    if plan.generated_id:
+        missing = input_rows - rows.num_rows
+    else:
+        missing = len(_missing_ids(plan, rows.column(id_column).combine_chunks()))
     if missing > 0:
-        raise RuntimeError(f"{missing} input rows have no output row in {cfg.output.path}: rerun to complete "
-                           f"them (a resumed job skips every row whose id is done: are the input ids unique?)")
+        raise RuntimeError(f"{missing} input rows have no output row in {cfg.output.path}: rerun to complete them")
     summary = summarize(rows, id_column, run=run, config=to_dict(cfg), output_uri=cfg.output.path)
+    summary["input"] = {"path": cfg.input.path, "rows": input_rows, "files": plan.file_rows}
     write_json_atomic(out, SUMMARY_NAME, summary)
     log(human_summary(summary))
     return summary
@@ -378,9 +414,13 @@ def generate_missing(cfg: JobConfig, plan: InputPlan, out: Location, scan, done_
         raise RowCrashesEngine(f"input row {cfg.input.id_column}={row_id!r} crashes the engine ({error}): it did so "
                                "running alone on a fresh actor, so the job stopped. Fix or remove the row and rerun "
                                "the same command: finished rows are kept.") from exc
-    run = run_stats(time.perf_counter() - start, done_rows, ray.get(sink.snapshot.remote()))
+    # This run's rows and tokens are counted from the files it wrote: the actors' own counters also
+    # count the rows of batches Ray retried after an actor died.
+    new_files = sorted(set(list_parquet_files(out, missing_ok=True)) - set(scan.files))
+    written = read_output(out, ["num_generated_tokens"], new_files).column("num_generated_tokens")
+    run = run_stats(time.perf_counter() - start, done_rows, ray.get(sink.snapshot.remote()),
+                    written=(len(written), int(pc.sum(written).as_py() or 0)))
     if cfg.runtime.compare_baseline and run["rows"]:
-        new_files = sorted(set(list_parquet_files(out, missing_ok=True)) - set(scan.files))
         run["baseline"] = compare_baseline(cfg, plan, schema, done_ref, out, new_files, run)
     return run
 
