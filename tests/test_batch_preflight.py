@@ -113,7 +113,8 @@ def test_column_keys_that_match_nothing_and_flat_sampling_columns(tiny_pair, tmp
                    tmp_path / "in.parquet")
     for key in ("id_column", "sampling_column", "messages_column", "prompt_column"):
         with pytest.raises(ConfigError, match=f"config key input.{key}='ident': .*has no such column"):
-            check_input(job_config(tiny_pair, str(tmp_path / "in.parquet"), tmp_path / "out", **{f"input.{key}": "ident"}))
+            check_input(job_config(tiny_pair, str(tmp_path / "in.parquet"), tmp_path / "out",
+                                   **{f"input.{key}": "ident"}))
     plan = check_input(job_config(tiny_pair, str(tmp_path / "in.parquet"), tmp_path / "out"))
     assert len(plan.warnings) == 1
     assert "['temperature', 'max_tokens'] look like per-row sampling parameters" in plan.warnings[0]
