@@ -75,6 +75,7 @@ class OutputConfig:
     path: str = "out/demo"            # directory, local or s3://; also the job's checkpoint (resume)
     min_rows_per_file: int | None = None  # Parquet file sizing: bigger files, more rows redone after a crash
     max_rows_per_file: int | None = None
+    allow_mixed_settings: bool = False  # resume into an output whose rows were made with other settings
     s3: S3Config = field(default_factory=S3Config)
 
 

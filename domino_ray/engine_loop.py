@@ -135,7 +135,10 @@ class EngineLoop:
     def _add(self, request: Request):
         try:
             self.engine.add_request(request)
-        except ValueError as exc:  # a bad request fails alone
+        except Exception as exc:  # noqa: BLE001
+            # add_request only checks the request and queues it, so whatever it raises (a ValueError, or
+            # e.g. torch's RuntimeError for a seed it refuses) is this request's fault: it fails alone and
+            # the engine goes on. Errors inside engine.step() stay fatal (_run).
             with self._lock:
                 stream = self._streams.pop(request.request_id, None)
             if stream:

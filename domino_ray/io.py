@@ -21,6 +21,7 @@ import pyarrow.parquet as pq
 from domino_ray.config import S3Config
 
 SUMMARY_NAME = "_summary.json"
+SETTINGS_NAME = "_settings.json"  # the settings that determine the rows in this output (resume checks them)
 GLOB_CHARS = "*?["
 
 
@@ -65,10 +66,34 @@ def _glob_match(path: str, pattern: str) -> bool:
     return len(parts) == len(pattern_parts) and all(fnmatch.fnmatchcase(a, b) for a, b in zip(parts, pattern_parts))
 
 
+def _glob_base(path: str) -> str:
+    """The directory part of a path before its first wildcard (the path itself without one)."""
+    if not any(c in path for c in GLOB_CHARS):
+        return path
+    return path[:min(path.find(c) for c in GLOB_CHARS if c in path)].rsplit("/", 1)[0]
+
+
+def overlap(inp: Location, out: Location) -> str | None:
+    """Why writing to `out` would mix with reading `inp` (same filesystem, one path inside the other), or None.
+
+    Output inside the input: the job's own parts would be read as input. Input inside the output: the
+    resume scan would take the input files for finished parts."""
+    if isinstance(inp.fs, pafs.LocalFileSystem) != isinstance(out.fs, pafs.LocalFileSystem):
+        return None
+    base = _glob_base(inp.path).rstrip("/")
+    if out.path == base or out.path == inp.path:
+        return "output.path is the input path"
+    if out.path.startswith(base + "/") and (base == inp.path or _glob_match(f"{out.path}/part.parquet", inp.path)):
+        return "output.path is inside input.path (the job's own output files would become input)"
+    if base.startswith(out.path + "/"):
+        return "input.path is inside output.path (the input files would be taken for finished output)"
+    return None
+
+
 def list_parquet_files(loc: Location, *, missing_ok: bool = False) -> list[str]:
     """Parquet files of a file, a directory (recursively) or a glob, sorted."""
     if any(c in loc.path for c in GLOB_CHARS):
-        base = loc.path[:min(loc.path.find(c) for c in GLOB_CHARS if c in loc.path)].rsplit("/", 1)[0]
+        base = _glob_base(loc.path)
         infos = loc.fs.get_file_info(pafs.FileSelector(base, recursive=True, allow_not_found=True))
         files = [i.path for i in infos if i.type == pafs.FileType.File and _glob_match(i.path, loc.path)
                  and _visible(i.path[len(base):])]

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
+import logging
 import os
 import socket
 import threading
@@ -26,24 +28,37 @@ import ray
 from domino_ray.config import ConfigError, JobConfig, to_dict
 from domino_ray.engine import Request
 from domino_ray.engine_loop import EngineDead
-from domino_ray.io import (SUMMARY_NAME, Location, delete_if_exists, list_parquet_files, read_json, scan_output,
-                           write_json_atomic)
-from domino_ray.preflight import InputPlan, check_input, check_models, check_output
+from domino_ray.io import (SETTINGS_NAME, SUMMARY_NAME, Location, delete_if_exists, list_parquet_files, read_json,
+                           scan_output, write_json_atomic)
+from domino_ray.preflight import (InputPlan, check_input, check_models, check_output, check_settings,
+                                  output_settings)
 from domino_ray.schema import (RowError, base_params, error_row, generated_ids, ok_row,
                                output_schema, output_table, read_row, row_params)
 from domino_ray.summary import STATS_COLUMNS, human_summary, run_stats, summarize
 
-# Test-only fault hook: path of a marker file. The first actor to finish a row while the file does not
-# exist creates it and dies mid-batch, so tests can check that Ray redoes the batch without losing or
-# duplicating rows. Read on the driver and handed to the actors; never set in production.
-FAULT_ENV = "DOMINO_RAY_TEST_KILL_ACTOR_ONCE"
+# Test-only fault injection: a JSON object read on the driver and handed to the actors, never set in
+# production. {"kill_actor_once": marker path}: the first actor to finish a row while the file does not
+# exist creates it and dies mid-batch (Ray must redo the batch, losing and doubling nothing).
+# {"crash_engine_on_row": id}: the engine thread raises whenever that row is waiting to be admitted.
+FAULT_ENV = "DOMINO_RAY_TEST_FAULT"
+
+
+class RowCrashesEngine(RuntimeError):
+    """A row that crashed an engine while it ran alone: the job stops instead of restarting actors forever."""
 
 
 class DominoPredictor:
-    """map_batches callable class: one engine per actor; `pyarrow.Table` in, output rows out."""
+    """map_batches callable class: one engine per actor; `pyarrow.Table` in, output rows out.
+
+    Engine crashes (the engine thread died: every row in it is lost) are reported to the run's
+    `RunStats` with the ids of the rows that were inside, then the actor exits and Ray restarts it and
+    retries its batches. A restarted actor runs those suspect rows one at a time with the engine to
+    themselves; a row that crashes the engine alone is named, and the next batch holding it fails the
+    job (RowCrashesEngine) rather than looping through actor restarts.
+    """
 
     def __init__(self, cfg: JobConfig, schema: pa.Schema, *, use_draft: bool = True, stats_sink=None,
-                 fault_marker: str | None = None):
+                 fault: dict | None = None):
         started = time.time()
         import torch
 
@@ -58,7 +73,13 @@ class DominoPredictor:
         self.num_spec_tokens, self.eos_ids = engine.num_draft_tokens, engine.eos_token_ids
         self.cfg, self.schema, self.base = cfg, schema, base_params(cfg.generation)
         self.request_ids = itertools.count()  # engine ids: input ids may repeat across concurrent batches
-        self.stats_sink, self.fault_marker = stats_sink, fault_marker
+        self.stats_sink = stats_sink
+        # Earlier engine crashes of this run (this actor may be a restart after one).
+        crashes = ray.get(stats_sink.crashes.remote()) if stats_sink is not None else {"suspects": [], "culprits": {}}
+        self._suspects, self._culprits = set(crashes["suspects"]), crashes["culprits"]
+        self._in_engine: dict[int, object] = {}  # engine request id -> row id, for rows inside the engine now
+        self._crash_rows: list | None = None      # the rows inside when the engine died
+        self._alone = asyncio.Lock()              # held while a suspect row runs with the engine to itself
         self.name = f"{socket.gethostname()}:{os.getpid()}"
         self._lock = threading.Lock()
         self._admission: asyncio.Semaphore | None = None
@@ -66,6 +87,8 @@ class DominoPredictor:
         self._peak_in_flight = 0  # > 1 means batches overlapped in the engine (continuous batching across them)
         self._times = {"started_at": started, "load_s": time.time() - started, "first_batch_at": None,
                        "last_batch_done_at": None}
+        if fault:
+            self._install_test_fault(fault)
 
     async def __call__(self, batch: pa.Table):
         # Ray may run several batches of one task at once besides several tasks: admit exactly
@@ -77,25 +100,25 @@ class DominoPredictor:
         yield table
 
     async def _generate(self, batch: pa.Table) -> pa.Table:
-        self._busy(+1)
         rows = batch.to_pylist()
+        row_ids = [row.get(self.cfg.input.id_column) for row in rows]
         prepared = [self._prepare(row) for row in rows]
-        pending = {}
-        try:
-            for i, item in enumerate(prepared):
-                if not isinstance(item, dict):
-                    prompt, ids, params = item
-                    pending[i] = self.loop.submit(Request(next(self.request_ids), ids, params))
-            done = await asyncio.gather(*(self._finish(s) for s in pending.values()), return_exceptions=True)
-        except EngineDead:
-            self._die()
-        for i, result in zip(pending, done):
+        runnable = [i for i, item in enumerate(prepared) if not isinstance(item, dict)]
+        for i in runnable:
+            if row_ids[i] in self._culprits:
+                raise RowCrashesEngine(
+                    f"input row {self.cfg.input.id_column}={row_ids[i]!r} crashes the engine "
+                    f"({self._culprits[row_ids[i]]}); it did so running alone, so the job stops here. "
+                    "Fix or remove the row and rerun: finished rows are kept.")
+        self._busy(+1)
+        done = await asyncio.gather(*(self._complete(row_ids[i], *prepared[i][1:]) for i in runnable),
+                                    return_exceptions=True)
+        for i, result in zip(runnable, done):
             prompt, ids, params = prepared[i]
             if isinstance(result, EngineDead):
-                self._die()
+                self._die(result)
             if isinstance(result, BaseException):  # the engine refused the row (e.g. too long)
-                prepared[i] = error_row(str(result), prompt=prompt, num_spec_tokens=self.num_spec_tokens,
-                                        num_input_tokens=len(ids))
+                prepared[i] = error_row(str(result), prompt=prompt, num_spec_tokens=self.num_spec_tokens)
                 continue
             text = self._decode(result.token_ids, self.eos_ids | set(params.stop_token_ids))
             prepared[i] = ok_row(prompt=prompt, text=text, completion=result)
@@ -127,23 +150,70 @@ class DominoPredictor:
                              num_spec_tokens=self.num_spec_tokens)
         return prompt, ids, params
 
-    async def _finish(self, stream):
-        completion = await stream.completion()
-        if self.fault_marker and not os.path.exists(self.fault_marker):
-            open(self.fault_marker, "w").close()
-            os._exit(1)  # test-only: die mid-batch, like a crashed node
-        return completion
+    async def _complete(self, row_id, ids: list[int], params) -> object:
+        request = Request(next(self.request_ids), ids, params)
+        if row_id in self._suspects:  # inside the engine when one crashed: run it alone to find the culprit
+            async with self._alone:
+                while self._in_engine:
+                    await asyncio.sleep(0.01)
+                return await self._run(row_id, request)
+        while self._alone.locked():  # polls only while a suspect runs (after a crash)
+            await asyncio.sleep(0.01)
+        return await self._run(row_id, request)
+
+    async def _run(self, row_id, request: Request):
+        self._in_engine[request.request_id] = row_id
+        try:
+            return await self.loop.submit(request).completion()
+        except EngineDead:
+            if self._crash_rows is None:  # the first row to hear of it sees every row still inside
+                self._crash_rows = list(self._in_engine.values())
+            raise
+        finally:
+            del self._in_engine[request.request_id]
 
     def _decode(self, token_ids, stop_ids) -> str:
         from domino_ray.target import decode
 
         return decode(self.tokenizer, token_ids, stop_ids)
 
-    def _die(self):
+    def _die(self, exc: EngineDead):
         # The engine thread is dead (e.g. a CUDA error): this actor can never finish a row again.
         # Raising would send Ray's retries back to this same actor; exiting the process is a system
         # error, so Ray restarts the actor (max_restarts=-1) and retries its batches on a fresh engine.
+        # The run's RunStats learns which rows were inside, so restarted actors run them alone.
+        if self.stats_sink is not None:
+            try:
+                ray.get(self.stats_sink.record_crash.remote(str(exc), self._crash_rows or []), timeout=30)
+            except Exception:  # noqa: BLE001 (exiting regardless: a lost report only costs another crash)
+                pass
         os._exit(1)
+
+    def _install_test_fault(self, fault: dict):
+        """Test-only faults (FAULT_ENV), installed once here so that production rows run none of this."""
+        if "kill_actor_once" in fault:
+            marker, run = fault["kill_actor_once"], self._run
+
+            async def run_then_die_once(row_id, request):
+                completion = await run(row_id, request)
+                if not os.path.exists(marker):
+                    open(marker, "w").close()
+                    os._exit(1)  # die mid-batch, like a crashed node
+                return completion
+            self._run = run_then_die_once
+        if "crash_engine_on_row" in fault:
+            engine, step, run, poisoned = self.loop.engine, self.loop.engine.step, self._run, set()
+
+            async def run_marking_poison(row_id, request):
+                if row_id == fault["crash_engine_on_row"]:
+                    poisoned.add(request.request_id)
+                return await run(row_id, request)
+
+            def step_that_crashes():
+                if any(r.request.request_id in poisoned for r in engine.pending):
+                    raise RuntimeError("test fault: the engine crashed admitting a row")
+                return step()
+            self._run, engine.step = run_marking_poison, step_that_crashes
 
     def _busy(self, delta: int, rows: int = 0, tokens: int = 0):
         """Track the union of intervals with a batch in flight (throughput while busy)."""
@@ -175,9 +245,19 @@ class RunStats:
 
     def __init__(self):
         self.actors: dict[str, dict] = {}
+        self.crash_rows: list[list] = []   # per engine crash: ids of the rows inside the engine
+        self.culprits: dict = {}            # row id -> error, for rows that crashed an engine alone
 
     def record(self, snapshot: dict):
         self.actors[snapshot["actor"]] = snapshot
+
+    def record_crash(self, error: str, row_ids: list):
+        self.crash_rows.append(row_ids)
+        if len(row_ids) == 1:
+            self.culprits.setdefault(row_ids[0], error)
+
+    def crashes(self) -> dict:
+        return {"suspects": sorted({i for ids in self.crash_rows for i in ids}, key=repr), "culprits": self.culprits}
 
     def snapshot(self) -> list[dict]:
         return sorted(self.actors.values(), key=lambda a: a["actor"])
@@ -205,7 +285,7 @@ def read_inputs(cfg: JobConfig, plan: InputPlan, done_ids_ref) -> ray.data.Datas
 
 
 def build_dataset(cfg: JobConfig, plan: InputPlan, schema: pa.Schema, done_ids_ref, *, use_draft: bool = True,
-                  stats_sink=None, fault_marker: str | None = None) -> ray.data.Dataset:
+                  stats_sink=None, fault: dict | None = None) -> ray.data.Dataset:
     r = cfg.runtime
     gpus = r.gpus_per_actor if r.gpus_per_actor is not None else (1 if ray.cluster_resources().get("GPU") else 0)
     return read_inputs(cfg, plan, done_ids_ref).map_batches(
@@ -214,12 +294,22 @@ def build_dataset(cfg: JobConfig, plan: InputPlan, schema: pa.Schema, done_ids_r
                                            max_concurrent_calls_per_actor=r.max_concurrent_batches),
         num_cpus=r.cpus_per_actor, num_gpus=gpus or None,
         fn_constructor_args=(cfg, schema),
-        fn_constructor_kwargs={"use_draft": use_draft, "stats_sink": stats_sink, "fault_marker": fault_marker})
+        fn_constructor_kwargs={"use_draft": use_draft, "stats_sink": stats_sink, "fault": fault})
+
+
+def _not_the_stale_cpu_warning(record: logging.LogRecord) -> bool:
+    # Ray Data's write_parquet materializes the written dataset and checks for free CPUs again right after
+    # the pipeline ran, while its finished actors still hold their CPUs (they are released asynchronously):
+    # "does not have any available CPUs ... will hang" at the end of every run, about nothing that runs.
+    return "does not have any available CPUs" not in record.getMessage()
 
 
 def init_ray(cfg: JobConfig):
     if not ray.is_initialized():
         ray.init(address=cfg.runtime.ray_address)
+    dataset_logger = logging.getLogger("ray.data.dataset")
+    if _not_the_stale_cpu_warning not in dataset_logger.filters:
+        dataset_logger.addFilter(_not_the_stale_cpu_warning)
     ctx = ray.data.DataContext.get_current()
     ctx.max_consecutive_actor_init_deaths = 0  # a model that does not load fails the job at once
     # The V2 Parquet reader starts a pool of 32 footer-reading actors for every read: seconds of startup
@@ -230,14 +320,6 @@ def init_ray(cfg: JobConfig):
         ctx.execution_options.preserve_order = True  # the same first rows on every run (resume)
 
 
-def count_input_rows(plan: InputPlan, limit: int | None) -> int:
-    total = 0
-    for path in plan.files:
-        with plan.location.fs.open_input_file(path) as f:
-            total += pq.ParquetFile(f).metadata.num_rows
-    return total if limit is None else min(total, limit)
-
-
 def read_output(out: Location, columns: list[str], files: list[str] | None = None) -> pa.Table:
     tables = []
     for path in list_parquet_files(out, missing_ok=True) if files is None else files:
@@ -246,9 +328,29 @@ def read_output(out: Location, columns: list[str], files: list[str] | None = Non
     return pa.concat_tables(tables) if tables else pa.table({c: [] for c in columns})
 
 
+def _missing_ids(plan: InputPlan, done_ids: pa.Array) -> pa.Array:
+    """Input ids with no output row yet (explicit ids only)."""
+    if not len(done_ids):
+        return plan.ids
+    done = done_ids.cast(plan.ids.type) if done_ids.type != plan.ids.type else done_ids
+    return pc.filter(plan.ids, pc.invert(pc.is_in(plan.ids, value_set=done)))
+
+
+def rows_to_do(plan: InputPlan, done_ids: pa.Array, previous_summary: dict | None) -> int | None:
+    """Input rows without an output row; None when only the pipeline can tell (generated ids)."""
+    if not plan.generated_id:
+        return len(_missing_ids(plan, done_ids))
+    # Generated ids exist only inside Ray (row hashes of file path and position): counts compare only
+    # for the very input files the output was made from.
+    same_files = previous_summary is not None and previous_summary.get("input", {}).get("files") == plan.file_rows
+    return max(0, plan.num_rows - len(done_ids)) if same_files else None
+
+
 def run_job(cfg: JobConfig, log=print) -> dict:
     """Run (or resume, or confirm finished) the batch job; returns the summary."""
     plan, out, _ = check_input(cfg), check_output(cfg), check_models(cfg)
+    for warning in plan.warnings:
+        log(warning)
     id_column = cfg.input.id_column
     try:
         scan = scan_output(out, id_column)
@@ -256,25 +358,37 @@ def run_job(cfg: JobConfig, log=print) -> dict:
         raise ConfigError(f"config key output.path={cfg.output.path!r}: {exc}") from None
     for path in scan.removed:
         log(f"removed {path}: a partial file from an interrupted run (its rows will be redone)")
-    input_rows = count_input_rows(plan, cfg.input.limit)
-    done_rows = len(scan.done_ids)  # one output row per input row: counts compare (ids must be unique)
-    previous = read_json(out, SUMMARY_NAME)
-    if previous is not None and not scan.removed and done_rows >= input_rows:
+    settings = output_settings(cfg)
+    recorded = read_json(out, SETTINGS_NAME)
+    differ = check_settings(recorded and recorded["settings"], settings, cfg.output.path,
+                            cfg.output.allow_mixed_settings)
+    input_rows, previous = plan.num_rows, read_json(out, SUMMARY_NAME)
+    todo = rows_to_do(plan, scan.done_ids, previous)
+    if previous is not None and not scan.removed and todo == 0:
         log(f"nothing to do: all {input_rows} rows are already in {cfg.output.path}; its {SUMMARY_NAME}:")
         log(human_summary(previous))
         return previous
+    if recorded is None or differ:
+        if differ:
+            log(f"warning: output.allow_mixed_settings=true: {cfg.output.path} now mixes settings ({differ})")
+        earlier = (recorded or {}).get("earlier", []) + ([recorded["settings"]] if recorded else [])
+        write_json_atomic(out, SETTINGS_NAME, {"settings": settings, "earlier": earlier})
     delete_if_exists(out, SUMMARY_NAME)  # written again once every row is done
+    done_rows = min(len(scan.done_ids), input_rows) if todo is None else input_rows - todo
     if done_rows:
         log(f"resuming: {done_rows} of {input_rows} rows are already in {cfg.output.path}")
     run = run_stats(0.0, done_rows, [])
-    if done_rows < input_rows:  # else every row was written before the summary: only the summary is missing
+    if todo != 0:  # else every row was written before the summary: only the summary is missing
         run = generate_missing(cfg, plan, out, scan, done_rows)
     rows = read_output(out, [id_column, *STATS_COLUMNS])
-    missing = input_rows - rows.num_rows
+    if plan.generated_id:
+        missing = input_rows - rows.num_rows
+    else:
+        missing = len(_missing_ids(plan, rows.column(id_column).combine_chunks()))
     if missing > 0:
-        raise RuntimeError(f"{missing} input rows have no output row in {cfg.output.path}: rerun to complete "
-                           f"them (a resumed job skips every row whose id is done: are the input ids unique?)")
+        raise RuntimeError(f"{missing} input rows have no output row in {cfg.output.path}: rerun to complete them")
     summary = summarize(rows, id_column, run=run, config=to_dict(cfg), output_uri=cfg.output.path)
+    summary["input"] = {"path": cfg.input.path, "rows": input_rows, "files": plan.file_rows}
     write_json_atomic(out, SUMMARY_NAME, summary)
     log(human_summary(summary))
     return summary
@@ -287,12 +401,26 @@ def generate_missing(cfg: JobConfig, plan: InputPlan, out: Location, scan, done_
     done_ref = ray.put(scan.done_ids)
     sink = RunStats.remote()
     start = time.perf_counter()
-    build_dataset(cfg, plan, schema, done_ref, stats_sink=sink, fault_marker=os.environ.get(FAULT_ENV)).write_parquet(
-        out.path, filesystem=out.fs, min_rows_per_file=cfg.output.min_rows_per_file,
-        max_rows_per_file=cfg.output.max_rows_per_file, schema=schema, mode="append")
-    run = run_stats(time.perf_counter() - start, done_rows, ray.get(sink.snapshot.remote()))
+    fault = json.loads(os.environ[FAULT_ENV]) if os.environ.get(FAULT_ENV) else None
+    try:
+        build_dataset(cfg, plan, schema, done_ref, stats_sink=sink, fault=fault).write_parquet(
+            out.path, filesystem=out.fs, min_rows_per_file=cfg.output.min_rows_per_file,
+            max_rows_per_file=cfg.output.max_rows_per_file, schema=schema, mode="append")
+    except Exception as exc:
+        culprits = ray.get(sink.crashes.remote())["culprits"]
+        if not culprits:
+            raise
+        row_id, error = next(iter(culprits.items()))
+        raise RowCrashesEngine(f"input row {cfg.input.id_column}={row_id!r} crashes the engine ({error}): it did so "
+                               "running alone on a fresh actor, so the job stopped. Fix or remove the row and rerun "
+                               "the same command: finished rows are kept.") from exc
+    # This run's rows and tokens are counted from the files it wrote: the actors' own counters also
+    # count the rows of batches Ray retried after an actor died.
+    new_files = sorted(set(list_parquet_files(out, missing_ok=True)) - set(scan.files))
+    written = read_output(out, ["num_generated_tokens"], new_files).column("num_generated_tokens")
+    run = run_stats(time.perf_counter() - start, done_rows, ray.get(sink.snapshot.remote()),
+                    written=(len(written), int(pc.sum(written).as_py() or 0)))
     if cfg.runtime.compare_baseline and run["rows"]:
-        new_files = sorted(set(list_parquet_files(out, missing_ok=True)) - set(scan.files))
         run["baseline"] = compare_baseline(cfg, plan, schema, done_ref, out, new_files, run)
     return run
 

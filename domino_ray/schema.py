@@ -141,9 +141,11 @@ def row_params(overrides, base: SamplingParams, base_seed: int | None, row_id) -
 
 # ---- output rows -----------------------------------------------------------------------------------
 
-def error_row(reason: str, *, prompt: str | None, num_spec_tokens: int, num_input_tokens: int = 0) -> dict:
+def error_row(reason: str, *, prompt: str | None, num_spec_tokens: int) -> dict:
+    """Zeros everywhere, `num_input_tokens` too (an 800k-token prompt that was refused processed nothing;
+    the reason says how long it was), so job totals count only work done."""
     return {
-        "prompt": prompt, "generated_text": "", "generated_tokens": [], "num_input_tokens": num_input_tokens,
+        "prompt": prompt, "generated_text": "", "generated_tokens": [], "num_input_tokens": 0,
         "num_generated_tokens": 0, "finish_reason": "error", "num_spec_tokens": num_spec_tokens,
         "num_spec_steps": 0, "num_draft_tokens": 0, "num_accepted_draft_tokens": 0,
         "mean_acceptance_length": 0.0, "draft_acceptance_rate": 0.0,

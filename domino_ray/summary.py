@@ -16,6 +16,7 @@ from domino_ray.stats import RowStats, merge_histograms, per_position_acceptance
 STATS_COLUMNS = ["finish_reason", "error", "num_input_tokens", "num_generated_tokens", "num_spec_tokens",
                  "num_spec_steps", "num_draft_tokens", "num_accepted_draft_tokens", "acceptance_histogram",
                  "time_to_first_token_s"]
+MAX_ERROR_REASONS = 20  # in _summary.json; the printed summary shows 5
 TOTALS = ["num_input_tokens", "num_generated_tokens", "num_spec_steps", "num_draft_tokens",
           "num_accepted_draft_tokens"]
 
@@ -37,6 +38,7 @@ def summarize(rows: pa.Table, id_column: str, *, run: dict, config: dict, output
     ok = pc.not_equal(rows.column("finish_reason"), "error")
     ttft = pc.mean(pc.filter(rows.column("time_to_first_token_s"), ok)).as_py() if n - failed else None
     errors = Counter(e for e in rows.column("error").to_pylist() if e is not None)
+    listed = errors.most_common(MAX_ERROR_REASONS)  # reasons may embed numbers: bound the list, count the rest
     return {
         "output": output_uri,
         "rows": {"total": n, "ok": n - failed, "failed": failed,
@@ -49,16 +51,19 @@ def summarize(rows: pa.Table, id_column: str, *, run: dict, config: dict, output
         "acceptance_histogram": histogram,
         "per_position_acceptance": per_position,
         "mean_time_to_first_token_s": ttft,
-        "errors": dict(errors.most_common(20)),
+        "errors": dict(listed),
+        "errors_not_listed": {"reasons": len(errors) - len(listed), "rows": failed - sum(c for _, c in listed)},
         "run": run,
         "config": config,
     }
 
 
-def run_stats(wall_time_s: float, rows_done_before: int, actors: list[dict]) -> dict:
-    """This invocation: `actors` holds one {actor, rows, generated_tokens, busy_s} per engine actor."""
-    rows = sum(a["rows"] for a in actors)
-    tokens = sum(a["generated_tokens"] for a in actors)
+def run_stats(wall_time_s: float, rows_done_before: int, actors: list[dict],
+              written: tuple[int, int] | None = None) -> dict:
+    """This invocation: `actors` holds one {actor, rows, generated_tokens, busy_s} per engine actor (work
+    done, retried batches included); `written` is (rows, generated tokens) in the files this run wrote,
+    the run's `rows` and `generated_tokens` (default: the actors' sums)."""
+    rows, tokens = written or (sum(a["rows"] for a in actors), sum(a["generated_tokens"] for a in actors))
     for a in actors:
         a["tokens_per_s"] = a["generated_tokens"] / a["busy_s"] if a["busy_s"] else 0.0
     return {"wall_time_s": wall_time_s, "rows": rows, "rows_already_done": rows_done_before,
@@ -84,6 +89,12 @@ def human_summary(s: dict) -> str:
     if base:
         lines.append(f"  target only: {base['tokens_per_s']:.1f} tokens/s while busy -> speed-up "
                      f"{base['speedup']:.2f}x; greedy outputs identical: {base['identical']}/{base['compared']}")
-    for reason, count in list(s["errors"].items())[:5]:
+    shown = list(s["errors"].items())[:5]
+    for reason, count in shown:
         lines.append(f"  error x{count}: {reason}")
+    more_reasons = len(s["errors"]) - len(shown) + s.get("errors_not_listed", {}).get("reasons", 0)
+    if more_reasons:
+        more_rows = r["failed"] - sum(count for _, count in shown)
+        lines.append(f"  ... and {more_reasons} more error reasons ({more_rows} rows): see `errors` in "
+                     f"_summary.json and the `error` column")
     return "\n".join(lines)

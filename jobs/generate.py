@@ -16,9 +16,13 @@ from domino_ray.config import ConfigError, config_from_command_line
 def main(argv: list[str] | None = None) -> int:
     try:
         cfg = config_from_command_line(argv, __doc__.splitlines()[0], "generation.max_new_tokens=64")
-        from domino_ray.ray_batch import run_job
+        from domino_ray.ray_batch import RowCrashesEngine, run_job
 
-        run_job(cfg)
+        try:
+            run_job(cfg)
+        except RowCrashesEngine as exc:  # the job failed, but for a reason that fits in one line
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -5,6 +5,7 @@ fuzz set of bad rows, with an actor killed once mid-job by the test-only fault h
 target-only comparison on. Its output is read back with pyarrow, pandas, DuckDB and Spark.
 """
 
+import json
 import os
 import re
 import shutil
@@ -66,7 +67,7 @@ def job(ray_cluster, tiny_pair, tmp_path_factory):
                "sampling_params": [r[2] for r in rows], "topic": [f"t{i % 3}" for i in range(len(rows))]}
     write_shards(tmp / "in", columns, shards=2, schema=SCHEMA)
     marker = tmp / "actor_killed"
-    os.environ[FAULT_ENV] = str(marker)
+    os.environ[FAULT_ENV] = json.dumps({"kill_actor_once": str(marker)})
     try:
         cfg = job_config(tiny_pair, str(tmp / "in"), str(tmp / "out"),
                          **{"generation.max_new_tokens": MAX_NEW, "runtime.compare_baseline": "true"})
@@ -83,7 +84,8 @@ def test_output_schema_rows_and_stats(job):
     check_output_invariants(table, job["summary"], job["ids"])
     assert (job["out"] / "_summary.json").exists()
     assert job["summary"]["rows"]["failed"] == len(BAD_ROWS)
-    assert job["summary"]["num_spec_tokens"] == 4 and job["summary"]["run"]["rows"] >= len(job["ids"])
+    # run.rows counts rows written, not the rows of batches retried after the killed actor
+    assert job["summary"]["num_spec_tokens"] == 4 and job["summary"]["run"]["rows"] == len(job["ids"])
     # Ray handed actors two batches at once: their rows shared the engine (continuous batching across batches).
     assert max(a["peak_batches_in_flight"] for a in job["summary"]["run"]["actors"]) == 2
 
@@ -99,7 +101,7 @@ def test_bad_rows_are_error_rows_with_reasons(job):
     for i, (_, _, _, reason) in enumerate(BAD_ROWS):
         row = by_id[job["ids"][job["good"] + i]]
         assert row["finish_reason"] == "error", row
-        assert row["num_generated_tokens"] == 0
+        assert row["num_generated_tokens"] == 0 and row["num_input_tokens"] == 0  # refused: no work in the totals
         assert re.search(reason, row["error"]), (reason, row["error"])
     for i in range(job["good"]):
         assert by_id[job["ids"][i]]["error"] is None
@@ -113,6 +115,19 @@ def test_lost_summary_is_rebuilt_without_generating(job):
     assert summary["run"]["rows"] == 0 and summary["run"]["actors"] == []  # no actor started, nothing generated
     assert summary["totals"] == job["summary"]["totals"] and summary["rows"] == job["summary"]["rows"]
     assert {p.name: p.stat().st_mtime_ns for p in job["out"].glob("*.parquet")} == files
+
+
+def test_resume_with_other_settings_is_refused(job, tiny_pair):
+    """Issue 12 item 12: the output records the settings that made its rows; changed ones are refused
+    (naming the keys) before any work, and allowed with output.allow_mixed_settings=true."""
+    recorded = json.loads((job["out"] / "_settings.json").read_text())["settings"]
+    assert recorded["generation.max_new_tokens"] == MAX_NEW and recorded["draft.source"] == tiny_pair[1]
+    files = {p.name: p.stat().st_mtime_ns for p in job["out"].glob("*")}
+    cfg = job_config(tiny_pair, job["cfg"].input.path, job["cfg"].output.path,
+                     **{"generation.max_new_tokens": MAX_NEW + 1, "runtime.compare_baseline": "true"})
+    with pytest.raises(ConfigError, match=f"generation.max_new_tokens: {MAX_NEW} in the output, {MAX_NEW + 1} now"):
+        run_job(cfg, log=lambda *_: None)
+    assert {p.name: p.stat().st_mtime_ns for p in job["out"].glob("*")} == files
 
 
 def test_greedy_outputs_equal_target_only(job, tiny_pair):

@@ -137,12 +137,12 @@ def test_error_and_ok_rows_share_the_schema():
 def test_summary_reconciles_with_rows():
     schema = output_schema(pa.schema([("id", pa.string())]), "id", generated_id=False)
     rows = [ok_row(prompt="p", text="t", completion=_completion([1, 2, 3, 4])) for _ in range(3)]
-    rows.append(error_row("too long", prompt="p", num_spec_tokens=2, num_input_tokens=900))
+    rows.append(error_row("too long", prompt="p", num_spec_tokens=2))
     table = output_table(pa.table({"id": ["a", "b", "c", "d"]}), rows, schema)
     run = run_stats(2.0, 0, [{"actor": "x", "rows": 4, "generated_tokens": 12, "busy_s": 1.5}])
     s = summarize(table.select(["id", *STATS_COLUMNS]), "id", run=run, config={}, output_uri="out")
     assert s["rows"] == {"total": 4, "ok": 3, "failed": 1, "unique_ids": 4}
-    assert s["totals"] == {"num_input_tokens": 909, "num_generated_tokens": 12, "num_spec_steps": 6,
+    assert s["totals"] == {"num_input_tokens": 9, "num_generated_tokens": 12, "num_spec_steps": 6,
                            "num_draft_tokens": 9, "num_accepted_draft_tokens": 3}
     assert s["acceptance_histogram"] == [3, 3, 0] and s["per_position_acceptance"] == [0.5, 0.0]
     assert s["mean_acceptance_length"] == 1.5 and s["draft_acceptance_rate"] == pytest.approx(3 / 9)
@@ -176,3 +176,54 @@ def test_job_helpers_import_without_ray():
             "import domino_ray.io, domino_ray.schema, domino_ray.summary, domino_ray.preflight")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
+
+
+def test_summary_keeps_count_of_every_error_reason():
+    """Issue 12 item 17: reasons beyond the listed ones are counted, and the printed summary says so."""
+    schema = output_schema(pa.schema([("id", pa.int64())]), "id", generated_id=False)
+    reasons = [f"prompt has {800 + i} tokens" for i in range(25)] + ["prompt is null"] * 3
+    rows = [error_row(reason, prompt=None, num_spec_tokens=2) for reason in reasons]
+    table = output_table(pa.table({"id": list(range(len(rows)))}), rows, schema)
+    s = summarize(table.select(["id", *STATS_COLUMNS]), "id", run=run_stats(1.0, 0, []), config={}, output_uri="o")
+    assert len(s["errors"]) == 20 and list(s["errors"].items())[0] == ("prompt is null", 3)
+    assert s["errors_not_listed"] == {"reasons": 6, "rows": 6}
+    assert sum(s["errors"].values()) + s["errors_not_listed"]["rows"] == s["rows"]["failed"] == 28
+    text = human_summary(s)
+    assert text.count("  error x") == 5 and "... and 21 more error reasons (21 rows)" in text
+
+
+def test_run_counts_the_rows_it_wrote_not_the_rows_actors_retried():
+    actors = [{"actor": "a", "rows": 1820, "generated_tokens": 9000, "busy_s": 3.0}]
+    run = run_stats(2.0, 0, actors, written=(1500, 7000))
+    assert (run["rows"], run["generated_tokens"], run["tokens_per_s"]) == (1500, 7000, 3500.0)
+    assert run["actors"][0]["rows"] == 1820  # the work done, retries included
+
+
+def test_resume_compares_ids_and_settings(tmp_path):
+    """Issue 12 item 12: 'nothing to do' means every input id is done (not equal counts), and a changed
+    output-determining setting is refused unless output.allow_mixed_settings=true."""
+    from domino_ray.preflight import InputPlan, check_settings, output_settings
+    from domino_ray.ray_batch import rows_to_do
+
+    loc = resolve(str(tmp_path), S3Config())
+    plan = InputPlan(loc, ["f"], pa.schema([("id", pa.string())]), False, {"f": 2}, 2, pa.array(["a", "b"]))
+    assert rows_to_do(plan, pa.array(["x", "y"]), {"rows": {}}) == 2  # same count, other ids
+    assert rows_to_do(plan, pa.array(["b", "a", "x"]), None) == 0
+    generated = InputPlan(loc, ["f"], pa.schema([("prompt", pa.string())]), True, {"f": 2}, 2)
+    assert rows_to_do(generated, pa.array(["1", "2"]), {"input": {"files": {"g": 2}}}) is None  # other files
+    assert rows_to_do(generated, pa.array(["1", "2"]), {"input": {"files": {"f": 2}}}) == 0
+
+    base = output_settings(load_config(None, []))
+    assert {"model.source", "draft.source", "generation.max_new_tokens", "generation.seed", "runtime.seed",
+            "model.chat_template", "input.id_column"} <= set(base)
+    assert "generation.max_batch_size" not in base and "model.device" not in base  # speed, not output
+    assert output_settings(load_config(None, ["generation.max_batch_size=3", "runtime.max_actors=4"])) == base
+    changed = output_settings(load_config(None, ["generation.max_new_tokens=7", "model.enable_thinking=true"]))
+    with pytest.raises(ConfigError, match=r"output.path='out' holds rows generated with other settings "
+                                          r"\(generation.max_new_tokens: 128 in the output, 7 now; "
+                                          r"model.enable_thinking: False in the output, True now\).*"
+                                          r"output.allow_mixed_settings=true"):
+        check_settings(base, changed, "out", allow_mixed=False)
+    assert check_settings(base, changed, "out", allow_mixed=True) == ["generation.max_new_tokens",
+                                                                      "model.enable_thinking"]
+    assert check_settings(None, changed, "out", allow_mixed=False) == [] == check_settings(base, base, "out", False)

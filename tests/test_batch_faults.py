@@ -1,0 +1,72 @@
+"""Rows that break things: a per-request failure of any type is that row's error row, and a row that
+crashes the engine itself fails the job naming the row instead of restarting actors forever."""
+
+import asyncio
+import json
+import subprocess
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from batch_fixtures import job_overrides, python, ray_cluster, REPO, tiny_pair  # noqa: F401
+from domino_ray.engine import Request, SpecEngine
+from domino_ray.engine_loop import EngineLoop
+from domino_ray.ray_batch import FAULT_ENV
+from domino_ray.sampling import SamplingParams
+from tiny_models import tiny_target
+
+GENERATE = [python(), str(REPO / "jobs" / "generate.py")]
+
+
+def test_any_error_adding_a_request_fails_only_that_request():
+    """EngineLoop._add: a non-ValueError from add_request (here an AttributeError) fails the request
+    alone; the loop stays alive and serves the next request."""
+    loop = EngineLoop(SpecEngine(tiny_target("qwen3", seed=3), None, max_rows=2))
+
+    async def main():
+        bad = loop.submit(Request("bad", [1, 2, 3], None))
+        with pytest.raises(AttributeError):
+            await bad.completion()
+        return await loop.submit(Request("good", [1, 2, 3], SamplingParams(max_new_tokens=3))).completion()
+
+    try:
+        assert len(asyncio.run(main()).token_ids) == 3 and loop.alive
+    finally:
+        loop.stop()
+
+
+def _run_job(tiny_pair, ray_cluster, tmp_path, rows: dict, env=None, timeout=150):
+    pq.write_table(pa.table(rows), tmp_path / "in.parquet")
+    command = [*GENERATE, *job_overrides(tiny_pair, tmp_path / "in.parquet", tmp_path / "out", **{
+        "runtime.ray_address": ray_cluster, "generation.max_new_tokens": 4, "runtime.batch_size": 2})]
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+@pytest.mark.ray
+def test_seed_torch_refuses_is_an_error_row_and_the_job_finishes(ray_cluster, tiny_pair, tmp_path):
+    """Issue 12 item 11: `{"seed": true}` passed validation, torch's manual_seed(True) raised RuntimeError
+    in add_request, the engine loop died and Ray restarted the actor forever."""
+    run = _run_job(tiny_pair, ray_cluster, tmp_path, {
+        "id": ["s", "ok"], "prompt": ["x =", "the lazy dog"],
+        "sampling_params": ['{"seed": true, "temperature": 0.5}', None]})
+    assert run.returncode == 0, run.stdout + run.stderr
+    rows = {r["id"]: r for r in pq.read_table(tmp_path / "out").to_pylist()}
+    assert rows["s"]["finish_reason"] == "error" and "seed" in rows["s"]["error"]
+    assert rows["ok"]["finish_reason"] == "length" and rows["ok"]["error"] is None
+
+
+@pytest.mark.ray
+def test_row_that_crashes_the_engine_fails_the_job_naming_it(ray_cluster, tiny_pair, tmp_path):
+    """A fatal engine error on one row (test fault: the engine thread raises admitting it): the first
+    crash makes its rows suspects, a restarted actor runs them alone, the poison row crashes alone, and
+    the job exits 1 naming it; it does not loop through actor restarts."""
+    import os
+
+    ids = [f"r{i}" for i in range(6)]
+    env = {**os.environ, FAULT_ENV: json.dumps({"crash_engine_on_row": "r3"})}
+    run = _run_job(tiny_pair, ray_cluster, tmp_path, {"id": ids, "prompt": ["the quick brown fox"] * 6}, env=env,
+                   timeout=240)
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert "input row id='r3' crashes the engine" in run.stderr and "test fault" in run.stderr, run.stderr
+    assert not (tmp_path / "out" / "_summary.json").exists()
