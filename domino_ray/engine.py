@@ -149,7 +149,8 @@ class SpecEngine:
         self._running_ids: set = set()  # request ids of pending and active rows
         self.rng = torch.Generator().manual_seed(seed)
         self.graphs = StepGraphs(self.device) if graphs else None
-        _check_memory_fits(self.device, self.memory_plan())
+        if self.device.type == "cuda":
+            check_memory_fits(self.memory_plan(), torch.cuda.mem_get_info(self.device)[0], self.device)
 
     def memory_plan(self) -> dict[str, int]:
         """Bytes the engine preallocates or peaks at beyond the weights (README "Memory")."""
@@ -440,14 +441,11 @@ def _length_groups(rows: list[_Row], slack: float = 1.25) -> list[list[_Row]]:
     return groups
 
 
-def _check_memory_fits(device: torch.device, plan: dict[str, int]):
+def check_memory_fits(plan: dict[str, int], free_bytes: int, device) -> None:
     """Fail with advice instead of an opaque out-of-memory error: buffers are static per slot."""
-    if device.type != "cuda":
-        return
     need = sum(plan.values())
-    free, _ = torch.cuda.mem_get_info(device)
-    if need > 0.9 * free:
+    if need > 0.9 * free_bytes:
         parts = ", ".join(f"{k} {v / 2**30:.2f}" for k, v in plan.items())
         raise ValueError(f"the engine needs {need / 2**30:.1f} GiB beyond the weights ({parts} GiB) but "
-                         f"{free / 2**30:.1f} GiB are free on {device}: lower generation.max_batch_size, "
+                         f"{free_bytes / 2**30:.1f} GiB are free on {device}: lower generation.max_batch_size, "
                          "model.max_model_len or generation.max_prefill_tokens")

@@ -8,7 +8,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from domino_ray.draft import gru_cell
-from domino_ray.engine import Request, SpecEngine
+from domino_ray.engine import Request, SpecEngine, check_memory_fits
 from domino_ray.proposer import DominoProposer
 from domino_ray.sampling import SamplingParams
 from oracles import OracleProposer
@@ -159,3 +159,16 @@ def test_oracle_padding_rows(target):
               max_rows=4)
     assert [c.token_ids for c in out] == [c.token_ids for c in base]
     assert all(c.stats.mean_acceptance_length > 2 for c in out)
+
+
+def test_memory_plan_counts_every_preallocation_and_names_the_keys(target):
+    engine = SpecEngine(target, DominoProposer(tiny_draft(target, block_size=4), target), max_rows=4,
+                        max_model_len=100)
+    plan = engine.memory_plan()
+    assert plan["target_kv"] == sum(t.numel() * t.element_size() for t in (*engine.kv.keys, *engine.kv.values))
+    assert plan["draft_kv"] == engine.proposer.kv.nbytes > 0
+    assert plan["decode_step"] > 0 and plan["prefill_peak"] > 0
+    check_memory_fits(plan, 2 * sum(plan.values()), "cuda:0")
+    with pytest.raises(ValueError, match="lower generation.max_batch_size, model.max_model_len or "
+                                         "generation.max_prefill_tokens"):
+        check_memory_fits(plan, sum(plan.values()), "cuda:0")
