@@ -9,11 +9,14 @@ requests join the running batch as slots free up: continuous batching across cal
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import queue
 import threading
+from dataclasses import dataclass
 from typing import AsyncIterator, Hashable
 
 from domino_ray.engine import Completion, Request, SpecEngine, StepEvent
+from domino_ray.stats import RowStats
 
 
 class QueueFull(RuntimeError):
@@ -22,6 +25,16 @@ class QueueFull(RuntimeError):
 
 class EngineDead(RuntimeError):
     """The engine loop stopped after an error; the process should be replaced."""
+
+
+@dataclass(frozen=True)
+class Update:
+    """One engine event of a request plus a copy of its statistics right after that step: the engine keeps
+    counting, and a consumer that cuts the output short (a stop string) must count only what it keeps."""
+    request_id: Hashable
+    new_token_ids: list[int]
+    completion: Completion | None
+    stats: RowStats
 
 
 class RequestStream:
@@ -38,7 +51,7 @@ class RequestStream:
         except RuntimeError:  # the caller's event loop is closed: it wants nothing more
             pass
 
-    async def events(self) -> AsyncIterator[StepEvent]:
+    async def events(self) -> AsyncIterator[Update]:
         """Yield events until the request finishes; raises what the engine raised for it."""
         while True:
             item = await self._queue.get()
@@ -107,8 +120,10 @@ class EngineLoop:
             while not self._stopped.is_set():
                 self._drain_inbox(block=not self.engine.has_unfinished())
                 if self.engine.has_unfinished():
-                    for event in self.engine.step():
-                        self._deliver(event)
+                    events = self.engine.step()
+                    live = {row.request.request_id: row.stats for row in self.engine.rows}
+                    for event in events:
+                        self._deliver(event, live)
         except BaseException as exc:  # the engine is in an unknown state: fail every request, stop
             self.error = exc
             with self._lock:
@@ -148,10 +163,12 @@ class EngineLoop:
             if stream:
                 stream._put(asyncio.CancelledError(f"request {request_id!r} aborted"))
 
-    def _deliver(self, event: StepEvent):
+    def _deliver(self, event: StepEvent, live_stats: dict[Hashable, RowStats]):
         with self._lock:
             stream = self._streams.get(event.request_id)
             if stream is not None and event.completion is not None:
                 del self._streams[event.request_id]
         if stream is not None:
-            stream._put(event)
+            stats = event.completion.stats if event.completion is not None else live_stats[event.request_id]
+            stats = dataclasses.replace(stats, acceptance_histogram=list(stats.acceptance_histogram))
+            stream._put(Update(event.request_id, event.new_token_ids, event.completion, stats))
