@@ -121,9 +121,8 @@ class EngineLoop:
                 self._drain_inbox(block=not self.engine.has_unfinished())
                 if self.engine.has_unfinished():
                     events = self.engine.step()
-                    live = {row.request.request_id: row.stats for row in self.engine.rows}
-                    for event in events:
-                        self._deliver(event, live)
+                    for event, stats in zip(events, self._stats_per_event(events)):
+                        self._deliver(event, stats)
         except BaseException as exc:  # the engine is in an unknown state: fail every request, stop
             self.error = exc
             with self._lock:
@@ -163,12 +162,20 @@ class EngineLoop:
             if stream:
                 stream._put(asyncio.CancelledError(f"request {request_id!r} aborted"))
 
-    def _deliver(self, event: StepEvent, live_stats: dict[Hashable, RowStats]):
+    def _stats_per_event(self, events: list[StepEvent]) -> list[RowStats]:
+        """Each event's statistics (copies). A request's last event of the step has its statistics after the
+        step; an earlier one in the same step can only be its prefill token, before any verify step."""
+        live = {row.request.request_id: row.stats for row in self.engine.rows}
+        last = {e.request_id: e for e in events}
+        after = {rid: e.completion.stats if e.completion is not None else live[rid] for rid, e in last.items()}
+        return [dataclasses.replace(after[e.request_id],
+                                    acceptance_histogram=list(after[e.request_id].acceptance_histogram))
+                if last[e.request_id] is e else RowStats(after[e.request_id].num_spec_tokens) for e in events]
+
+    def _deliver(self, event: StepEvent, stats: RowStats):
         with self._lock:
             stream = self._streams.get(event.request_id)
             if stream is not None and event.completion is not None:
                 del self._streams[event.request_id]
         if stream is not None:
-            stats = event.completion.stats if event.completion is not None else live_stats[event.request_id]
-            stats = dataclasses.replace(stats, acceptance_histogram=list(stats.acceptance_histogram))
             stream._put(Update(event.request_id, event.new_token_ids, event.completion, stats))

@@ -10,7 +10,13 @@ building live in the Ray-free `openai_api`; this module is FastAPI + Serve + met
 
 Overload is answered at once, never by unbounded waiting: beyond `serve.max_waiting_requests` waiting
 for an engine slot the replica answers 429 (EngineLoop QueueFull); beyond `serve.max_ongoing_requests`
-per replica, requests queue at the proxy up to `serve.max_queued_requests`, then Serve answers 429.
+per replica, requests queue at the proxy up to `serve.max_queued_requests`, then Serve's proxy answers
+429 itself (a plain-text body Serve 2.60 does not let an app shape; README "Overload").
+
+Every request the replica sees shares its queue, `/health` too, so load balancers probe the `HealthProbe`
+app (`build_health_app`, route `/health`): a replica-free deployment that reads Serve's own view of the
+engine replicas (kept current by `check_health`), and so answers under any load. The replica's
+`/load` (and, without the probe app, `/health`) reports its engine's running and waiting requests.
 """
 
 # No `from __future__ import annotations` here: FastAPI reads the handlers' annotations as real types.
@@ -139,6 +145,7 @@ class DominoServer:
             self.loop.stop(timeout=1.0)
 
     @api.get("/health")
+    @api.get("/load")
     async def health(self):
         if not self.loop.alive:
             return JSONResponse({"status": "dead", "error": repr(self.loop.error)}, status_code=503)
@@ -246,6 +253,31 @@ def deployment_options(cfg: JobConfig) -> dict:
 
 def build_app(cfg: JobConfig) -> serve.Application:
     return DominoServer.options(**deployment_options(cfg)).bind(cfg)
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1000, max_queued_requests=-1)
+class HealthProbe:
+    """`GET /health` for load balancers: 200 while the engine app has a running replica, else 503.
+
+    It never touches an engine replica (whose queue it would wait in): it asks the Serve controller,
+    which health-checks the replicas itself (`DominoServer.check_health`) and replaces failed ones."""
+
+    def __init__(self, app_name: str):
+        self.app_name = app_name
+
+    async def __call__(self, request: Request):
+        status = await asyncio.to_thread(serve.status)  # a blocking call to the controller
+        app = status.applications.get(self.app_name)
+        deployment = app.deployments.get(DominoServer.name) if app is not None else None
+        running = deployment.replica_states.get("RUNNING", 0) if deployment is not None else 0
+        body = {"status": "ok" if running else "unavailable", "application": getattr(app.status, "value", app.status) if app else None,
+                "running_replicas": running}
+        return JSONResponse(body, status_code=200 if running else 503)
+
+
+def build_health_app(app_name: str = "domino") -> serve.Application:
+    """The load-balancer probe for the engine app named `app_name`; run it at route_prefix "/health"."""
+    return HealthProbe.bind(app_name)
 
 
 def app_builder(args: dict) -> serve.Application:

@@ -291,3 +291,11 @@ def test_consumer_leaving_aborts_the_request(engine_loop, model, tokenizer):
             break
         asyncio.run(asyncio.sleep(0.01))
     assert not engine_loop.engine.has_unfinished() and not engine_loop._streams
+
+
+def test_a_request_admitted_and_finished_in_one_step_streams_both_events(engine_loop, model, tokenizer):
+    """Prefill token and the one verify step land in the same engine step: each piece has its own stats."""
+    parsed = parse(model, {"prompt": [3, 4, 5], "max_tokens": 2, "ignore_eos": True})
+    pieces = collect(engine_loop, parsed, tokenizer, "two")
+    assert [(p.num_tokens, p.stats.num_spec_steps) for p in pieces] == [(1, 0), (2, 1)]
+    assert engine_loop.alive
