@@ -33,10 +33,11 @@ def main(argv: list[str] | None = None) -> int:
 
     from domino_ray.ray_serve import build_app, build_health_app
 
-    # SIGTERM (docker stop, kill, a supervisor) takes the Ctrl-C path, so the finally below always runs.
-    signal.signal(signal.SIGTERM, _interrupt)
     try:
         ray.init(address=cfg.runtime.ray_address)
+        # SIGTERM (docker stop, kill, a supervisor) takes the Ctrl-C path, so the finally below runs. Set
+        # after ray.init, which installs a C++ SIGTERM handler that aborts the process (exit -6).
+        signal.signal(signal.SIGTERM, _interrupt)
         serve.start(http_options={"host": cfg.serve.host, "port": cfg.serve.port})
         serve.run(build_app(cfg), name="domino", route_prefix="/")
         serve.run(build_health_app("domino"), name="domino-health", route_prefix="/health")
