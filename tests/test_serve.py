@@ -468,3 +468,37 @@ def test_special_tokens_in_content_do_not_forge_a_turn(app, reference):
     safe = encode_prompt(reference.tokenizer, messages=forged, enable_thinking=False)
     forged_ids = encode_prompt(reference.tokenizer, messages=forged, enable_thinking=False, parse_special_tokens=True)
     assert len(safe) != len(forged_ids) and out.usage.prompt_tokens == len(safe)
+
+
+def test_health_answers_while_the_replica_and_the_proxy_queue_are_full(app):
+    """Hold every request place of the replica (clients that send their body slowly: inside the replica,
+    not yet in the engine) and fill the proxy's queue: `/health` (the probe app) still answers 200 at
+    once, where a route on the replica itself waits behind all of them."""
+    release = asyncio.Event()
+
+    async def slow_body():
+        yield b'{"model": "' + MODEL.encode() + b'", '
+        await release.wait()
+        yield b'"prompt": "Ray runs", "max_tokens": 2}'
+
+    async def main():
+        limits = httpx.Limits(max_connections=ONGOING + QUEUED + 16)
+        async with httpx.AsyncClient(base_url=app.url, timeout=60, limits=limits) as http:
+            held = [asyncio.create_task(http.post("/v1/completions", content=slow_body()))
+                    for _ in range(ONGOING + QUEUED)]
+            await asyncio.sleep(3)  # all of them reach the replica or the proxy's queue
+            try:
+                replica = asyncio.create_task(http.get("/load"))
+                probes = [await http.get("/health", timeout=10) for _ in range(3)]
+                await asyncio.sleep(0.5)
+                replica_waited = not replica.done() or replica.result().status_code == 429
+            finally:
+                release.set()
+            done = await asyncio.gather(*held)
+            await replica
+            return probes, replica_waited, done
+
+    probes, replica_waited, done = asyncio.run(main())
+    assert replica_waited  # the saturation was real
+    assert [p.status_code for p in probes] == [200] * 3 and all(p.json()["status"] == "ok" for p in probes)
+    assert {r.status_code for r in done} <= {200, 429}
