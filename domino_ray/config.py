@@ -30,6 +30,9 @@ class ModelConfig:
     max_model_len: int | None = None  # prompt + generated tokens per row; None = the model's limit
     chat_template: bool = False       # wrap plain prompts as one user turn (true for chat models)
     enable_thinking: bool = False     # Qwen3 chat template switch
+    # Special-token strings ("<|im_end|>") in prompt and message text encode as plain text unless true
+    # (true: the old behaviour, for prompts already rendered with a chat template); Serve and batch alike.
+    parse_special_tokens: bool = False
 
 
 @dataclass
@@ -113,6 +116,7 @@ class ServeConfig:
     # (max_ongoing_requests <= generation.max_batch_size + max_waiting_requests leaves the choice to
     # Serve's router, which balances replicas; the engine queue is then only a backstop)
     max_queued_requests: int = 128    # per proxy, waiting for a replica; beyond -> 429 at once (-1 = no limit)
+    max_request_bytes: int = 1048576  # request body limit (1 MiB); beyond -> 413 before any parsing
     health_check_period_s: float = 10.0
     health_check_timeout_s: float = 30.0
 
@@ -203,6 +207,7 @@ def validate(cfg: JobConfig):
         ("serve.max_ongoing_requests", s.max_ongoing_requests, s.max_ongoing_requests >= 1, "an int >= 1"),
         ("serve.max_waiting_requests", s.max_waiting_requests, s.max_waiting_requests >= 0, "an int >= 0"),
         ("serve.max_queued_requests", s.max_queued_requests, s.max_queued_requests >= -1, "-1 (no limit) or an int >= 0"),
+        ("serve.max_request_bytes", s.max_request_bytes, s.max_request_bytes >= 1024, "an int >= 1024"),
         ("serve.cpus_per_replica", s.cpus_per_replica, s.cpus_per_replica > 0, "a number > 0"),
         ("serve.gpus_per_replica", s.gpus_per_replica, s.gpus_per_replica is None or s.gpus_per_replica >= 0,
          "null or a number >= 0"),

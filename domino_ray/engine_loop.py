@@ -9,11 +9,14 @@ requests join the running batch as slots free up: continuous batching across cal
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import queue
 import threading
+from dataclasses import dataclass
 from typing import AsyncIterator, Hashable
 
 from domino_ray.engine import Completion, Request, SpecEngine, StepEvent
+from domino_ray.stats import RowStats
 
 
 class QueueFull(RuntimeError):
@@ -22,6 +25,16 @@ class QueueFull(RuntimeError):
 
 class EngineDead(RuntimeError):
     """The engine loop stopped after an error; the process should be replaced."""
+
+
+@dataclass(frozen=True)
+class Update:
+    """One engine event of a request plus a copy of its statistics right after that step: the engine keeps
+    counting, and a consumer that cuts the output short (a stop string) must count only what it keeps."""
+    request_id: Hashable
+    new_token_ids: list[int]
+    completion: Completion | None
+    stats: RowStats
 
 
 class RequestStream:
@@ -38,7 +51,7 @@ class RequestStream:
         except RuntimeError:  # the caller's event loop is closed: it wants nothing more
             pass
 
-    async def events(self) -> AsyncIterator[StepEvent]:
+    async def events(self) -> AsyncIterator[Update]:
         """Yield events until the request finishes; raises what the engine raised for it."""
         while True:
             item = await self._queue.get()
@@ -107,8 +120,9 @@ class EngineLoop:
             while not self._stopped.is_set():
                 self._drain_inbox(block=not self.engine.has_unfinished())
                 if self.engine.has_unfinished():
-                    for event in self.engine.step():
-                        self._deliver(event)
+                    events = self.engine.step()
+                    for event, stats in zip(events, self._stats_per_event(events)):
+                        self._deliver(event, stats)
         except BaseException as exc:  # the engine is in an unknown state: fail every request, stop
             self.error = exc
             with self._lock:
@@ -151,10 +165,20 @@ class EngineLoop:
             if stream:
                 stream._put(asyncio.CancelledError(f"request {request_id!r} aborted"))
 
-    def _deliver(self, event: StepEvent):
+    def _stats_per_event(self, events: list[StepEvent]) -> list[RowStats]:
+        """Each event's statistics (copies). A request's last event of the step has its statistics after the
+        step; an earlier one in the same step can only be its prefill token, before any verify step."""
+        live = {row.request.request_id: row.stats for row in self.engine.rows}
+        last = {e.request_id: e for e in events}
+        after = {rid: e.completion.stats if e.completion is not None else live[rid] for rid, e in last.items()}
+        return [dataclasses.replace(after[e.request_id],
+                                    acceptance_histogram=list(after[e.request_id].acceptance_histogram))
+                if last[e.request_id] is e else RowStats(after[e.request_id].num_spec_tokens) for e in events]
+
+    def _deliver(self, event: StepEvent, stats: RowStats):
         with self._lock:
             stream = self._streams.get(event.request_id)
             if stream is not None and event.completion is not None:
                 del self._streams[event.request_id]
         if stream is not None:
-            stream._put(event)
+            stream._put(Update(event.request_id, event.new_token_ids, event.completion, stats))

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
@@ -20,6 +21,7 @@ from typing import Any, AsyncIterator
 from domino_ray.engine import Completion, Request
 from domino_ray.engine_loop import EngineDead, EngineLoop, QueueFull
 from domino_ray.sampling import SamplingParams
+from domino_ray.stats import RowStats
 from domino_ray.target import encode_prompt
 
 MAX_STOP_STRINGS = 16
@@ -59,6 +61,7 @@ class ModelSpec:
     max_model_len: int         # prompt + generated tokens
     defaults: SamplingParams = SamplingParams()  # for fields a request leaves out (config `generation:`)
     enable_thinking: bool = False  # chat template default (Qwen3 thinking off)
+    parse_special_tokens: bool = False  # special-token strings in prompt/content text become control ids
 
 
 @dataclass
@@ -68,14 +71,16 @@ class ParsedRequest:
     params: SamplingParams
     stop: tuple[str, ...]      # stop strings, matched on the generated text
     stream: bool
+    include_usage: bool = False  # stream_options.include_usage: usage in a last chunk with no choices
 
 
 @dataclass
 class Piece:
     text: str                  # new text for the client ('' while a stop string may be forming)
-    num_new_tokens: int        # tokens the engine committed for this piece
     finish_reason: str | None  # set on the last piece: "stop" | "length"
-    completion: Completion | None  # set on the last piece
+    completion: Completion | None  # set on the last piece; cut after a stop string (tokens and stats)
+    num_tokens: int            # completion tokens so far, as usage counts them (the returned text's tokens)
+    stats: RowStats            # the request's statistics for those tokens
 
 
 # ---- parsing ---------------------------------------------------------------------------------------
@@ -84,8 +89,15 @@ def parse_request(kind: str, raw: bytes, model: ModelSpec) -> ParsedRequest:
     """Validate a request body; raises APIError naming the field."""
     try:
         body = json.loads(raw)
+        # JSON may escape lone UTF-16 surrogates ("\\ud800"); they are not text a tokenizer can encode.
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise APIError(400, f"request body is not valid JSON: {exc}") from None
+    except UnicodeEncodeError:
+        raise APIError(400, "request body holds a lone UTF-16 surrogate escape (e.g. \\ud800): strings must "
+                            "be valid Unicode") from None
+    except RecursionError:
+        raise APIError(400, "request body is nested too deeply") from None
     if not isinstance(body, dict):
         raise APIError(400, f"request body must be a JSON object, got {type(body).__name__}")
     for name, value in body.items():
@@ -112,10 +124,12 @@ def parse_request(kind: str, raw: bytes, model: ModelSpec) -> ParsedRequest:
     if not isinstance(options, dict) or set(options) - {"include_usage", "continuous_usage_stats"} or not all(
             isinstance(v, bool) for v in options.values()):
         raise APIError(400, "stream_options may hold include_usage and continuous_usage_stats (true or false); "
-                            "usage always comes in the last chunk", "stream_options")
+                            "usage and statistics come in the last chunk (include_usage: a chunk of its own)", "stream_options")
+    stream = _bool(body, "stream", False)
     return ParsedRequest(kind=kind, prompt_token_ids=ids,
                          params=_sampling(body, model, len(ids), prompt_field, max_tokens_field),
-                         stop=_stop_strings(body), stream=_bool(body, "stream", False))
+                         stop=_stop_strings(body), stream=stream,
+                         include_usage=stream and options.get("include_usage", False))
 
 
 def _completion_prompt(body: dict, model: ModelSpec) -> list[int]:
@@ -128,7 +142,8 @@ def _completion_prompt(body: dict, model: ModelSpec) -> list[int]:
         if not prompt.strip():
             raise APIError(400, "prompt is empty", "prompt")
         # The completions API continues the text as it is: no chat template.
-        return _encode(model, "prompt", prompt=prompt, chat_template=False)
+        return _encode(model, "prompt", prompt=prompt, chat_template=False,
+                       parse_special_tokens=model.parse_special_tokens)
     if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
         if not all(0 <= t < model.vocab_size for t in prompt):
             raise APIError(400, f"prompt token ids must be in [0, {model.vocab_size})", "prompt")
@@ -147,7 +162,8 @@ def _chat_prompt(body: dict, model: ModelSpec) -> list[int]:
     if not isinstance(options, dict) or set(options) - {"enable_thinking"}:
         raise APIError(400, "chat_template_kwargs may only hold enable_thinking", "chat_template_kwargs")
     thinking = _bool(options, "enable_thinking", model.enable_thinking, "chat_template_kwargs.enable_thinking")
-    return _encode(model, "messages", messages=messages, enable_thinking=thinking)
+    return _encode(model, "messages", messages=messages, enable_thinking=thinking,
+                   parse_special_tokens=model.parse_special_tokens)
 
 
 def _flatten_content(message, index: int):
@@ -172,12 +188,13 @@ def _sampling(body: dict, model: ModelSpec, prompt_len: int, prompt_field: str, 
     room = model.max_model_len - prompt_len
     if room < 1:
         raise APIError(400, f"{prompt_field} has {prompt_len} tokens; this model's limit is {model.max_model_len} "
-                            "tokens for prompt and completion together", prompt_field, code="context_length_exceeded")
+                            f"tokens for prompt and completion together, so at most {model.max_model_len - 1} "
+                            "prompt tokens fit", prompt_field, code="context_length_exceeded")
     max_tokens = _int(body, max_tokens_field, None, lo=1)
     if max_tokens is not None and max_tokens > room:
         raise APIError(400, f"{prompt_field} ({prompt_len} tokens) + {max_tokens_field} ({max_tokens}) exceeds this "
-                            f"model's limit of {model.max_model_len} tokens", max_tokens_field,
-                       code="context_length_exceeded")
+                            f"model's limit of {model.max_model_len} tokens: at most {room} completion tokens fit "
+                            "after this prompt", max_tokens_field, code="context_length_exceeded")
     d = model.defaults
     stop_ids = body.get("stop_token_ids") or []
     if not isinstance(stop_ids, list) or not all(_is_int(t) and 0 <= t < model.vocab_size for t in stop_ids):
@@ -256,19 +273,23 @@ class TextStream:
         self.text = ""
         self.sent = 0              # chars of `text` already returned
         self.stopped = False       # a stop string matched; `text` ends before it
+        self.num_kept_ids = 0      # once stopped: the ids up to the one that completed the stop string
 
     def push(self, token_ids: list[int], final: bool = False) -> str:
         """Add tokens; return the text that can now be released (all of it when `final`)."""
         if self.stopped:
             return ""
+        decoded_before = self.prefix_offset  # ids before this one are already part of `text`
         self.ids.extend(token_ids)
         new = self._decode_new(final)
         if new:
             start = max(0, len(self.text) - max(map(len, self.stop), default=0) + 1)
             self.text += new
-            hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+            hits = [(i, s) for i, s in ((self.text.find(s, start), s) for s in self.stop) if i >= 0]
             if hits:
-                self.text, self.stopped = self.text[:min(hits)], True
+                at, stop = min(hits)
+                self.num_kept_ids = self._ids_through(self.text[:at + len(stop)], decoded_before)
+                self.text, self.stopped = self.text[:at], True
                 return self._release(len(self.text))
         return self._release(len(self.text) - (0 if final else self._held()))
 
@@ -284,6 +305,13 @@ class TextStream:
             return ""
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         return after[len(before):]
+
+    def _ids_through(self, text: str, lo: int) -> int:
+        """The fewest ids whose decode starts with `text` (at least `lo + 1`): the stop string's last token."""
+        for n in range(lo + 1, len(self.ids) + 1):
+            if self.tokenizer.decode(self.ids[:n], skip_special_tokens=True).startswith(text):
+                return n
+        return len(self.ids)
 
     def _held(self) -> int:
         """Length of the longest end of `text` that is a proper prefix of a stop string."""
@@ -310,24 +338,38 @@ async def generate(loop: EngineLoop, request_id: str, parsed: ParsedRequest, tok
     except EngineDead as exc:
         raise APIError(503, str(exc), type="server_error", code="engine_unavailable") from None
     text, finished = TextStream(tokenizer, parsed.stop), False
+    counts, snapshots = [0], []  # after each engine event: tokens committed, statistics (one step per event)
+    kept: tuple[int, RowStats] | None = None  # once a stop string matched: the tokens and stats usage counts
     try:
-        async for event in stream.events():
-            done, ids = event.completion, event.new_token_ids
-            if text.stopped:  # the text already ended at a stop string; wait for the abort to land
+        async for update in stream.events():
+            done = update.completion
+            if kept is not None:  # the text already ended at a stop string; wait for the abort to land
                 if done is not None:
                     finished = True
-                    yield Piece("", len(ids), "stop", done)
+                    yield Piece("", "stop", _cut(done, *kept), *kept)
+                    return
                 continue
+            if not snapshots:
+                snapshots.append(RowStats(update.stats.num_spec_tokens))
+            counts.append(counts[-1] + len(update.new_token_ids))
+            snapshots.append(update.stats)
+            ids = update.new_token_ids
             if done is not None and done.finish_reason == "stop":
                 ids = ids[:-1]  # the stop token ends the row but is not text
             delta = text.push(ids, final=done is not None)
+            if text.stopped:
+                kept = text.num_kept_ids, stats_through(text.num_kept_ids, counts, snapshots)
+                if done is None:
+                    loop.abort(request_id)
+                    yield Piece(delta, None, None, *kept)
+                    continue
+                done = _cut(done, *kept)
             if done is not None:
                 finished = True
-                yield Piece(delta, len(event.new_token_ids), "stop" if text.stopped else done.finish_reason, done)
+                yield Piece(delta, "stop" if text.stopped else done.finish_reason, done, len(done.token_ids),
+                            done.stats)
                 return
-            if text.stopped:
-                loop.abort(request_id)
-            yield Piece(delta, len(ids), None, None)
+            yield Piece(delta, None, None, counts[-1], update.stats)
     except ValueError as exc:  # the engine refused the request (checks it makes beyond ours)
         raise APIError(400, str(exc)) from None
     except EngineDead as exc:
@@ -335,6 +377,24 @@ async def generate(loop: EngineLoop, request_id: str, parsed: ParsedRequest, tok
     finally:
         if not finished:
             loop.abort(request_id)
+
+
+def stats_through(num_tokens: int, counts: list[int], snapshots: list[RowStats]) -> RowStats:
+    """The statistics of a request's first `num_tokens` tokens, from the running statistics after each
+    engine event (`counts[i]` tokens, `snapshots[i]`; index 0 = nothing yet). The cut step counts as the
+    engine counts a stop token inside an accepted block: the drafts before the cut are accepted, the cut
+    token is the step's last, and the step's drafted count stays."""
+    event = next(i for i in range(1, len(counts)) if counts[i] >= num_tokens)
+    before, after = snapshots[event - 1], snapshots[event]
+    stats = dataclasses.replace(before, acceptance_histogram=list(before.acceptance_histogram))
+    if after.num_spec_steps > before.num_spec_steps:  # a verify step (the prefill's first token is not one)
+        stats.observe_step(after.num_draft_tokens - before.num_draft_tokens, num_tokens - counts[event - 1] - 1)
+    return stats
+
+
+def _cut(completion: Completion, num_tokens: int, stats: RowStats) -> Completion:
+    return dataclasses.replace(completion, token_ids=completion.token_ids[:num_tokens], finish_reason="stop",
+                               stats=stats)
 
 
 # ---- responses -------------------------------------------------------------------------------------
@@ -365,7 +425,8 @@ def response_body(parsed: ParsedRequest, response_id: str, created: int, model: 
 
 def chunk_body(parsed: ParsedRequest, response_id: str, created: int, model: str, text: str, *,
                first: bool = False, finish_reason: str | None = None, completion: Completion | None = None) -> dict:
-    """One stream chunk; the last one (finish_reason set) also carries usage and statistics."""
+    """One stream chunk; given `completion` (the finishing chunk, unless include_usage) it also carries usage
+    and statistics."""
     if parsed.kind == "completion":
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
         obj = "text_completion"
@@ -378,6 +439,14 @@ def chunk_body(parsed: ParsedRequest, response_id: str, created: int, model: str
         chunk["usage"] = usage(completion)
         chunk["speculative_decoding_stats"] = spec_stats(completion)
     return chunk
+
+
+def usage_chunk_body(parsed: ParsedRequest, response_id: str, created: int, model: str,
+                     completion: Completion) -> dict:
+    """The extra last chunk of `stream_options.include_usage`: no choices, usage and statistics (as OpenAI)."""
+    obj = "text_completion" if parsed.kind == "completion" else "chat.completion.chunk"
+    return {"id": response_id, "object": obj, "created": created, "model": model, "choices": [],
+            "usage": usage(completion), "speculative_decoding_stats": spec_stats(completion)}
 
 
 def sse(obj: dict) -> str:

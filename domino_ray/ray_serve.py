@@ -10,11 +10,18 @@ building live in the Ray-free `openai_api`; this module is FastAPI + Serve + met
 
 Overload is answered at once, never by unbounded waiting: beyond `serve.max_waiting_requests` waiting
 for an engine slot the replica answers 429 (EngineLoop QueueFull); beyond `serve.max_ongoing_requests`
-per replica, requests queue at the proxy up to `serve.max_queued_requests`, then Serve answers 429.
+per replica, requests queue at the proxy up to `serve.max_queued_requests`, then Serve's proxy answers
+429 itself (a plain-text body Serve 2.60 does not let an app shape; README "Overload").
+
+Every request the replica sees shares its queue, `/health` too, so load balancers probe the `HealthProbe`
+app (`build_health_app`, route `/health`): a replica-free deployment that reads Serve's own view of the
+engine replicas (kept current by `check_health`), and so answers under any load. The replica's
+`/load` (and, without the probe app, `/health`) reports its engine's running and waiting requests.
 """
 
 # No `from __future__ import annotations` here: FastAPI reads the handlers' annotations as real types.
 import asyncio
+import logging
 import time
 import uuid
 
@@ -28,11 +35,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from domino_ray.config import JobConfig, load_config
 from domino_ray.engine_loop import EngineLoop
-from domino_ray.openai_api import (SSE_DONE, APIError, ModelSpec, chunk_body, generate, models_body, parse_request,
-                                   response_body, sse)
+from domino_ray.openai_api import (SSE_DONE, APIError, ModelSpec, Piece, chunk_body, generate, models_body,
+                                   parse_request, response_body, sse, usage_chunk_body)
 from domino_ray.sampling import SamplingParams
 from domino_ray.llm import load_engine
 
+logger = logging.getLogger("ray.serve")
 api = FastAPI(title="domino-ray", description="OpenAI-compatible speculative decoding (target + Domino draft)")
 TTFT_BOUNDARIES = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
 LATENCY_BOUNDARIES = [0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0]
@@ -57,23 +65,46 @@ class Metrics:
                                          boundaries=LATENCY_BOUNDARIES, tag_keys=("model",))
         self.latency.set_default_tags(tags)
 
-    def finished(self, completion, started: float):
-        stats = completion.stats
-        for counter, value in ((self.draft, stats.num_draft_tokens), (self.accepted, stats.num_accepted_draft_tokens),
-                               (self.steps, stats.num_spec_steps)):
+    def ended(self, route: str, status: str, piece: Piece | None = None, started: float | None = None):
+        """Count one request by status; its tokens and statistics as usage reports them (a stop string's
+        overshoot excluded), also for a request cut short (client gone, error mid-stream)."""
+        self.requests.inc(tags={"route": route, "status": status})
+        if piece is None:
+            return
+        stats = piece.stats
+        for counter, value in ((self.generated, piece.num_tokens), (self.draft, stats.num_draft_tokens),
+                               (self.accepted, stats.num_accepted_draft_tokens), (self.steps, stats.num_spec_steps)):
             if value:  # Ray counters refuse inc(0)
                 counter.inc(value)
-        self.latency.observe(time.perf_counter() - started)
-
-    def tokens(self, count: int):
-        if count:
-            self.generated.inc(count)
+        if piece.completion is not None and started is not None:
+            self.latency.observe(time.perf_counter() - started)
 
 
 def _counter(name: str, description: str, tags: dict) -> metrics.Counter:
     counter = metrics.Counter(name, description, tag_keys=tuple(tags))
     counter.set_default_tags(tags)
     return counter
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refused with 413 as soon as it exceeds `limit` bytes (before any parsing)."""
+    too_large = APIError(413, f"request body exceeds {limit} bytes (config serve.max_request_bytes)",
+                         code="request_too_large")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _internal_error(exc: BaseException) -> APIError:
+    logger.exception("request failed")
+    return APIError(500, f"internal server error: {type(exc).__name__}", type="server_error", code="internal_error")
 
 
 def _error(exc: APIError) -> JSONResponse:
@@ -97,10 +128,12 @@ class DominoServer:
         self.model = ModelSpec(
             name=cfg.serve.model_name, tokenizer=self.tokenizer, vocab_size=engine.vocab_size,
             max_model_len=engine.max_model_len, enable_thinking=cfg.model.enable_thinking,
+            parse_special_tokens=cfg.model.parse_special_tokens,
             defaults=SamplingParams(max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p,
                                     top_k=g.top_k, stop_token_ids=tuple(g.stop_token_ids), ignore_eos=g.ignore_eos))
         self.created = int(time.time())
         self.metrics = Metrics(cfg.serve.model_name)
+        self.max_request_bytes = cfg.serve.max_request_bytes
 
     def check_health(self):
         """Serve calls this periodically; raising marks the replica unhealthy and Serve replaces it."""
@@ -112,6 +145,7 @@ class DominoServer:
             self.loop.stop(timeout=1.0)
 
     @api.get("/health")
+    @api.get("/load")
     async def health(self):
         if not self.loop.alive:
             return JSONResponse({"status": "dead", "error": repr(self.loop.error)}, status_code=503)
@@ -133,57 +167,66 @@ class DominoServer:
     async def _respond(self, request: Request, kind: str):
         started, route = time.perf_counter(), kind
         try:
-            parsed = parse_request(kind, await request.body(), self.model)
+            raw = await read_body(request, self.max_request_bytes)
+            # JSON and tokenization off the event loop: a big prompt must not stall /health or other streams.
+            parsed = await asyncio.to_thread(parse_request, kind, raw, self.model)
             response_id = f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex}"
             pieces = generate(self.loop, response_id, parsed, self.tokenizer)
             first = await anext(pieces)  # errors before the first token still get a proper status
         except APIError as exc:
-            self.metrics.requests.inc(tags={"route": route, "status": str(exc.status)})
+            self.metrics.ended(route, str(exc.status))
             return _error(exc)
+        except Exception as exc:
+            error = _internal_error(exc)
+            self.metrics.ended(route, str(error.status))
+            return _error(error)
         self.metrics.ttft.observe(time.perf_counter() - started)
-        self.metrics.tokens(first.num_new_tokens)
         args = (parsed, response_id, self.created, self.model.name)
         if parsed.stream:
             return StreamingResponse(self._stream(args, first, pieces, started, route),
                                      media_type="text/event-stream")
-        texts, last = [first.text], first
+        texts, last, status = [first.text], first, "cancelled"  # stays "cancelled" if the client goes away
         try:
             while last.completion is None:
                 last = await anext(pieces)
                 texts.append(last.text)
-                self.metrics.tokens(last.num_new_tokens)
+            status = "200"
+            return response_body(*args, "".join(texts), last.finish_reason, last.completion)
         except APIError as exc:
-            self.metrics.requests.inc(tags={"route": route, "status": str(exc.status)})
+            status = str(exc.status)
             return _error(exc)
-        except asyncio.CancelledError:  # the client went away
-            self.metrics.requests.inc(tags={"route": route, "status": "cancelled"})
-            raise
+        except Exception as exc:
+            error = _internal_error(exc)
+            status = str(error.status)
+            return _error(error)
         finally:
             await pieces.aclose()  # aborts the engine request unless it finished (e.g. the client left)
-        self.metrics.finished(last.completion, started)
-        self.metrics.requests.inc(tags={"route": route, "status": "200"})
-        return response_body(*args, "".join(texts), last.finish_reason, last.completion)
+            self.metrics.ended(route, status, last, started)
 
     async def _stream(self, args, first, pieces, started: float, route: str):
+        parsed = args[0]
         status, piece = "cancelled", first  # stays "cancelled" if the client goes away mid-stream
         try:
             yield sse(chunk_body(*args, piece.text, first=True))
             while piece.completion is None:
                 piece = await anext(pieces)
-                self.metrics.tokens(piece.num_new_tokens)
                 if piece.text:
                     yield sse(chunk_body(*args, piece.text))
-            yield sse(chunk_body(*args, "", finish_reason=piece.finish_reason, completion=piece.completion))
+            if parsed.include_usage:  # as OpenAI: the finishing chunk, then one with usage and no choices
+                yield sse(chunk_body(*args, "", finish_reason=piece.finish_reason))
+                yield sse(usage_chunk_body(*args, piece.completion))
+            else:
+                yield sse(chunk_body(*args, "", finish_reason=piece.finish_reason, completion=piece.completion))
             yield SSE_DONE
             status = "200"
-            self.metrics.finished(piece.completion, started)
-        except APIError as exc:  # headers are sent: report in the stream, as OpenAI does
-            status = str(exc.status)
-            yield sse(exc.body())
+        except Exception as exc:  # headers are sent: report in the stream, as OpenAI does
+            error = exc if isinstance(exc, APIError) else _internal_error(exc)
+            status = str(error.status)
+            yield sse(error.body())
             yield SSE_DONE
         finally:
             await pieces.aclose()  # aborts the engine request unless it finished
-            self.metrics.requests.inc(tags={"route": route, "status": status})
+            self.metrics.ended(route, status, piece, started)
 
 
 def deployment_options(cfg: JobConfig) -> dict:
@@ -210,6 +253,31 @@ def deployment_options(cfg: JobConfig) -> dict:
 
 def build_app(cfg: JobConfig) -> serve.Application:
     return DominoServer.options(**deployment_options(cfg)).bind(cfg)
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1000, max_queued_requests=-1)
+class HealthProbe:
+    """`GET /health` for load balancers: 200 while the engine app has a running replica, else 503.
+
+    It never touches an engine replica (whose queue it would wait in): it asks the Serve controller,
+    which health-checks the replicas itself (`DominoServer.check_health`) and replaces failed ones."""
+
+    def __init__(self, app_name: str):
+        self.app_name = app_name
+
+    async def __call__(self, request: Request):
+        status = await asyncio.to_thread(serve.status)  # a blocking call to the controller
+        app = status.applications.get(self.app_name)
+        deployment = app.deployments.get(DominoServer.name) if app is not None else None
+        running = deployment.replica_states.get("RUNNING", 0) if deployment is not None else 0
+        body = {"status": "ok" if running else "unavailable", "application": getattr(app.status, "value", app.status) if app else None,
+                "running_replicas": running}
+        return JSONResponse(body, status_code=200 if running else 503)
+
+
+def build_health_app(app_name: str = "domino") -> serve.Application:
+    """The load-balancer probe for the engine app named `app_name`; run it at route_prefix "/health"."""
+    return HealthProbe.bind(app_name)
 
 
 def app_builder(args: dict) -> serve.Application:

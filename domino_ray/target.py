@@ -48,10 +48,16 @@ def stop_token_ids(model, tokenizer=None) -> set[int]:
 
 
 def encode_prompt(tokenizer, *, prompt: str | None = None, messages: list[dict] | None = None,
-                  chat_template: bool = True, enable_thinking: bool = False) -> list[int]:
+                  chat_template: bool = True, enable_thinking: bool = False,
+                  parse_special_tokens: bool = False) -> list[int]:
     """Token ids for a plain prompt or a chat. With `chat_template` a plain prompt becomes one user turn.
 
-    Raises ValueError for empty input, malformed messages or a tokenizer without a chat template.
+    User text (the prompt, every message's content) encodes as plain text: a special-token string in it
+    such as "<|im_end|>" becomes ordinary tokens, never the control id, so content cannot end its turn or
+    forge a system turn. The chat template's own special tokens stay special. `parse_special_tokens=True`
+    parses them in user text too (for prompts already rendered with a chat template). Message fields
+    whose value is null (what the openai client's `model_dump()` leaves: tool_calls, refusal, ...) are
+    dropped. Raises ValueError for empty input, malformed messages or a tokenizer without a chat template.
     """
     if (prompt is None) == (messages is None):
         raise ValueError("give exactly one of prompt or messages")
@@ -61,17 +67,57 @@ def encode_prompt(tokenizer, *, prompt: str | None = None, messages: list[dict] 
         if not prompt.strip():
             raise ValueError("prompt is empty")
         if not chat_template:
-            ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-            if not ids:
+            ids = tokenizer(prompt, add_special_tokens=False, split_special_tokens=not parse_special_tokens)
+            if not ids["input_ids"]:
                 raise ValueError("prompt encodes to no tokens")
-            return list(ids)
+            return list(ids["input_ids"])
         messages = [{"role": "user", "content": prompt}]
+    if isinstance(messages, (list, tuple)):
+        messages = [{k: v for k, v in m.items() if v is not None or k in ("role", "content")}
+                    if isinstance(m, dict) else m for m in messages]
     check_messages(messages)
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("the tokenizer has no chat template; use plain prompts with chat_template=false")
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                        enable_thinking=enable_thinking, return_dict=False)
-    return list(ids)
+    specials = [] if parse_special_tokens else _special_strings(tokenizer)
+    if not any(s in m["content"] for m in messages for s in specials):
+        # Nothing to keep plain: the template's own tokenization, id for id.
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                            enable_thinking=enable_thinking, return_dict=False)
+        return list(ids)
+    return _encode_chat_plain_content(tokenizer, messages, specials, enable_thinking)
+
+
+def _special_strings(tokenizer) -> list[str]:
+    """The tokenizer's special added tokens (what `split_special_tokens` stops matching), longest first."""
+    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    return sorted({t.content for t in added.values() if t.special and t.content}, key=len, reverse=True)
+
+
+def _encode_chat_plain_content(tokenizer, messages: list[dict], specials: list[str], enable_thinking: bool
+                               ) -> list[int]:
+    """Render the template with every special string in the content swapped for a private-use character,
+    tokenize the template's special tokens as ids and everything between them (content restored) as plain
+    text. Without special strings in the content this equals the template's tokenization (HF splits at
+    special tokens first and encodes the pieces between them separately, as here)."""
+    import re
+
+    taken = {c for m in messages for c in m["content"] if ord(c) >= 0x100000}
+    marks = [chr(c) for c in range(0x100000, 0x10FFFE) if chr(c) not in taken][:len(specials)]
+    escape, restore = dict(zip(specials, marks)), dict(zip(marks, specials))
+    pattern = re.compile("|".join(re.escape(s) for s in specials))
+    escaped = [{**m, "content": pattern.sub(lambda hit: escape[hit.group()], m["content"])} for m in messages]
+    text = tokenizer.apply_chat_template(escaped, add_generation_prompt=True, tokenize=False,
+                                         enable_thinking=enable_thinking)
+    ids, at = [], 0
+    for hit in [*pattern.finditer(text), None]:  # the template's special tokens, then the tail
+        plain = text[at:hit.start() if hit else len(text)]
+        if plain:
+            plain = re.sub("|".join(map(re.escape, marks)), lambda m: restore[m.group()], plain)
+            ids += tokenizer(plain, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        if hit:
+            ids.append(tokenizer.convert_tokens_to_ids(hit.group()))
+            at = hit.end()
+    return ids
 
 
 def check_messages(messages) -> None:
@@ -80,7 +126,9 @@ def check_messages(messages) -> None:
         raise ValueError("messages must be a non-empty list of {role, content}")
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or set(m) - {"role", "content", "name"} or "role" not in m or "content" not in m:
-            raise ValueError(f"messages[{i}] must be an object with 'role' and 'content'")
+            extra = sorted(set(m) - {"role", "content", "name"}) if isinstance(m, dict) else []
+            raise ValueError(f"messages[{i}] must be an object with 'role' and 'content'"
+                             + (f" (unsupported fields: {extra})" if extra else ""))
         if m["role"] not in roles:
             raise ValueError(f"messages[{i}].role={m['role']!r} is not one of {roles}")
         if not isinstance(m["content"], str):

@@ -1,12 +1,15 @@
 """Serve the OpenAI-compatible API locally: `python jobs/serve.py [--config FILE] [key=value ...]`.
 
 Without `--config` it serves the CPU demo pair (domino_ray/assets/demo) at http://127.0.0.1:8000/v1
-(`serve.host`, `serve.port`) until Ctrl-C. On a cluster: `serve deploy deploy/serve.yaml`, or the
-KubeRay manifest deploy/rayservice.yaml. Exit status: 0 stopped, 2 bad config (nothing started).
+(`serve.host`, `serve.port`) until Ctrl-C or SIGTERM, which remove the apps and stop the Ray processes this
+command started (`serve.shutdown`, `ray.shutdown`). `/health` is the load-balancer probe app. On a cluster:
+`serve deploy deploy/serve.yaml`, or the KubeRay manifest deploy/rayservice.yaml. Exit status: 0 stopped,
+2 bad config (nothing started).
 """
 
 from __future__ import annotations
 
+import signal
 import sys
 import time
 
@@ -28,20 +31,34 @@ def main(argv: list[str] | None = None) -> int:
     import ray
     from ray import serve
 
-    from domino_ray.ray_serve import build_app
+    from domino_ray.ray_serve import build_app, build_health_app
 
-    ray.init(address=cfg.runtime.ray_address)
-    serve.start(http_options={"host": cfg.serve.host, "port": cfg.serve.port})
     try:
+        ray.init(address=cfg.runtime.ray_address)
+        # SIGTERM (docker stop, kill, a supervisor) takes the Ctrl-C path, so the finally below runs. Set
+        # after ray.init, which installs a C++ SIGTERM handler that aborts the process (exit -6).
+        signal.signal(signal.SIGTERM, _interrupt)
+        serve.start(http_options={"host": cfg.serve.host, "port": cfg.serve.port})
         serve.run(build_app(cfg), name="domino", route_prefix="/")
-        print(f"serving {cfg.serve.model_name} at http://{cfg.serve.host}:{cfg.serve.port}/v1 (Ctrl-C stops)")
+        serve.run(build_health_app("domino"), name="domino-health", route_prefix="/health")
+        print(f"serving {cfg.serve.model_name} at http://{cfg.serve.host}:{cfg.serve.port}/v1 (Ctrl-C stops)",
+              flush=True)
         while True:  # the app runs in Ray's processes; this one only holds the session open
             time.sleep(3600)
     except KeyboardInterrupt:
         pass
     finally:
-        serve.shutdown()
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the shutdown short
+        try:
+            if ray.is_initialized():
+                serve.shutdown()
+        finally:
+            ray.shutdown()  # stops the local cluster if this command started one
     return 0
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
 
 
 if __name__ == "__main__":

@@ -1,0 +1,77 @@
+"""`jobs/serve.py` as a user runs it: a real subprocess serving the demo pair over HTTP. SIGTERM (what
+docker, Kubernetes and supervisors send) stops it within a bound and leaves none of the Ray processes
+it started behind."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def parents() -> dict[int, int]:
+    """pid -> parent pid of every live, non-zombie process (Linux /proc; psutil is not a dependency)."""
+    out = {}
+    for entry in Path("/proc").iterdir():
+        try:
+            stat = (entry / "stat").read_text()
+        except (OSError, ValueError):
+            continue
+        if entry.name.isdigit():
+            state, ppid = stat.rsplit(")", 1)[1].split()[:2]
+            if state != "Z":
+                out[int(entry.name)] = int(ppid)
+    return out
+
+
+def descendants(pid: int) -> set[int]:
+    table, found, frontier = parents(), set(), {pid}
+    while frontier:
+        frontier = {child for child, parent in table.items() if parent in frontier} - found
+        found |= frontier
+    return found
+
+
+def test_sigterm_shuts_down_serve_and_the_ray_processes_it_started(tmp_path):
+    port = free_port()
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONPATH": str(ROOT)}
+    # runtime.ray_address=local: a cluster of its own, never one another process started.
+    job = subprocess.Popen([sys.executable, str(ROOT / "jobs/serve.py"), f"serve.port={port}",
+                            "runtime.ray_address=local", "serve.cpus_per_replica=0.5"],
+                           cwd=ROOT, env=env, stdout=open(tmp_path / "out.log", "w"), stderr=subprocess.STDOUT)
+    try:
+        deadline, ready = time.time() + 240, False
+        while time.time() < deadline and job.poll() is None and not ready:
+            try:
+                ready = httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
+            except httpx.HTTPError:
+                time.sleep(1)
+        assert ready, (tmp_path / "out.log").read_text()[-3000:]
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "def add(a, b):", "max_tokens": 4},
+                       timeout=60)
+        assert r.status_code == 200
+        started = descendants(job.pid)  # GCS, raylet, workers, Serve's actors
+        assert len(started) >= 3
+        job.send_signal(signal.SIGTERM)
+        assert job.wait(timeout=90) == 0, (tmp_path / "out.log").read_text()[-3000:]
+        deadline = time.time() + 30
+        while (alive := started & set(parents())) and time.time() < deadline:
+            time.sleep(0.5)
+        assert not alive, [(pid, Path(f"/proc/{pid}/cmdline").read_bytes()[:80]) for pid in alive]
+    finally:
+        if job.poll() is None:
+            job.kill()
