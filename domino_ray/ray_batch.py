@@ -138,11 +138,12 @@ class DominoPredictor:
             prompt = parsed.prompt
             params = row_params(row.get(ic.sampling_column), self.base, self.cfg.generation.seed, row[ic.id_column])
             if parsed.messages is not None:
-                ids = encode_prompt(self.tokenizer, messages=parsed.messages, enable_thinking=m.enable_thinking)
+                ids = encode_prompt(self.tokenizer, messages=parsed.messages, enable_thinking=m.enable_thinking,
+                                    parse_special_tokens=m.parse_special_tokens)
                 prompt = self.tokenizer.decode(ids)
             else:
                 ids = encode_prompt(self.tokenizer, prompt=prompt, chat_template=m.chat_template,
-                                    enable_thinking=m.enable_thinking)
+                                    enable_thinking=m.enable_thinking, parse_special_tokens=m.parse_special_tokens)
         except RowError as exc:
             return error_row(str(exc), prompt=prompt, num_spec_tokens=self.num_spec_tokens)
         except Exception as exc:  # tokenizer/template failures on odd input: the row fails, the job goes on

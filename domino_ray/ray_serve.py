@@ -280,6 +280,14 @@ def build_health_app(app_name: str = "domino") -> serve.Application:
     return HealthProbe.bind(app_name)
 
 
+def health_app_builder(args: dict) -> serve.Application:
+    """`serve run` / `serve deploy` entry for the probe: args `{app_name: the engine app's name}`."""
+    unknown = set(args) - {"app_name"}
+    if unknown:
+        raise ValueError(f"unknown application args {sorted(unknown)}; expected app_name")
+    return build_health_app(args.get("app_name", "domino"))
+
+
 def app_builder(args: dict) -> serve.Application:
     """`serve run` / `serve deploy` entry: args `{config: path or null, overrides: [key=value, ...]}`."""
     unknown = set(args) - {"config", "overrides"}
