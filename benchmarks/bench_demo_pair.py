@@ -40,7 +40,7 @@ def run(target, draft, prompts, *, rows, max_new_tokens, eos, num_draft_tokens=N
     seconds = time.perf_counter() - start
     total = total_stats(c.stats for c in out)
     return {"seconds": seconds, "tokens": sum(len(c.token_ids) for c in out),
-            "token_ids": [c.token_ids for c in out],
+            "token_ids": [c.token_ids for c in out], "num_spec_tokens": engine.num_draft_tokens,
             "mean_acceptance_length": total.mean_acceptance_length if proposer else None,
             "histogram": total.acceptance_histogram if proposer else None}
 
@@ -105,7 +105,8 @@ def main(argv=None):
             tps = [r["tokens"] / r["seconds"] for r in rs]
             ratios = [r0["seconds"] / r["seconds"] for r0, r in zip(runs["target-only"], rs)]
             entry = {"tokens_per_s": round(statistics.median(tps), 1), "speedup": round(statistics.median(ratios), 2),
-                     "speedups": [round(x, 2) for x in ratios]}
+                     "speedups": [round(x, 2) for x in ratios], "tokens": rs[0]["tokens"],
+                     "num_spec_tokens": rs[0]["num_spec_tokens"]}
             if rs[0]["histogram"] is not None:
                 entry["mean_acceptance_length"] = round(rs[0]["mean_acceptance_length"], 3)
                 entry["per_position_acceptance"] = [round(x, 3) for x in per_position_acceptance(rs[0]["histogram"])]

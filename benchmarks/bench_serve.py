@@ -88,7 +88,8 @@ async def run_level(url: str, model: str, prompts: list[str], concurrency: int, 
     pct = lambda xs, q: statistics.quantiles(xs, n=100, method="inclusive")[q - 1] if len(xs) > 1 else xs[0]
     lat, ttft = [r["latency"] for r in ok], [r["ttft"] for r in ok]
     return {"concurrency": concurrency, "requests": len(ok), "failed": len(results) - len(ok),
-            "wall_s": wall, "req_per_s": len(ok) / wall, "output_tok_per_s": sum(r["tokens"] for r in ok) / wall,
+            "wall_s": wall, "req_per_s": len(ok) / wall, "output_tokens": sum(r["tokens"] for r in ok),
+            "output_tok_per_s": sum(r["tokens"] for r in ok) / wall,
             "latency_p50_s": pct(lat, 50), "latency_p99_s": pct(lat, 99),
             "ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99),
             "mean_acceptance_length": statistics.fmean(r["mean_acceptance_length"] for r in ok)}

@@ -13,6 +13,9 @@ Layouts (detected from `config.json`, every flag read from it):
 - `speculators-domino`: the later speculators refactor: `speculators_model_type: domino`,
   `sample_from_anchor` (= shift_label), `logits_correction_emb_dim`, head under `logits_correction.`.
 
+Each layout has its own small parser (`dflash_fields`, ...) into `LayoutFields`; `draft_config` does
+what they share. A new layout is a new parser in `LAYOUT_PARSERS` plus its case in `detect_layout`.
+
 Every mismatch (missing, unexpected or mis-shaped tensor; a draft that does not fit the target)
 raises `CheckpointError` naming the key, the expected and the found value.
 """
@@ -20,6 +23,7 @@ raises `CheckpointError` naming the key, the expected and the found value.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -120,55 +124,95 @@ def _rope_theta(layer_cfg: dict, where: str) -> float:
     return float(layer_cfg.get("rope_theta") or params.get("rope_theta") or 10000.0)
 
 
+@dataclass(frozen=True)
+class LayoutFields:
+    """What one layout's config.json says, in our terms; `draft_config` turns it into a DraftConfig."""
+    layers: dict                     # the Qwen3 fields of the draft layers (hidden_size, heads, ...)
+    where: str                       # their place in config.json, for error messages ("" = top level)
+    block_size: int | None
+    mask_token_id: int
+    target_layer_ids: list[int]      # target layers whose outputs feed the draft (HF hidden_states[l + 1])
+    projector: str | None            # "domino" (a GRU head) or None (plain DFlash, or decided by the tensors)
+    shift_label: bool
+    num_uncorrected: int             # our P: leading drafts without the head's correction
+    emb_dim: int | None              # None: read from the tensors
+    gru_hidden_dim: int | None
+
+
+def dflash_fields(config: dict, num_target_layers: int | None) -> LayoutFields:
+    """HF / DFlash: Qwen3 fields at the top level, the draft's own under `dflash_config`."""
+    dflash = config.get("dflash_config") or {}
+    for flag in ("use_bias_gate", "use_bias_norm"):
+        if dflash.get(flag, config.get(flag)):
+            raise CheckpointError(f"config.json {flag}=true (a legacy Domino variant) is not supported")
+    mask_token_id = _get(dflash, "mask_token_id", "dflash_config.")
+    ids = dflash.get("target_layer_ids")
+    if ids is None:
+        n_target = config.get("num_target_layers", num_target_layers)
+        if n_target is None:
+            raise CheckpointError("config.json has neither dflash_config.target_layer_ids nor num_target_layers")
+        ids = default_target_layer_ids(n_target, _get(config, "num_hidden_layers", ""))
+    return LayoutFields(
+        layers=config, where="", block_size=config.get("block_size", dflash.get("block_size")),
+        mask_token_id=mask_token_id, target_layer_ids=ids, projector=dflash.get("projector_type"),
+        shift_label=bool(dflash.get("shift_label", False)),
+        num_uncorrected=int(dflash.get("pure_draft_prefix_len", 0)),
+        emb_dim=dflash.get("emb_dim", config.get("emb_dim")),
+        gru_hidden_dim=dflash.get("gru_hidden_dim", config.get("gru_hidden_dim")))
+
+
+def _speculators_common(config: dict) -> dict:
+    """The fields both speculators layouts share: layers under `transformer_layer_config`, target layers
+    as HF hidden-state indices (= layer id + 1)."""
+    aux = _get(config, "aux_hidden_state_layer_ids", "")
+    return {"layers": _get(config, "transformer_layer_config", ""), "where": "transformer_layer_config.",
+            "block_size": config.get("block_size"), "mask_token_id": _get(config, "mask_token_id", ""),
+            "target_layer_ids": [int(i) - 1 for i in aux], "gru_hidden_dim": config.get("gru_hidden_dim")}
+
+
+def speculators_fields(config: dict, num_target_layers: int | None) -> LayoutFields:
+    """speculators PR #685 (`speculators_model_type: dflash`)."""
+    shift_label = bool(config.get("shift_label", True))
+    return LayoutFields(
+        **_speculators_common(config), projector=config.get("projector_type"), shift_label=shift_label,
+        # PR #685 counts corrected slots from 1 + pure_draft_prefix_len (slot j holds draft j with shift)
+        num_uncorrected=int(config.get("pure_draft_prefix_len", 0)) + (1 if shift_label else 0),
+        emb_dim=config.get("emb_dim"))
+
+
+def speculators_domino_fields(config: dict, num_target_layers: int | None) -> LayoutFields:
+    """The later speculators refactor (`speculators_model_type: domino`): always a Domino head."""
+    return LayoutFields(
+        **_speculators_common(config), projector=config.get("projector_type", "domino"),
+        shift_label=bool(config.get("sample_from_anchor", config.get("shift_label", True))),
+        num_uncorrected=int(config.get("pure_draft_prefix_len", 1)),
+        emb_dim=config.get("logits_correction_emb_dim", config.get("emb_dim")))
+
+
+# detect_layout's names -> their parsers; a new layout is one more function here.
+LAYOUT_PARSERS = {"dflash": dflash_fields, "speculators": speculators_fields,
+                  "speculators-domino": speculators_domino_fields}
+
+
 def parse_draft_config(config: dict, tensors: dict[str, torch.Tensor], layout: str,
                        num_target_layers: int | None = None) -> DraftConfig:
     """A `DraftConfig` from `config.json` and the (normalised) tensors of a checkpoint."""
-    if layout == "dflash":
-        layers_cfg, where = config, ""
-        dflash = config.get("dflash_config") or {}
-        block_size = config.get("block_size", dflash.get("block_size"))
-        mask_token_id = _get(dflash, "mask_token_id", "dflash_config.")
-        n_layers = _get(config, "num_hidden_layers", "")
-        ids = dflash.get("target_layer_ids")
-        if ids is None:
-            n_target = config.get("num_target_layers", num_target_layers)
-            if n_target is None:
-                raise CheckpointError("config.json has neither dflash_config.target_layer_ids nor num_target_layers")
-            ids = default_target_layer_ids(n_target, n_layers)
-        projector = dflash.get("projector_type")
-        shift_label = bool(dflash.get("shift_label", False))
-        uncorrected = int(dflash.get("pure_draft_prefix_len", 0))
-        emb_dim = dflash.get("emb_dim", config.get("emb_dim"))
-        gru_dim = dflash.get("gru_hidden_dim", config.get("gru_hidden_dim"))
-        for flag in ("use_bias_gate", "use_bias_norm"):
-            if dflash.get(flag, config.get(flag)):
-                raise CheckpointError(f"config.json {flag}=true (a legacy Domino variant) is not supported")
-    else:
-        layers_cfg, where = _get(config, "transformer_layer_config", ""), "transformer_layer_config."
-        block_size = config.get("block_size")
-        mask_token_id = _get(config, "mask_token_id", "")
-        n_layers = _get(layers_cfg, "num_hidden_layers", where)
-        aux = _get(config, "aux_hidden_state_layer_ids", "")
-        ids = [int(i) - 1 for i in aux]  # speculators index HF hidden_states directly
-        projector = config.get("projector_type", "domino" if layout == "speculators-domino" else None)
-        if layout == "speculators":
-            shift_label = bool(config.get("shift_label", True))
-            # PR #685: corrected slots start at 1 + pure_draft_prefix_len (slot j holds draft j with shift)
-            uncorrected = int(config.get("pure_draft_prefix_len", 0)) + (1 if shift_label else 0)
-            emb_dim = config.get("emb_dim")
-        else:
-            shift_label = bool(config.get("sample_from_anchor", config.get("shift_label", True)))
-            uncorrected = int(config.get("pure_draft_prefix_len", 1))
-            emb_dim = config.get("logits_correction_emb_dim", config.get("emb_dim"))
-        gru_dim = config.get("gru_hidden_dim")
-    if block_size is None:
-        raise CheckpointError("config.json is missing required key block_size")
+    if layout not in LAYOUT_PARSERS:
+        raise CheckpointError(f"unknown draft layout {layout!r} (expected one of {sorted(LAYOUT_PARSERS)})")
+    return draft_config(LAYOUT_PARSERS[layout](config, num_target_layers), tensors)
 
-    if projector is not None and projector not in DOMINO_PROJECTORS:
-        raise CheckpointError(f"config.json projector_type={projector!r} is not supported "
+
+def draft_config(f: LayoutFields, tensors: dict[str, torch.Tensor]) -> DraftConfig:
+    """What every layout shares: required fields, the head's sizes (from the tensors when the config
+    omits them), our DraftConfig."""
+    if f.block_size is None:
+        raise CheckpointError("config.json is missing required key block_size")
+    if f.projector is not None and f.projector not in DOMINO_PROJECTORS:
+        raise CheckpointError(f"config.json projector_type={f.projector!r} is not supported "
                               f"(expected one of {DOMINO_PROJECTORS} or none)")
     # A declared head whose tensors are missing is reported by check_tensors, naming them.
-    has_head = projector in DOMINO_PROJECTORS or any(k.startswith(("prefix_gru.", "embed_proj.")) for k in tensors)
+    has_head = f.projector in DOMINO_PROJECTORS or any(k.startswith(("prefix_gru.", "embed_proj.")) for k in tensors)
+    emb_dim, gru_dim = f.emb_dim, f.gru_hidden_dim
     if has_head:
         if emb_dim is None and "embed_proj.0.weight" in tensors:
             emb_dim = tensors["embed_proj.0.weight"].shape[0]
@@ -176,29 +220,29 @@ def parse_draft_config(config: dict, tensors: dict[str, torch.Tensor], layout: s
             gru_dim = tensors["prefix_gru.weight_hh_l0"].shape[1]
         if emb_dim is None or gru_dim is None:
             raise CheckpointError("config.json is missing emb_dim / gru_hidden_dim of the Domino head")
-    hidden = _get(layers_cfg, "hidden_size", where)
-    heads = _get(layers_cfg, "num_attention_heads", where)
-    draft_vocab = tensors["lm_head.weight"].shape[0] if "lm_head.weight" in tensors else None
+    layers, where = f.layers, f.where
+    hidden = _get(layers, "hidden_size", where)
+    heads = _get(layers, "num_attention_heads", where)
     return DraftConfig(
         hidden_size=hidden,
-        intermediate_size=_get(layers_cfg, "intermediate_size", where),
-        num_hidden_layers=n_layers,
+        intermediate_size=_get(layers, "intermediate_size", where),
+        num_hidden_layers=_get(layers, "num_hidden_layers", where),
         num_attention_heads=heads,
-        num_key_value_heads=layers_cfg.get("num_key_value_heads") or heads,
-        head_dim=layers_cfg.get("head_dim") or hidden // heads,
-        vocab_size=_get(layers_cfg, "vocab_size", where),
-        block_size=int(block_size),
-        target_layer_ids=tuple(int(i) for i in ids),
-        mask_token_id=int(mask_token_id),
-        shift_label=shift_label,
-        num_uncorrected=uncorrected if has_head else 0,
+        num_key_value_heads=layers.get("num_key_value_heads") or heads,
+        head_dim=layers.get("head_dim") or hidden // heads,
+        vocab_size=_get(layers, "vocab_size", where),
+        block_size=int(f.block_size),
+        target_layer_ids=tuple(int(i) for i in f.target_layer_ids),
+        mask_token_id=int(f.mask_token_id),
+        shift_label=f.shift_label,
+        num_uncorrected=f.num_uncorrected if has_head else 0,
         emb_dim=int(emb_dim) if has_head else None,
         gru_hidden_dim=int(gru_dim) if has_head else None,
-        draft_vocab_size=draft_vocab,
+        draft_vocab_size=tensors["lm_head.weight"].shape[0] if "lm_head.weight" in tensors else None,
         has_d2t="d2t" in tensors,
-        rms_norm_eps=float(layers_cfg.get("rms_norm_eps", 1e-6)),
-        rope_theta=_rope_theta(layers_cfg, where),
-        attention_bias=bool(layers_cfg.get("attention_bias", False)),
+        rms_norm_eps=float(layers.get("rms_norm_eps", 1e-6)),
+        rope_theta=_rope_theta(layers, where),
+        attention_bias=bool(layers.get("attention_bias", False)),
     )
 
 

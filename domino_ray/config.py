@@ -21,6 +21,35 @@ class ConfigError(ValueError):
     pass
 
 
+# ---- value checks shared by the config and SamplingParams ------------------------------------------
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)  # a bool is an int in Python, never a valid one here
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x  # x == x: not NaN
+
+
+# The sampling fields' one set of checks: `SamplingParams.validate` reads them as `max_new_tokens`, the
+# config as `generation.max_new_tokens`; both report them with `invalid_value`.
+SAMPLING_CHECKS: dict[str, tuple[Any, str]] = {
+    "max_new_tokens": (lambda v: _is_int(v) and v >= 1, "an int >= 1"),
+    "temperature": (lambda v: _is_number(v) and 0.0 <= v <= 100.0, "a number in [0, 100]"),
+    "top_p": (lambda v: _is_number(v) and 0.0 < v <= 1.0, "a number in (0, 1]"),
+    "top_k": (lambda v: _is_int(v) and v >= 0, "an int >= 0"),
+    "seed": (lambda v: v is None or (_is_int(v) and 0 <= v < 2**63), "null or an int in [0, 2**63)"),
+    "stop_token_ids": (lambda v: isinstance(v, (list, tuple)) and all(_is_int(t) and t >= 0 for t in v),
+                       "a list of ints >= 0"),
+    "ignore_eos": (lambda v: isinstance(v, bool), "true or false"),
+}
+
+
+def invalid_value(name: str, value, expected: str) -> str:
+    """The one message format for a bad value: `<name>=<value> is invalid: expected <what>`."""
+    return f"{name}={value!r} is invalid: expected {expected}"
+
+
 @dataclass
 class ModelConfig:
     source: str = str(DEMO_ASSETS / "target")  # target: local directory or hub id (e.g. Qwen/Qwen3-4B)
@@ -47,7 +76,8 @@ class GenerationConfig:
     temperature: float = 0.0          # 0 = greedy
     top_p: float = 1.0
     top_k: int = 0                    # 0 = off
-    seed: int | None = None           # base seed for sampled rows without their own
+    seed: int = 0                     # the one seed, for sampled rows without their own: a batch row gets one
+                                      # from (seed, id) (independent of batching), the engine's generator this
     stop_token_ids: list[int] = field(default_factory=list)  # besides the model's EOS ids
     ignore_eos: bool = False
     max_batch_size: int = 16          # engine slots: rows decoded together (continuous batching)
@@ -91,7 +121,7 @@ class RuntimeConfig:
     cpus_per_actor: float = 1.0
     batch_size: int = 64              # rows per map_batches call
     max_concurrent_batches: int = 4   # batches in flight per actor; their rows share the engine's slots
-    seed: int = 0                     # engine seed (sampled rows without a seed)
+    seed: int | None = None           # deprecated alias of generation.seed (a warning; both given: an error)
     compare_baseline: bool = False    # also run the rows target-only and report the speed-up (small jobs)
 
 
@@ -149,7 +179,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     from omegaconf.errors import OmegaConfBaseException
 
     try:
-        merged, required = OmegaConf.structured(JobConfig), set()
+        merged, required, file_cfg = OmegaConf.structured(JobConfig), set(), None
         if path is not None:
             if not Path(path).is_file():
                 raise ConfigError(f"config file {path} does not exist")
@@ -166,30 +196,54 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             raise ConfigError(f"config key {unset[0]} is required by {path} (give it as {unset[0]}=...)")
         merged = OmegaConf.merge(merged, cli)
         cfg = OmegaConf.to_object(merged)
+        seed_given = any(OmegaConf.select(c, "generation.seed", default=None) is not None
+                         for c in (file_cfg, cli) if c is not None)
     except OmegaConfBaseException as exc:
         key = getattr(exc, "full_key", None)
         reason = str(exc).splitlines()[0]  # OmegaConf appends reference/object types on further lines
         raise ConfigError(f"config key {key}: {reason}" if key else f"bad config: {reason}") from None
+    fold_deprecated_seed(cfg, generation_seed_given=seed_given)
     validate(cfg)
     return cfg
+
+
+def fold_deprecated_seed(cfg: JobConfig, *, generation_seed_given: bool = False):
+    """`runtime.seed` (the engine's seed, once a second seed) now means `generation.seed`: move it there
+    with a warning; giving both with different values is an error, not a silent pick."""
+    old = cfg.runtime.seed
+    if old is None:
+        return
+    import warnings
+
+    if generation_seed_given and cfg.generation.seed != old:
+        raise ConfigError(f"config key runtime.seed={old!r} is a deprecated alias of generation.seed, which is "
+                          f"{cfg.generation.seed!r}: give only generation.seed")
+    warnings.warn("config key runtime.seed is deprecated: it is folded into generation.seed (set that instead)",
+                  FutureWarning, stacklevel=3)
+    cfg.generation.seed, cfg.runtime.seed = old, None
 
 
 def validate(cfg: JobConfig):
     """Value checks OmegaConf's types cannot express."""
     g, r, s, o = cfg.generation, cfg.runtime, cfg.serve, cfg.output
     rules: list[tuple[str, Any, bool, str]] = [
+        (f"generation.{name}", getattr(g, name), ok(getattr(g, name)), expected)
+        for name, (ok, expected) in SAMPLING_CHECKS.items() if name != "seed"]
+    seed_ok = SAMPLING_CHECKS["seed"][0](g.seed) and g.seed is not None  # the job's seed cannot be null
+    rules += [
+        ("generation.seed", g.seed, seed_ok, "an int in [0, 2**63)"),
         ("model.dtype", cfg.model.dtype, cfg.model.dtype in ("auto", "float32", "bfloat16", "float16", "float64"),
          "auto, float32, bfloat16, float16 or float64"),
-        ("model.max_model_len", cfg.model.max_model_len, cfg.model.max_model_len is None or cfg.model.max_model_len > 1,
+        ("model.max_model_len", cfg.model.max_model_len,
+         cfg.model.max_model_len is None or (_is_int(cfg.model.max_model_len) and cfg.model.max_model_len > 1),
          "null or an int > 1"),
         ("draft.num_draft_tokens", cfg.draft.num_draft_tokens,
-         cfg.draft.num_draft_tokens is None or cfg.draft.num_draft_tokens >= 1, "null or an int >= 1"),
-        ("generation.max_new_tokens", g.max_new_tokens, g.max_new_tokens >= 1, "an int >= 1"),
-        ("generation.temperature", g.temperature, 0.0 <= g.temperature <= 100.0, "a number in [0, 100]"),
-        ("generation.top_p", g.top_p, 0.0 < g.top_p <= 1.0, "a number in (0, 1]"),
-        ("generation.top_k", g.top_k, g.top_k >= 0, "an int >= 0"),
-        ("generation.max_batch_size", g.max_batch_size, g.max_batch_size >= 1, "an int >= 1"),
-        ("generation.max_prefill_tokens", g.max_prefill_tokens, g.max_prefill_tokens >= 1, "an int >= 1"),
+         cfg.draft.num_draft_tokens is None or (_is_int(cfg.draft.num_draft_tokens) and cfg.draft.num_draft_tokens >= 1),
+         "null or an int >= 1"),
+        ("generation.max_batch_size", g.max_batch_size, _is_int(g.max_batch_size) and g.max_batch_size >= 1,
+         "an int >= 1"),
+        ("generation.max_prefill_tokens", g.max_prefill_tokens,
+         _is_int(g.max_prefill_tokens) and g.max_prefill_tokens >= 1, "an int >= 1"),
         ("runtime.min_actors", r.min_actors, r.min_actors >= 1, "an int >= 1"),
         ("runtime.max_actors", r.max_actors, r.max_actors >= r.min_actors, "an int >= runtime.min_actors"),
         ("runtime.cpus_per_actor", r.cpus_per_actor, r.cpus_per_actor > 0, "a number > 0"),
@@ -222,7 +276,7 @@ def validate(cfg: JobConfig):
     ]
     for key, value, ok, expected in rules:
         if not ok:
-            raise ConfigError(f"config key {key}={value!r} is invalid: expected {expected}")
+            raise ConfigError("config key " + invalid_value(key, value, expected))
     for key, value in (("model.source", cfg.model.source), ("input.path", cfg.input.path),
                        ("output.path", cfg.output.path), ("serve.model_name", s.model_name)):
         if not str(value).strip():

@@ -23,19 +23,42 @@ from domino_ray.sampling import SamplingParams
 from domino_ray.target import decode, encode_prompt, load_target, load_tokenizer, stop_token_ids
 
 
-def load_engine(model, draft, generation, seed: int = 0):
+def build_engine(target, draft=None, tokenizer=None, *, num_draft_tokens: int | None = None,
+                 max_batch_size: int = 16, **engine_settings) -> SpecEngine:
+    """The one way to assemble a SpecEngine from loaded parts; `load_engine` (jobs, Serve) and `DominoLLM`
+    both call it. `draft` is a DominoDraft or None (target only); `tokenizer` None means token ids only,
+    and only a real tokenizer's EOS id joins the model's stop ids. `engine_settings` go to SpecEngine
+    as they are (max_model_len, seed, max_prefill_tokens, ...)."""
+    proposer = DominoProposer(draft, target, num_draft_tokens) if draft is not None else None
+    return SpecEngine(target, proposer, max_rows=max_batch_size, eos_token_ids=stop_token_ids(target, tokenizer),
+                      **engine_settings)
+
+
+def engine_settings(model, draft, generation) -> dict:
+    """`build_engine`'s settings from the config sections `model`, `draft` (None: target only), `generation`."""
+    return {"num_draft_tokens": draft.num_draft_tokens if draft is not None else None,
+            "max_batch_size": generation.max_batch_size, "max_model_len": model.max_model_len,
+            "seed": generation.seed, "max_prefill_tokens": generation.max_prefill_tokens}
+
+
+def load_draft_for(target, source: str):
+    """A draft checkpoint checked against `target`, on the target's device and in its dtype."""
+    weight = next(target.parameters())
+    return load_draft(source, target_config=target.config, device=weight.device, dtype=weight.dtype)
+
+
+def load_engine(model, draft, generation, seed: int | None = None):
     """(SpecEngine, tokenizer) from the config sections `model`, `draft` (None: target only) and
-    `generation`: what a Ray Data actor and a Serve replica each load once."""
+    `generation`: what a Ray Data actor and a Serve replica each load once. Jobs and Serve take text,
+    so the tokenizer is required. `seed` is the folded `runtime.seed` (None after `load_config`):
+    `generation.seed` is the one seed."""
+    if seed is not None and seed != generation.seed:
+        raise ValueError(f"load_engine(seed={seed}) differs from generation.seed={generation.seed}: "
+                         "runtime.seed is folded into generation.seed")
     target = load_target(model.source, dtype=model.dtype, device=model.device)
     tokenizer = load_tokenizer(model.tokenizer or model.source)
-    proposer = None
-    if draft is not None and draft.source:
-        weight = next(target.parameters())
-        draft_model = load_draft(draft.source, target_config=target.config, device=weight.device, dtype=weight.dtype)
-        proposer = DominoProposer(draft_model, target, draft.num_draft_tokens)
-    engine = SpecEngine(target, proposer, max_rows=generation.max_batch_size, max_model_len=model.max_model_len,
-                        eos_token_ids=stop_token_ids(target, tokenizer), seed=seed,
-                        max_prefill_tokens=generation.max_prefill_tokens)
+    draft_model = load_draft_for(target, draft.source) if draft is not None and draft.source else None
+    engine = build_engine(target, draft_model, tokenizer, **engine_settings(model, draft, generation))
     return engine, tokenizer
 
 
@@ -51,30 +74,29 @@ class GenerationOutput:
 
 
 class DominoLLM:
-    def __init__(self, target, tokenizer=None, draft=None, *, num_draft_tokens: int | None = None,
-                 max_batch_size: int = 16, max_model_len: int | None = None, seed: int = 0,
-                 chat_template: bool = True, enable_thinking: bool = False):
-        proposer = DominoProposer(draft, target, num_draft_tokens) if draft is not None else None
+    """`engine_settings` are `build_engine`'s: num_draft_tokens, max_batch_size, max_model_len, seed,
+    max_prefill_tokens, ... (the defaults of the config's `generation` section)."""
+
+    def __init__(self, target, tokenizer=None, draft=None, *, chat_template: bool = True,
+                 enable_thinking: bool = False, **engine_settings):
         self.tokenizer, self.chat_template, self.enable_thinking = tokenizer, chat_template, enable_thinking
-        self.engine = SpecEngine(target, proposer, max_rows=max_batch_size, max_model_len=max_model_len,
-                                 eos_token_ids=stop_token_ids(target, tokenizer), seed=seed)
+        self.engine = build_engine(target, draft, tokenizer, **engine_settings)
 
     @classmethod
     def from_pretrained(cls, target: str, draft: str | None = None, *, dtype: str = "auto", device: str | None = None,
                         **kwargs) -> "DominoLLM":
-        """Target and draft from local directories or hub ids; the draft takes the target's dtype and device."""
+        """Target and draft from local directories or hub ids; the draft takes the target's dtype and device.
+        A target directory without tokenizer files loads with tokenizer None: token-id prompts only."""
         model = load_target(target, dtype=dtype, device=device)
-        tokenizer = load_tokenizer(target)
-        weight = next(model.parameters())
-        draft_model = (load_draft(draft, target_config=model.config, device=weight.device, dtype=weight.dtype)
-                       if draft else None)
-        return cls(model, tokenizer, draft_model, **kwargs)
+        tokenizer = load_tokenizer(target, required=False)
+        return cls(model, tokenizer, load_draft_for(model, draft) if draft else None, **kwargs)
 
     def encode(self, prompt) -> list[int]:
         if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
             return list(prompt)
         if self.tokenizer is None:
-            raise ValueError("text prompts need a tokenizer; pass token-id lists instead")
+            raise ValueError("text prompts need a tokenizer (this DominoLLM has none: the target directory has "
+                             "no tokenizer files); pass token-id lists instead")
         if isinstance(prompt, str):
             return encode_prompt(self.tokenizer, prompt=prompt, chat_template=self.chat_template,
                                  enable_thinking=self.enable_thinking)
@@ -87,10 +109,10 @@ class DominoLLM:
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling parameters")
         requests = [Request(i, self.encode(p), sp) for i, (p, sp) in enumerate(zip(prompts, params))]
-        stops = self.engine.eos_token_ids
+        eos = self.engine.eos_token_ids
         return [GenerationOutput(
             prompt_token_ids=c.prompt_token_ids,
-            text=decode(self.tokenizer, c.token_ids, stops | set(sp.stop_token_ids)) if self.tokenizer else None,
+            text=decode(self.tokenizer, c.token_ids, sp.stop_ids(eos)) if self.tokenizer else None,
             token_ids=c.token_ids, finish_reason=c.finish_reason, stats=c.stats.to_columns(),
             time_to_first_token_s=c.time_to_first_token_s, time_taken_s=c.time_taken_s,
         ) for c, sp in zip(self.engine.generate(requests), params)]

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from domino_ray.config import SAMPLING_CHECKS, invalid_value
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -22,26 +24,19 @@ class SamplingParams:
         self.validate()
 
     def validate(self):
-        """Raise ValueError naming the field for out-of-range values."""
-        checks = [
-            ("max_new_tokens", isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1, "an int >= 1"),
-            ("temperature", _is_number(self.temperature) and 0.0 <= self.temperature <= 100.0, "a number in [0, 100]"),
-            ("top_p", _is_number(self.top_p) and 0.0 < self.top_p <= 1.0, "a number in (0, 1]"),
-            ("top_k", isinstance(self.top_k, int) and self.top_k >= 0, "an int >= 0"),
-            ("seed", self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63), "null or an int in [0, 2**63)"),
-            ("stop_token_ids", all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "a list of ints >= 0"),
-        ]
-        for name, ok, expected in checks:
-            if not ok:
-                raise ValueError(f"sampling parameter {name}={getattr(self, name)!r} is invalid: expected {expected}")
+        """Raise ValueError naming the field for a bad value (the checks config.validate uses too)."""
+        for name, (ok, expected) in SAMPLING_CHECKS.items():
+            value = getattr(self, name)
+            if not ok(value):
+                raise ValueError("sampling parameter " + invalid_value(name, value, expected))
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
-
-def _is_number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x
+    def stop_ids(self, eos_token_ids) -> frozenset[int]:
+        """The ids that end this request: its own stop ids plus the model's EOS ids unless `ignore_eos`."""
+        return frozenset(self.stop_token_ids) | (frozenset() if self.ignore_eos else frozenset(eos_token_ids))
 
 
 def sampling_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,

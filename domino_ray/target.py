@@ -30,14 +30,31 @@ def load_target(source: str, *, dtype: str | torch.dtype = "auto", device: str |
     return model.to(resolve_device(device) if not isinstance(device, torch.device) else device).eval()
 
 
-def load_tokenizer(source: str):
+# Files that hold a vocabulary. Without one, AutoTokenizer still "loads" a directory (an empty tokenizer
+# whose eos id is 0), so a target saved without its tokenizer would stop rows on token 0.
+VOCAB_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model",
+               "sentencepiece.bpe.model", "tekken.json")
+
+
+def load_tokenizer(source: str, *, required: bool = True):
+    """The tokenizer at a local directory or hub id. A local directory without vocabulary files has
+    none: ValueError naming it, or None when not `required` (token-id prompts only)."""
+    from pathlib import Path
+
+    path = Path(source).expanduser()
+    if path.is_dir() and not any((path / name).is_file() for name in VOCAB_FILES):
+        if not required:
+            return None
+        raise ValueError(f"{source} has no tokenizer files (none of {', '.join(VOCAB_FILES)}); "
+                         "point the tokenizer source (model.tokenizer) at a directory that has them")
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(source)
 
 
 def stop_token_ids(model, tokenizer=None) -> set[int]:
-    """The model's EOS ids: generation config, model config and tokenizer together."""
+    """The model's EOS ids: generation config and model config, plus the tokenizer's (None: no tokenizer;
+    `load_tokenizer` gives None rather than an empty stand-in whose eos id would be invented)."""
     ids: set[int] = set()
     for holder in (getattr(model, "generation_config", None), model.config, tokenizer):
         value = getattr(holder, "eos_token_id", None) if holder is not None else None

@@ -1,5 +1,10 @@
-"""The benchmark scripts stay runnable (tiny sizes); their figures live in BENCHMARKS.md."""
+"""The benchmark scripts stay runnable (tiny sizes) and the figures they report obey their invariants:
+equal tokens across modes, acceptance lengths within [1, K+1], ratios that match their parts. Their
+real figures live in BENCHMARKS.md."""
 
+import json
+import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -9,27 +14,116 @@ import pytest
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("script", ["bench_engine_cpu.py", "bench_gpu.py"])
-def test_benchmark_smoke(script):
-    result = subprocess.run([sys.executable, str(BENCH / script), "--smoke"], capture_output=True, text=True,
-                            timeout=300, cwd=BENCH.parent)
+def run_script(script: str, *args: str, env: dict | None = None, timeout: int = 300) -> str:
+    result = subprocess.run([sys.executable, str(BENCH / script), *args], capture_output=True, text=True,
+                            timeout=timeout, cwd=BENCH.parent, env={**os.environ, **(env or {})})
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "batch" in result.stdout and "tok" in result.stdout
+    return result.stdout
+
+
+def positive(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+def check_acceptance(tau: float, per_position: list[float], k: int, decimals: int = 3):
+    """tau = 1 + accepted/steps = 1 + the sum of per-position rates; a draft position is accepted only
+    after the previous one was, so the rates never rise."""
+    assert 1.0 <= tau <= k + 1, (tau, k)
+    assert len(per_position) == k and all(0.0 <= x <= 1.0 for x in per_position)
+    assert all(a >= b for a, b in zip(per_position, per_position[1:])), per_position
+    assert tau == pytest.approx(1 + sum(per_position), abs=k * 10 ** -decimals)
+
+
+@pytest.mark.slow
+def test_engine_cpu_benchmark_smoke(tmp_path):
+    """Every mode is timed at every batch size (the script itself asserts equal tokens across modes),
+    and each reported ratio is the ratio of the reported throughputs."""
+    out = tmp_path / "cpu.json"
+    stdout = run_script("bench_engine_cpu.py", "--smoke", "--json", str(out))
+    report = json.loads(out.read_text())
+    modes = ("hf_generate", "target_only", "spec_oracle", "spec_random")
+    assert set(report["results"]) == {"1", "4"}
+    for batch, row in report["results"].items():
+        assert all(positive(row[m]) for m in modes), row
+        assert all(row["spread"][m] >= 0 for m in modes)
+        assert f"batch {int(batch):>3}:" in stdout
+    r1, r4 = report["results"]["1"], report["results"]["4"]
+    ratios = report["ratios"]
+    assert ratios["spec_oracle / target_only @1"] == pytest.approx(r1["spec_oracle"] / r1["target_only"])
+    assert ratios["target_only / hf_generate @4"] == pytest.approx(r4["target_only"] / r4["hf_generate"])
+    assert ratios["spec_oracle @4 / spec_oracle @1"] == pytest.approx(r4["spec_oracle"] / r1["spec_oracle"])
+
+
+@pytest.mark.slow
+def test_gpu_benchmark_smoke_on_cpu(tmp_path):
+    """bench_gpu --smoke (CPU): a proposer that knows the continuation gives output identical to
+    target-only, acceptance within [1, K+1] and close to K+1, and at least the steps that need."""
+    run_script("bench_gpu.py", "--smoke", env={"OUT": str(tmp_path)})
+    report = json.loads((tmp_path / "bench_gpu.json").read_text())
+    k, max_new = report["info"]["K"], report["info"]["max_new_tokens"]
+    assert set(report["results"]) == {"1", "4"} and k >= 1
+    for row in report["results"].values():
+        assert row["tokens_identical_to_target_only"] == 1.0
+        assert 1.0 <= row["mean_acceptance_length"] <= k + 1
+        # Full acceptance: every step but the budget-capped last one commits K + 1 tokens.
+        assert row["steps"] == math.ceil((max_new - 1) / (k + 1))
+        assert all(positive(row[key]) for key in ("target_only_tok_s", "spec_forced_tok_s", "speedup",
+                                                   "draft_block_ms", "verify_step_ms"))
+        assert row["speedup"] == pytest.approx(row["spec_forced_tok_s"] / row["target_only_tok_s"])
 
 
 @pytest.mark.slow
 def test_demo_pair_benchmark_smoke(tmp_path):
-    """bench_demo_pair on the shipped pair at toy sizes: it runs, checks its outputs against target-only, and
-    writes its JSON with a speed-up and an acceptance length for every draft variant."""
-    import json
-
+    """bench_demo_pair on the shipped pair at toy sizes: every draft variant generates the tokens
+    target-only does, its acceptance figures are consistent, and the trained draft accepts."""
     out = tmp_path / "demo.json"
-    result = subprocess.run([sys.executable, str(BENCH / "bench_demo_pair.py"), "--prompts", "3", "--max-new-tokens",
-                             "12", "--batch-sizes", "2", "--repeats", "1", "--threads", "1", "--json", str(out)],
-                            capture_output=True, text=True, timeout=300, cwd=BENCH.parent)
-    assert result.returncode == 0, result.stderr[-3000:]
-    drafts = json.loads(out.read_text())["results"]["batch 2"]["drafts"]
-    assert set(drafts) == {"target-only", "domino", "domino-base-only"}
-    assert all(d["speedup"] > 0 for d in drafts.values())
+    run_script("bench_demo_pair.py", "--prompts", "3", "--max-new-tokens", "12", "--batch-sizes", "2",
+               "--repeats", "2", "--threads", "1", "--num-draft-tokens", "3", "--json", str(out))
+    results = json.loads(out.read_text())["results"]["batch 2"]
+    drafts = results["drafts"]
+    assert set(drafts) == {"target-only", "domino", "domino-base-only", "domino-K3"}
+    assert len({d["tokens"] for d in drafts.values()}) == 1 and drafts["target-only"]["tokens"] > 0
+    assert drafts["target-only"]["num_spec_tokens"] == 0 and "mean_acceptance_length" not in drafts["target-only"]
+    assert drafts["target-only"]["speedups"] == [1.0, 1.0]  # each repeat against itself
+    assert drafts["domino-K3"]["num_spec_tokens"] == 3
+    assert drafts["domino"]["num_spec_tokens"] == drafts["domino-base-only"]["num_spec_tokens"] >= 3
+    for name, d in drafts.items():
+        assert positive(d["tokens_per_s"]) and positive(d["speedup"]) and len(d["speedups"]) == 2
+        if name != "target-only":
+            check_acceptance(d["mean_acceptance_length"], d["per_position_acceptance"], d["num_spec_tokens"])
     assert drafts["domino"]["mean_acceptance_length"] > 1.0
+    assert 0.0 <= results["repeated_4gram_fraction"] <= 1.0
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_batch_job_benchmark_smoke():
+    """bench_batch_job at a toy size: the job and the direct engine generate the same number of tokens
+    (same engine settings, greedy) and the job writes every row."""
+    stdout = run_script("bench_batch_job.py", "--sizes", "6", "--max-new-tokens", "6", "--max-batch-size", "4",
+                        "--batch-size", "3", "--threads", "1", env={"RAY_AUTH_MODE": "disabled"}, timeout=600)
+    runs = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+    direct = next(r for r in runs if r["mode"] == "direct")
+    job = next(r for r in runs if r["mode"] == "job")
+    assert direct["tokens"] == job["tokens"] > 0 and job["rows"] == 6
+    assert direct["generate_s"] <= direct["wall_s"] and job["pipeline_s"] <= job["wall_s"]
+    assert 0 < job["generate_s"] <= job["wall_s"] and job["actor_load_s"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_serve_benchmark_smoke(tmp_path):
+    """bench_serve on a tiny pair: both modes answer every request with max_tokens tokens (ignore_eos),
+    percentiles are ordered, and the speculative mode's acceptance is within [1, K+1]."""
+    out = tmp_path / "serve.json"
+    run_script("bench_serve.py", "--tiny", str(tmp_path / "pair"), "--concurrency", "2", "--requests", "4",
+               "--max-tokens", "6", "--time-limit", "120", "--json", str(out), "runtime.ray_address=local",
+               env={"RAY_AUTH_MODE": "disabled"}, timeout=600)
+    rows = {r["mode"]: r for r in json.loads(out.read_text())}
+    assert set(rows) == {"spec", "target"}
+    for r in rows.values():
+        assert r["failed"] == 0 and r["requests"] == 4 and r["output_tokens"] == 4 * 6
+        assert r["output_tok_per_s"] == pytest.approx(r["output_tokens"] / r["wall_s"])
+        assert r["latency_p50_s"] <= r["latency_p99_s"] and r["ttft_p50_s"] <= r["ttft_p99_s"]
+        assert 0 < r["ttft_p50_s"] <= r["latency_p99_s"]
+    assert 1.0 <= rows["spec"]["mean_acceptance_length"] <= 4 + 1  # save_tiny_pair: block size 4, K = 4

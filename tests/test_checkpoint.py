@@ -200,3 +200,29 @@ def test_d2t_outside_the_target_vocabulary(target, tmp_path):
 def test_missing_directory():
     with pytest.raises(CheckpointError, match="is not a directory"):
         load_draft("./no/such/draft")
+
+
+SPECULATORS_BAD = {
+    "no aux layer ids": (lambda c: c.pop("aux_hidden_state_layer_ids"), r"missing required key aux_hidden_state_layer_ids"),
+    "no layer config": (lambda c: c.pop("transformer_layer_config"), r"missing required key transformer_layer_config"),
+    "no hidden size": (lambda c: c["transformer_layer_config"].pop("hidden_size"),
+                       r"missing required key transformer_layer_config.hidden_size"),
+    "no mask token": (lambda c: c.pop("mask_token_id"), r"missing required key mask_token_id"),
+    "no block size": (lambda c: c.pop("block_size"), r"missing required key block_size"),
+}
+
+
+@pytest.mark.parametrize("layout", ["speculators", "speculators-domino"])
+@pytest.mark.parametrize("case", sorted(SPECULATORS_BAD))
+def test_bad_speculators_configs_fail_naming_the_key(target, tmp_path, layout, case):
+    draft = tiny_draft(target, block_size=4)
+    LAYOUTS[layout](draft, target, tmp_path)
+    corrupt, message = SPECULATORS_BAD[case]
+    edit_config(tmp_path, corrupt)
+    with pytest.raises(CheckpointError, match=message):
+        load_draft(tmp_path, target_config=target.config)
+
+
+def test_unknown_layout_name_is_refused_naming_the_known_ones():
+    with pytest.raises(CheckpointError, match=r"unknown draft layout 'medusa' \(expected one of \['dflash', "):
+        parse_draft_config(HUANG2020_QWEN3_4B_CONFIG, {}, "medusa")

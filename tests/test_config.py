@@ -1,6 +1,7 @@
 import pytest
 
-from domino_ray.config import ConfigError, load_config
+from domino_ray.config import ConfigError, JobConfig, load_config, validate
+from domino_ray.sampling import SamplingParams
 
 
 def test_defaults_yaml_and_overrides(tmp_path):
@@ -37,3 +38,38 @@ def test_missing_required_value_names_the_key(tmp_path):
 def test_missing_file():
     with pytest.raises(ConfigError, match="does not exist"):
         load_config("/no/such.yaml")
+
+
+# (field, bad value): every SamplingParams field, bools where numbers are expected included.
+BAD_SAMPLING = [("max_new_tokens", 0), ("max_new_tokens", True), ("temperature", -1.0), ("temperature", True),
+                ("top_p", 0.0), ("top_k", -2), ("top_k", False), ("seed", True), ("seed", -1),
+                ("stop_token_ids", [True]), ("stop_token_ids", [-1]), ("ignore_eos", 1)]
+
+
+@pytest.mark.parametrize("name,value", BAD_SAMPLING)
+def test_sampling_params_and_config_reject_the_same_values_alike(name, value):
+    """One set of checks: SamplingParams and config.validate refuse the same values with the same
+    message, the config's naming the full key."""
+    with pytest.raises(ValueError) as sampling_error:
+        SamplingParams(**{name: value})
+    cfg = JobConfig()
+    setattr(cfg.generation, name, value)
+    with pytest.raises(ConfigError) as config_error:
+        validate(cfg)
+    sampling_message, config_message = str(sampling_error.value), str(config_error.value)
+    assert sampling_message.startswith(f"sampling parameter {name}=")
+    assert config_message.startswith(f"config key generation.{name}={value!r} is invalid: expected ")
+    # The same expectation, except that the job's seed is never null (a request's may be).
+    expected = sampling_message.split(" is invalid: expected ", 1)[1]
+    assert config_message.split(" is invalid: expected ", 1)[1] == expected.removeprefix("null or ")
+
+
+def test_one_seed_runtime_seed_is_a_deprecated_alias():
+    assert load_config().generation.seed == 0
+    with pytest.warns(FutureWarning, match="runtime.seed is deprecated"):
+        cfg = load_config(None, ["runtime.seed=5"])
+    assert (cfg.generation.seed, cfg.runtime.seed) == (5, None)
+    with pytest.raises(ConfigError, match="runtime.seed=5 is a deprecated alias of generation.seed"):
+        load_config(None, ["runtime.seed=5", "generation.seed=7"])
+    with pytest.raises(ConfigError, match="generation.seed"):
+        load_config(None, ["generation.seed=null"])

@@ -3,10 +3,13 @@
 import pytest
 import torch
 
-from domino_ray.llm import DominoLLM
+from domino_ray.checkpoint import save_draft
+from domino_ray.config import load_config
+from domino_ray.engine import Request
+from domino_ray.llm import DominoLLM, load_engine
 from domino_ray.sampling import SamplingParams
 from domino_ray.target import decode, encode_prompt, load_target, load_tokenizer, stop_token_ids
-from tiny_models import save_tiny_pair
+from tiny_models import hf_greedy, save_tiny_pair, tiny_draft, tiny_target
 
 
 @pytest.fixture(scope="module")
@@ -59,3 +62,71 @@ def test_generate_text_tokens_and_stats(pair):
         assert o.finish_reason in ("stop", "length") and o.time_taken_s >= o.time_to_first_token_s >= 0
     with pytest.raises(ValueError, match="3 prompts but 2 sampling parameters"):
         spec.generate(prompts, [params, params])
+
+
+@pytest.fixture(scope="module")
+def bare_target(tmp_path_factory):
+    """A target saved without tokenizer files (a config EOS id, not 0) and a draft for it, plus the
+    target-only greedy continuation of PROMPT, whose first token is 0 (a stand-in tokenizer's eos id)."""
+    directory = tmp_path_factory.mktemp("bare")
+    target = tiny_target("qwen3", dtype=torch.float32)
+    first = hf_greedy(target, PROMPT, 1)[0]
+    with torch.no_grad():  # token 0 takes the place of the first token: rows that stop on 0 stop at once
+        target.lm_head.weight[0] = target.lm_head.weight[first] * 2
+    reference = hf_greedy(target, PROMPT, 8)
+    assert reference[0] == 0
+    eos = next(t for t in range(1, target.config.vocab_size - 1) if t not in reference)
+    target.config.eos_token_id = target.generation_config.eos_token_id = eos
+    target.save_pretrained(directory / "target")
+    save_draft(tiny_draft(target, block_size=4), directory / "draft")
+    return str(directory / "target"), str(directory / "draft"), eos, reference
+
+
+PROMPT = [5, 6, 7, 8]
+
+
+def test_target_without_tokenizer_stops_only_on_the_models_eos_ids(bare_target):
+    target_dir, draft_dir, eos, reference = bare_target
+    llm = DominoLLM.from_pretrained(target_dir, draft=draft_dir, dtype="float32")
+    (out,) = llm.generate([PROMPT], SamplingParams(max_new_tokens=len(reference)))
+    assert out.token_ids == reference and out.finish_reason == "length" and out.text is None
+    assert llm.tokenizer is None and llm.engine.eos_token_ids == {eos}
+    with pytest.raises(ValueError, match="text prompts need a tokenizer"):
+        llm.generate(["the quick fox"])
+    # Jobs and Serve need text: there a missing tokenizer is an error that names the directory.
+    with pytest.raises(ValueError, match=f"{target_dir} has no tokenizer files"):
+        load_tokenizer(target_dir)
+
+
+def test_python_api_and_job_engine_get_every_setting(pair):
+    overrides = ["generation.max_prefill_tokens=7", "generation.max_batch_size=3", "generation.seed=11",
+                 "model.max_model_len=64", "draft.num_draft_tokens=2", "model.dtype=float32",
+                 f"model.source={pair[0]}", f"draft.source={pair[1]}"]
+    cfg = load_config(None, overrides)
+    job_engine, _ = load_engine(cfg.model, cfg.draft, cfg.generation)
+    llm = DominoLLM.from_pretrained(pair[0], draft=pair[1], dtype="float32", max_prefill_tokens=7, max_batch_size=3,
+                                    seed=11, max_model_len=64, num_draft_tokens=2)
+    for engine in (job_engine, llm.engine):
+        assert (engine.max_prefill_tokens, engine.max_rows, engine.max_model_len, engine.num_draft_tokens) == \
+            (7, 3, 64, 2)
+    assert job_engine.eos_token_ids == llm.engine.eos_token_ids
+    # One seed: sampled requests without their own seed draw the same tokens from both engines.
+    prompts = [[5, 6, 7], [9, 10, 11, 12]]
+    params = SamplingParams(max_new_tokens=8, temperature=1.0)
+    job_out = job_engine.generate([Request(i, p, params) for i, p in enumerate(prompts)])
+    assert [c.token_ids for c in job_out] == [o.token_ids for o in llm.generate(prompts, params)]
+
+
+def test_ignore_eos_keeps_a_trailing_eos_in_the_text(pair):
+    """The text drops a trailing token only when it stopped the row (as in the engine): with ignore_eos
+    an EOS id that was generated is text like any other."""
+    target, tok = load_target(pair[0], dtype="float32", device="cpu"), load_tokenizer(pair[0])
+    target.generation_config.eos_token_id = target.config.eos_token_id = None
+    prompt = tok("the quick brown fox", add_special_tokens=False)["input_ids"]
+    plain = DominoLLM(target, tok).generate([prompt], SamplingParams(max_new_tokens=6))[0].token_ids
+    last = plain[-1]
+    assert tok.decode([last], skip_special_tokens=True).strip() and last not in plain[:-1]
+    target.generation_config.eos_token_id = target.config.eos_token_id = last  # a plain word is "EOS" now
+    (out,) = DominoLLM(target, tok).generate([prompt], SamplingParams(max_new_tokens=6, ignore_eos=True))
+    assert out.token_ids == plain and out.finish_reason == "length"
+    assert out.text == tok.decode(plain, skip_special_tokens=True)

@@ -141,3 +141,76 @@ class Recorder:
         drafts = self.inner.propose(r, anchor, offsets, kv_len, committed, request_ids)
         self.records += list(zip(request_ids, committed, drafts.tolist()))  # real rows only (zip stops at them)
         return drafts
+
+
+# ---- a target and drafts that agree: the accept path, by construction --------------------------------
+#
+# Hidden dims of `successor_target`: [0, C-2) a unit-scale random vector per token, C-2 a flag that is 1
+# for every real token, C-1 the mask token's own direction. `successor_draft` reads them by hand.
+
+
+def successor_target(*, seed: int = 0, copy_strength: float = 5.0, layer_scale: float = 30.0):
+    """A tiny Qwen3 whose greedy next token is usually `successor[current]` (one random cycle over the
+    real tokens) and otherwise what its random layers say (about 1 in 10, depending on the context).
+
+    Its LM head is the random one plus `copy_strength` x a head that maps each token's embedding to
+    its successor's logit; its layers are scaled up so the context moves the argmax at times.
+    Returns (target, token_vectors [V-1, C-2], predecessor [V-1]) for `successor_draft`.
+    """
+    target = tiny_target("qwen3", seed=seed)
+    v, c = target.config.vocab_size, target.config.hidden_size
+    g = torch.Generator().manual_seed(seed + 100)
+    vectors = torch.randn(v - 1, c - 2, generator=g, dtype=torch.float64)
+    vectors = vectors / vectors.norm(dim=1, keepdim=True) * c ** 0.5
+    embed = torch.zeros(v, c, dtype=torch.float64)
+    embed[:v - 1, :c - 2], embed[:v - 1, c - 2], embed[v - 1, c - 1] = vectors, 1.0, c ** 0.5
+    order = torch.randperm(v - 1, generator=g)
+    successor = torch.empty(v - 1, dtype=torch.long)
+    successor[order] = order.roll(-1)
+    predecessor = torch.empty(v - 1, dtype=torch.long)
+    predecessor[successor] = torch.arange(v - 1)
+    dtype = target.lm_head.weight.dtype
+    with torch.no_grad():
+        target.model.embed_tokens.weight.copy_(embed)
+        target.lm_head.weight[:v - 1, :c - 2] += (copy_strength / c) * vectors[predecessor].to(dtype)
+        for layer in target.model.layers:
+            layer.self_attn.o_proj.weight.mul_(layer_scale)
+            layer.mlp.down_proj.weight.mul_(layer_scale)
+    return target, vectors, predecessor
+
+
+def successor_draft(target, vectors, predecessor, *, block_size: int, shift_label: bool,
+                    num_uncorrected: int) -> DominoDraft:
+    """Hand-set Domino draft for `successor_target`: the backbone copies the anchor into every MASK
+    slot (so the base logits, through the target's head, say what the target says without context),
+    and the GRU head adds `successor[previous draft]` with a margin that overrides the base. Every
+    layout predicts the target's usual continuation, so drafts are accepted often."""
+    v, c = target.config.vocab_size, target.config.hidden_size
+    t = g = c - 2            # token dims; the GRU state holds one token's vector
+    heads, head_dim = 4, 16  # value dims (64) >= t: one layer can move a whole token vector
+    cfg = DraftConfig(hidden_size=c, intermediate_size=8, num_hidden_layers=1, num_attention_heads=heads,
+                      num_key_value_heads=heads, head_dim=head_dim, vocab_size=v, block_size=block_size,
+                      target_layer_ids=(0, 2), mask_token_id=v - 1, shift_label=shift_label,
+                      num_uncorrected=num_uncorrected, emb_dim=2 * g, gru_hidden_dim=g)
+    draft = DominoDraft(cfg).to(torch.float64)
+    state = {k: torch.zeros_like(w) for k, w in draft.state_dict().items()}  # fc = 0: no context; MLP off
+    for k in state:
+        if k.endswith("norm.weight"):
+            state[k] += 1.0
+    attn, eye = "layers.0.self_attn.", torch.eye(t, dtype=torch.float64)
+    slow = head_dim // 2 - 1  # the lowest RoPE frequency: scores barely depend on the distance
+    for h in range(heads):
+        state[attn + "q_proj.weight"][h * head_dim + slow, c - 1] = 1.0  # MASK slots query ...
+        state[attn + "k_proj.weight"][h * head_dim + slow, c - 2] = 1.0  # ... the one real token (the anchor)
+    state[attn + "q_norm.weight"] += 1.5  # score 4 * 2.5^2 = 25: all weight on the anchor
+    state[attn + "k_norm.weight"] += 1.5
+    state[attn + "v_proj.weight"][:t, :t] = eye
+    state[attn + "o_proj.weight"][:t, :t] = 10 * eye
+    state["prefix_gru.weight_ih_l0"][g:2 * g, c - 2] = -20.0  # update gate shut: state = tanh(last token / 2)
+    state["prefix_gru.weight_ih_l0"][2 * g:, :t] = 0.5 * eye
+    state["embed_proj.0.weight"][:g, c:] = eye
+    state["embed_proj.0.weight"][g:, c:] = -eye  # silu(s) - silu(-s) = s: the state passes through linearly
+    state["embed_proj.2.weight"][:v - 1, :g] = 10 * vectors[predecessor]
+    state["embed_proj.2.weight"][:v - 1, g:] = -10 * vectors[predecessor]
+    draft.load_state_dict(state)
+    return draft.to(next(target.parameters()).dtype).eval()
