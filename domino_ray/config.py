@@ -123,6 +123,7 @@ class RuntimeConfig:
     max_concurrent_batches: int = 4   # batches in flight per actor; their rows share the engine's slots
     seed: int | None = None           # deprecated alias of generation.seed (a warning; both given: an error)
     compare_baseline: bool = False    # also run the rows target-only and report the speed-up (small jobs)
+    cuda_graphs: str = "auto"         # auto (on for CUDA devices) | on | off: capture the engine's steps
 
 
 @dataclass
@@ -250,6 +251,7 @@ def validate(cfg: JobConfig):
         ("runtime.gpus_per_actor", r.gpus_per_actor, r.gpus_per_actor is None or r.gpus_per_actor >= 0,
          "null or a number >= 0"),
         ("runtime.batch_size", r.batch_size, r.batch_size >= 1, "an int >= 1"),
+        ("runtime.cuda_graphs", r.cuda_graphs, r.cuda_graphs in ("auto", "on", "off"), "auto, on or off"),
         ("runtime.max_concurrent_batches", r.max_concurrent_batches, r.max_concurrent_batches >= 1, "an int >= 1"),
         ("output.min_rows_per_file", o.min_rows_per_file, o.min_rows_per_file is None or o.min_rows_per_file >= 1,
          "null or an int >= 1"),

@@ -184,7 +184,7 @@ class SpecEngine:
         seed = 0
         if not params.greedy:
             seed = params.seed if params.seed is not None else int(torch.randint(2**62, (1,), generator=self.rng))
-        stop = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
+        stop = params.stop_ids(self.eos_token_ids)
         self._running_ids.add(request.request_id)
         self.pending.append(_Row(request=Request(request.request_id, list(ids), params),
                                  max_new=min(params.max_new_tokens, self.max_model_len - len(ids)),

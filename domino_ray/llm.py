@@ -34,11 +34,13 @@ def build_engine(target, draft=None, tokenizer=None, *, num_draft_tokens: int | 
                       **engine_settings)
 
 
-def engine_settings(model, draft, generation) -> dict:
-    """`build_engine`'s settings from the config sections `model`, `draft` (None: target only), `generation`."""
+def engine_settings(model, draft, generation, runtime=None) -> dict:
+    """`build_engine`'s settings from the config sections `model`, `draft` (None: target only), `generation`
+    and `runtime` (None: its defaults)."""
     return {"num_draft_tokens": draft.num_draft_tokens if draft is not None else None,
             "max_batch_size": generation.max_batch_size, "max_model_len": model.max_model_len,
-            "seed": generation.seed, "max_prefill_tokens": generation.max_prefill_tokens}
+            "seed": generation.seed, "max_prefill_tokens": generation.max_prefill_tokens,
+            "cuda_graphs": runtime.cuda_graphs if runtime is not None else "auto"}
 
 
 def load_draft_for(target, source: str):
@@ -47,18 +49,14 @@ def load_draft_for(target, source: str):
     return load_draft(source, target_config=target.config, device=weight.device, dtype=weight.dtype)
 
 
-def load_engine(model, draft, generation, seed: int | None = None):
-    """(SpecEngine, tokenizer) from the config sections `model`, `draft` (None: target only) and
-    `generation`: what a Ray Data actor and a Serve replica each load once. Jobs and Serve take text,
-    so the tokenizer is required. `seed` is the folded `runtime.seed` (None after `load_config`):
-    `generation.seed` is the one seed."""
-    if seed is not None and seed != generation.seed:
-        raise ValueError(f"load_engine(seed={seed}) differs from generation.seed={generation.seed}: "
-                         "runtime.seed is folded into generation.seed")
+def load_engine(model, draft, generation, runtime=None):
+    """(SpecEngine, tokenizer) from the config sections `model`, `draft` (None: target only),
+    `generation` and `runtime`: what a Ray Data actor and a Serve replica each load once. Jobs and
+    Serve take text, so the tokenizer is required."""
     target = load_target(model.source, dtype=model.dtype, device=model.device)
     tokenizer = load_tokenizer(model.tokenizer or model.source)
     draft_model = load_draft_for(target, draft.source) if draft is not None and draft.source else None
-    engine = build_engine(target, draft_model, tokenizer, **engine_settings(model, draft, generation))
+    engine = build_engine(target, draft_model, tokenizer, **engine_settings(model, draft, generation, runtime))
     return engine, tokenizer
 
 
@@ -109,6 +107,13 @@ class DominoLLM:
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling parameters")
         requests = [Request(i, self.encode(p), sp) for i, (p, sp) in enumerate(zip(prompts, params))]
+        limit = self.engine.max_model_len
+        for r in requests:  # as the server does: refuse what cannot fit rather than stop short of it
+            room = limit - len(r.prompt_token_ids)
+            if r.params.max_new_tokens > room:
+                raise ValueError(f"prompts[{r.request_id}] ({len(r.prompt_token_ids)} tokens) + max_new_tokens "
+                                 f"({r.params.max_new_tokens}) exceeds the model's limit of {limit} tokens: at most "
+                                 f"{max(room, 0)} new tokens fit after this prompt")
         eos = self.engine.eos_token_ids
         return [GenerationOutput(
             prompt_token_ids=c.prompt_token_ids,

@@ -169,11 +169,10 @@ NOT_OUTPUT_SETTINGS = {"model.device", "generation.max_batch_size", "generation.
 
 
 def output_settings(cfg: JobConfig) -> dict:
-    """The config keys (dotted) that determine the output rows: model, draft, generation, the engine
-    seed and the input column mapping. Recorded in the output (`_settings.json`); resume compares them."""
+    """The config keys (dotted) that determine the output rows: model, draft, generation (the seed
+    included) and the input column mapping. Recorded in the output (`_settings.json`); resume compares them."""
     d = to_dict(cfg)
     sections = {"model": d["model"], "draft": d["draft"], "generation": d["generation"],
-                "runtime": {"seed": d["runtime"]["seed"]},
                 "input": {k: d["input"][k] for k in ("prompt_column", "messages_column", "id_column",
                                                      "sampling_column")}}
     flat = {f"{section}.{k}": v for section, values in sections.items() for k, v in values.items()}

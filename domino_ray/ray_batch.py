@@ -66,7 +66,7 @@ class DominoPredictor:
         from domino_ray.llm import load_engine
 
         engine, self.tokenizer = load_engine(cfg.model, cfg.draft if use_draft else None, cfg.generation,
-                                             cfg.runtime.seed)
+                                             cfg.runtime)
         if engine.device.type == "cpu":
             torch.set_num_threads(max(1, int(cfg.runtime.cpus_per_actor)))  # the CPUs Ray reserved for us
         self.loop = EngineLoop(engine)
@@ -120,7 +120,7 @@ class DominoPredictor:
             if isinstance(result, BaseException):  # the engine refused the row (e.g. too long)
                 prepared[i] = error_row(str(result), prompt=prompt, num_spec_tokens=self.num_spec_tokens)
                 continue
-            text = self._decode(result.token_ids, self.eos_ids | set(params.stop_token_ids))
+            text = self._decode(result.token_ids, params.stop_ids(self.eos_ids))
             prepared[i] = ok_row(prompt=prompt, text=text, completion=result)
         self._busy(-1, rows=len(rows), tokens=sum(r["num_generated_tokens"] for r in prepared))
         return output_table(batch, prepared, self.schema)

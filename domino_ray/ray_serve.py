@@ -122,7 +122,7 @@ async def _http_error(request: Request, exc: StarletteHTTPException):
 @serve.ingress(api)
 class DominoServer:
     def __init__(self, cfg: JobConfig):
-        engine, self.tokenizer = load_engine(cfg.model, cfg.draft, cfg.generation, cfg.runtime.seed)
+        engine, self.tokenizer = load_engine(cfg.model, cfg.draft, cfg.generation, cfg.runtime)
         self.loop = EngineLoop(engine, max_waiting=cfg.serve.max_waiting_requests)
         g = cfg.generation
         self.model = ModelSpec(

@@ -73,3 +73,12 @@ def test_one_seed_runtime_seed_is_a_deprecated_alias():
         load_config(None, ["runtime.seed=5", "generation.seed=7"])
     with pytest.raises(ConfigError, match="generation.seed"):
         load_config(None, ["generation.seed=null"])
+
+
+def test_cuda_graphs_setting_reaches_the_engine_settings():
+    from domino_ray.llm import engine_settings
+
+    cfg = load_config(None, ["runtime.cuda_graphs=off"])
+    assert engine_settings(cfg.model, cfg.draft, cfg.generation, cfg.runtime)["cuda_graphs"] == "off"
+    with pytest.raises(ConfigError, match=r"runtime\.cuda_graphs"):
+        load_config(None, ["runtime.cuda_graphs=yes"])

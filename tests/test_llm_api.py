@@ -130,3 +130,14 @@ def test_ignore_eos_keeps_a_trailing_eos_in_the_text(pair):
     (out,) = DominoLLM(target, tok).generate([prompt], SamplingParams(max_new_tokens=6, ignore_eos=True))
     assert out.token_ids == plain and out.finish_reason == "length"
     assert out.text == tok.decode(plain, skip_special_tokens=True)
+
+
+def test_python_api_refuses_what_the_context_cannot_hold_as_the_server_does(pair):
+    target_dir, draft_dir = pair
+    llm = DominoLLM.from_pretrained(str(target_dir), draft=str(draft_dir), max_model_len=40)
+    prompt = list(range(1, 31))  # 30 tokens: 10 new tokens fit
+    with pytest.raises(ValueError, match=r"prompts\[0\] \(30 tokens\) \+ max_new_tokens \(11\) exceeds the "
+                                         r"model's limit of 40 tokens: at most 10 new tokens fit"):
+        llm.generate([prompt], SamplingParams(max_new_tokens=11, ignore_eos=True))
+    (out,) = llm.generate([prompt], SamplingParams(max_new_tokens=10, ignore_eos=True))
+    assert len(out.token_ids) == 10 and out.finish_reason == "length"

@@ -53,7 +53,7 @@ def app(tmp_path_factory):
     target_dir, draft_dir = save_tiny_pair(tmp_path_factory.mktemp("serve_pair"), dtype=torch.float64)
     cfg = load_config(None, [
         f"model.source={target_dir}", f"draft.source={draft_dir}", f"serve.model_name={MODEL}",
-        f"generation.max_batch_size={SLOTS}", "generation.max_new_tokens=16", "runtime.seed=0",
+        f"generation.max_batch_size={SLOTS}", "generation.max_new_tokens=16", "generation.seed=0",
         f"serve.max_waiting_requests={WAITING}", f"serve.max_ongoing_requests={ONGOING}",
         f"serve.max_queued_requests={QUEUED}", "serve.cpus_per_replica=0.5", "serve.health_check_period_s=2",
         f"serve.max_request_bytes={MAX_BODY}",
