@@ -204,6 +204,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         reason = str(exc).splitlines()[0]  # OmegaConf appends reference/object types on further lines
         raise ConfigError(f"config key {key}: {reason}" if key else f"bad config: {reason}") from None
     fold_deprecated_seed(cfg, generation_seed_given=seed_given)
+    # YAML reads a bare on/off as a boolean, which the str field then holds as "True"/"False".
+    cfg.runtime.cuda_graphs = {"True": "on", "False": "off"}.get(cfg.runtime.cuda_graphs, cfg.runtime.cuda_graphs)
     validate(cfg)
     return cfg
 

@@ -78,7 +78,8 @@ def test_one_seed_runtime_seed_is_a_deprecated_alias():
 def test_cuda_graphs_setting_reaches_the_engine_settings():
     from domino_ray.llm import engine_settings
 
-    cfg = load_config(None, ["runtime.cuda_graphs=off"])
-    assert engine_settings(cfg.model, cfg.draft, cfg.generation, cfg.runtime)["cuda_graphs"] == "off"
+    for value in ("off", "on", "auto"):
+        cfg = load_config(None, [f"runtime.cuda_graphs={value}"])
+        assert engine_settings(cfg.model, cfg.draft, cfg.generation, cfg.runtime)["cuda_graphs"] == value
     with pytest.raises(ConfigError, match=r"runtime\.cuda_graphs"):
         load_config(None, ["runtime.cuda_graphs=yes"])
