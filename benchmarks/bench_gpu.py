@@ -76,9 +76,9 @@ class Forced:
     def move_row(self, *a):
         self.inner.move_row(*a)
 
-    def propose(self, r, anchor, offsets, kv_len, *rest):
-        self.inner.propose(r, anchor, offsets, kv_len)
-        index = (offsets[:, None] + self.ahead).clamp(max=self.refs.shape[1] - 1)  # [r, K] positions after the anchor
+    def propose(self, r, anchor, offsets, kv_len, width, *rest):
+        self.inner.propose(r, anchor, offsets, kv_len, width)
+        index = (offsets[:, None] + self.ahead[:width]).clamp(max=self.refs.shape[1] - 1)  # [r, W] after the anchor
         return self.refs[:r].gather(1, index)
 
 
@@ -177,8 +177,9 @@ def main():
             t_spec, spec = generate(engine, prompts, args.max_new_tokens, device, references)
             r, t = engine.row_buckets[-1], engine.capacity
             steps = time_steps(engine, [
-                ("draft_step_ms", ("draft", r, t), lambda: engine._draft_step(r, t)),
-                ("verify_step_ms", ("verify", r, t, False, False), lambda: engine._verify_step(r, t, False, False))])
+                ("draft_step_ms", ("draft", r, t, k), lambda: engine._draft_step(r, t, k)),
+                ("verify_step_ms", ("verify", r, t, k, False, False),
+                 lambda: engine._verify_step(r, t, k, False, False))])
             spec_tokens = sum(len(c.token_ids) for c in spec)
             row = results[f"batch {batch} cuda_graphs={graphs}"] = {
                 "target_only_tok_s": batch * args.max_new_tokens / t_base,

@@ -67,7 +67,9 @@ class ModelConfig:
 @dataclass
 class DraftSection:
     source: str | None = str(DEMO_ASSETS / "draft")  # draft: local directory or hub id; null = target only
-    num_draft_tokens: int | None = None  # K per step; null = the most the checkpoint supports
+    # auto = adaptive: each step verifies W = 0..K drafts, K the most the checkpoint supports (README
+    # "Verify width"); an int = a fixed K; null = a fixed K at the checkpoint's most
+    num_draft_tokens: Any = "auto"
 
 
 @dataclass
@@ -241,8 +243,9 @@ def validate(cfg: JobConfig):
          cfg.model.max_model_len is None or (_is_int(cfg.model.max_model_len) and cfg.model.max_model_len > 1),
          "null or an int > 1"),
         ("draft.num_draft_tokens", cfg.draft.num_draft_tokens,
-         cfg.draft.num_draft_tokens is None or (_is_int(cfg.draft.num_draft_tokens) and cfg.draft.num_draft_tokens >= 1),
-         "null or an int >= 1"),
+         cfg.draft.num_draft_tokens in (None, "auto")
+         or (_is_int(cfg.draft.num_draft_tokens) and cfg.draft.num_draft_tokens >= 1),
+         "auto, null or an int >= 1"),
         ("generation.max_batch_size", g.max_batch_size, _is_int(g.max_batch_size) and g.max_batch_size >= 1,
          "an int >= 1"),
         ("generation.max_prefill_tokens", g.max_prefill_tokens,

@@ -11,8 +11,10 @@ Speculative-decoding words (draft tokens, accepted, bonus, step) are defined in 
 A row's committed tokens are prompt + generated. Its last committed token, the *anchor*, has not been
 through the target yet: the target KV holds positions `[0, lens)` with `lens = committed - 1`, and so
 does the draft's context. One step, for all active rows at once:
-  1. draft:  the proposer turns each anchor into K draft tokens                       -> [n, K]
-  2. verify: one target forward over `[anchor, d_1..d_K]` at positions `lens + 0..K`  -> [n, K+1, V]
+  0. width:  the verify width W (0..K) for this step: K, or with `num_draft_tokens="auto"` the
+             policy's choice from measured costs and acceptance estimates (`verify_width.py`)
+  1. draft:  the proposer turns each anchor into W draft tokens (none when W = 0)      -> [n, W]
+  2. verify: one target forward over `[anchor, d_1..d_W]` at positions `lens + 0..W`  -> [n, W+1, V]
   3. accept: `verify.py` picks a (accepted) and the bonus; `lens += a + 1`; the hidden states of the
      a + 1 newly committed positions become the draft's new context. Rejected positions stay in the
      buffers beyond `lens` and are overwritten next step: nothing is cropped.
@@ -42,6 +44,7 @@ from domino_ray.stats import RowStats
 from domino_ray.step_graphs import StepGraphs, use_cuda_graphs
 from domino_ray.target_forward import RowAttention, install, run_decoder
 from domino_ray.verify import greedy_accept, rejection_accept, sample_from_probs
+from domino_ray.verify_width import AcceptanceEstimates, candidate_widths, choose_width
 
 
 @dataclass
@@ -79,6 +82,8 @@ class _Row:
     arrival: float
     tokens: list[int] = field(default_factory=list)
     first_token_time: float = 0.0
+    tried: list[float] = field(default_factory=list)     # [K] per draft position: steps it was verified
+    succeeded: list[float] = field(default_factory=list)  # [K] ... and accepted
     finish_reason: str | None = None
 
     @property
@@ -92,15 +97,19 @@ class SpecEngine:
     `kv_chunk`: the attended key length is padded to a multiple of it (the key bucket); default 256 with
     CUDA graphs (fewer graphs to capture), 32 without (less attention over padding).
     `cuda_graphs`: "auto" (on for CUDA), "on" or "off".
+    `width_costs`: seconds per step by row bucket and verify width, for an adaptive proposer
+    (`num_draft_tokens="auto"`); None = measure them now (`measure_costs`).
     """
 
     def __init__(self, target, proposer=None, *, max_rows: int = 16, max_model_len: int | None = None,
                  eos_token_ids: Iterable[int] = (), seed: int = 0, max_prefill_tokens: int = 8192,
-                 kv_chunk: int | None = None, cuda_graphs: str = "auto"):
+                 kv_chunk: int | None = None, cuda_graphs: str = "auto",
+                 width_costs: dict[int, dict[int, float]] | None = None):
         cfg = target.config
         self.target, self.decoder, self.lm_head = target, target.get_decoder(), target.get_output_embeddings()
         self.proposer = proposer
         k = self.num_draft_tokens = proposer.num_draft_tokens if proposer is not None else 0
+        self.adaptive = bool(k) and getattr(proposer, "adaptive", False)  # num_draft_tokens="auto"
         limits = [x for x in (max_model_len, getattr(cfg, "max_position_embeddings", None)) if x]
         if not limits:
             raise ValueError("max_model_len is required: the target config has no max_position_embeddings")
@@ -149,6 +158,11 @@ class SpecEngine:
         self._running_ids: set = set()  # request ids of pending and active rows
         self.rng = torch.Generator().manual_seed(seed)
         self.graphs = StepGraphs(self.device) if graphs else None
+        self.widths = candidate_widths(k, graphs) if self.adaptive else [k]
+        self.estimates = AcceptanceEstimates(k)
+        self.costs: dict[int, dict[int, float]] = {}  # row bucket -> width -> seconds per step
+        if self.adaptive:
+            self.costs = {r: dict(c) for r, c in width_costs.items()} if width_costs else self.measure_costs()
         if self.device.type == "cuda":
             check_memory_fits(self.memory_plan(), torch.cuda.mem_get_info(self.device)[0], self.device)
 
@@ -189,7 +203,8 @@ class SpecEngine:
         self.pending.append(_Row(request=Request(request.request_id, list(ids), params),
                                  max_new=min(params.max_new_tokens, self.max_model_len - len(ids)),
                                  stop_ids=frozenset(stop), seed=int(seed),
-                                 stats=RowStats(self.num_draft_tokens), arrival=time.perf_counter()))
+                                 stats=RowStats(self.num_draft_tokens), arrival=time.perf_counter(),
+                                 tried=[0.0] * self.num_draft_tokens, succeeded=[0.0] * self.num_draft_tokens))
 
     def abort(self, request_id: Hashable) -> bool:
         """Drop a pending request or end an active one at the next step (its slot is freed then)."""
@@ -287,25 +302,64 @@ class SpecEngine:
         return first
 
     def _decode(self, events: list[StepEvent]):
-        n, k = len(self.rows), self.num_draft_tokens
+        started = time.perf_counter()
+        n = len(self.rows)
         r = next(b for b in self.row_buckets if b >= n)
         longest = max(row.committed for row in self.rows)  # committed - 1 positions are in the KV
         t = min(_round_up(longest - 1 + self.span, self.kv_chunk), self.capacity)
         sampled = any(not row.request.params.greedy for row in self.rows)
         filtered = sampled and any(row.request.params.top_k > 0 or row.request.params.top_p < 1.0
                                    for row in self.rows)
-        if k:
-            if getattr(self.proposer, "graph_safe", False):
-                self._run(("draft", r, t), lambda: self._draft_step(r, t))
-            else:
-                self._draft_step(r, t, [row.committed for row in self.rows],
-                                 [row.request.request_id for row in self.rows])
-        self._run(("verify", r, t, sampled, filtered), lambda: self._verify_step(r, t, sampled, filtered))
-        packed = self._read_packed(n)  # the step's one host sync
+        usable = [row.max_new - len(row.tokens) - 1 for row in self.rows]  # drafts each budget allows
+        w = self._choose_width(r, usable) if self.adaptive else self.num_draft_tokens
+        if w:
+            self._draft(r, t, w)
+        self._run(("verify", r, t, w, sampled, filtered), lambda: self._verify_step(r, t, w, sampled, filtered))
+        packed = self._read_packed(n, w)  # the step's one host sync
         now = time.perf_counter()
-        for row, (a, *row_tokens) in zip(self.rows, packed):
-            budget = row.max_new - len(row.tokens)
-            self._commit(row, row_tokens[:a + 1], events, now, drafted=min(k, budget - 1))
+        if self.adaptive:
+            self._learn(r, w, now - started, packed, usable)
+        for row, (a, *row_tokens), u in zip(self.rows, packed, usable):
+            self._commit(row, row_tokens[:a + 1], events, now, drafted=min(w, u), width=w)
+
+    def _choose_width(self, r: int, usable: list[int]) -> int:
+        pooled = self.estimates.pooled()
+        accept = [self.estimates.for_row(row.succeeded, row.tried, pooled) for row in self.rows]
+        return choose_width(self.costs[r], accept, usable)
+
+    def _learn(self, r: int, w: int, seconds: float, packed: list[list[int]], usable: list[int]):
+        """Fold one step into the acceptance estimates and the cost table (a decaying average)."""
+        self.estimates.start_step()
+        for row, (a, *_), u in zip(self.rows, packed, usable):
+            self.estimates.observe(min(w, u), a, row.succeeded, row.tried)
+        self.costs[r][w] = 0.9 * self.costs[r][w] + 0.1 * seconds
+
+    @torch.inference_mode()
+    def measure_costs(self, repeats: int = 2) -> dict[int, dict[int, float]]:
+        """Seconds per step for every row bucket and candidate width, timed on the device while every slot
+        is free (padding rows: the steps change nothing). The first run of each also captures its graphs."""
+        t = min(_round_up(self.span, self.kv_chunk), self.capacity)
+        costs: dict[int, dict[int, float]] = {}
+        for r in self.row_buckets:
+            costs[r] = {}
+            for w in self.widths:
+                for i in range(repeats):
+                    start = time.perf_counter()
+                    if w:
+                        self._draft(r, t, w)
+                    self._run(("verify", r, t, w, False, False), lambda: self._verify_step(r, t, w, False, False))
+                    self._read_packed(0, w)
+                    if self.device.type == "cuda":
+                        torch.cuda.synchronize(self.device)
+                    costs[r][w] = time.perf_counter() - start  # the last repeat: warm
+        return costs
+
+    def _draft(self, r: int, t: int, w: int):
+        if getattr(self.proposer, "graph_safe", False):
+            self._run(("draft", r, t, w), lambda: self._draft_step(r, t, w))
+        else:  # host-side drafts (test proposers): they need the rows' ids
+            self._draft_step(r, t, w, [row.committed for row in self.rows],
+                             [row.request.request_id for row in self.rows])
 
     def _run(self, key: tuple, step: Callable[[], None]):
         if self.graphs is None:
@@ -315,27 +369,26 @@ class SpecEngine:
 
     # ---- the fixed-shape steps (device work only: no host syncs, no shape that varies within a bucket) ----
 
-    def _draft_step(self, r: int, t: int, committed=None, request_ids=None):
-        """Draft tokens for slots `0..r` into `self.drafts`."""
-        self.drafts[:r] = self.proposer.propose(r, self.anchor[:r], self.lens[:r], t, committed, request_ids)
+    def _draft_step(self, r: int, t: int, w: int, committed=None, request_ids=None):
+        """`w` draft tokens for slots `0..r` into `self.drafts[:r, :w]`."""
+        self.drafts[:r, :w] = self.proposer.propose(r, self.anchor[:r], self.lens[:r], t, w, committed, request_ids)
 
-    def _verify_step(self, r: int, t: int, sampled: bool, filtered: bool):
-        """Verify `[anchor, drafts]` for slots `0..r` over `t` key positions, accept, advance the rows and
-        write `self.packed[:r]` = (accepted, tokens)."""
-        k = self.num_draft_tokens
+    def _verify_step(self, r: int, t: int, w: int, sampled: bool, filtered: bool):
+        """Verify `[anchor, drafts[:w]]` for slots `0..r` over `t` key positions, accept, advance the rows and
+        write `self.packed[:r, :w+2]` = (accepted, tokens)."""
         lens, remaining = self.lens[:r], self.remaining[:r]
-        verify_ids = torch.cat([self.anchor[:r, None], self.drafts[:r]], 1)  # [r, K+1]
-        positions = lens[:, None] + self.verify_offsets                       # [r, K+1]
+        verify_ids = torch.cat([self.anchor[:r, None], self.drafts[:r, :w]], 1)  # [r, W+1]
+        positions = lens[:, None] + self.verify_offsets[:w + 1]                  # [r, W+1]
         visible = visible_keys(positions + 1, self.groups, self.key_positions[:t])  # causal after the prefix
         hidden, taps = run_decoder(self.decoder, verify_ids, positions,
                                    RowAttention(self.kv, write_index=positions, visible=visible, kv_len=t),
                                    self.tap_layers)
-        logits = self.lm_head(hidden)  # [r, K+1, V]
+        logits = self.lm_head(hidden)  # [r, W+1, V]
         limit = remaining - 1          # drafts that fit the row's budget beside the bonus
         accepted, tokens = greedy_accept(target_logits=logits, drafts=verify_ids[:, 1:], limit=limit)
         if sampled:
             probs = sampling_probs(logits, self.temperature[:r], self.top_k[:r], self.top_p[:r], filtered=filtered)
-            uniforms = counter_uniforms(self.seeds[:r], self.draws[:r], k + 1, stride=k + 1)
+            uniforms = counter_uniforms(self.seeds[:r], self.draws[:r], w + 1, stride=self.num_draft_tokens + 1)
             s_accepted, s_tokens = rejection_accept(target_probs=probs, drafts=verify_ids[:, 1:], limit=limit,
                                                     uniforms=uniforms)
             is_sampled = self.temperature[:r] > 0
@@ -345,30 +398,31 @@ class SpecEngine:
             self.proposer.append_context(slice(0, r), taps, lens)
         advance = torch.where(remaining > 0, accepted + 1, 0)  # padding slots (remaining 0) stay put
         self.packed[:r, 0] = accepted
-        self.packed[:r, 1:] = tokens
+        self.packed[:r, 1:w + 2] = tokens
         self.anchor[:r] = tokens.gather(1, accepted[:, None])[:, 0]
         lens += advance
         remaining -= advance
         self.draws[:r] += 1
 
-    def _read_packed(self, n: int) -> list[list[int]]:
+    def _read_packed(self, n: int, w: int) -> list[list[int]]:
+        """Rows `0..n` of (accepted, W+1 tokens), read to the host."""
         if self.device.type != "cuda":
-            return self.packed[:n].tolist()
-        host = self.packed_host[:n]
-        host.copy_(self.packed[:n], non_blocking=True)
+            return self.packed[:n, :w + 2].tolist()
+        host = self.packed_host[:n, :w + 2]
+        host.copy_(self.packed[:n, :w + 2], non_blocking=True)
         torch.cuda.current_stream(self.device).synchronize()
         return host.tolist()
 
     # ---- host bookkeeping -------------------------------------------------------------------------
 
     def _commit(self, row: _Row, new_tokens: list[int], events: list[StepEvent], now: float,
-                drafted: int | None = None):
+                drafted: int | None = None, width: int | None = None):
         """Append a step's tokens to a row on the host: stop tokens, budget, statistics."""
         cut = next((i + 1 for i, t in enumerate(new_tokens) if t in row.stop_ids), None)
         if cut is not None:
             new_tokens, row.finish_reason = new_tokens[:cut], "stop"
         if drafted is not None:  # decode step (not the prefill token)
-            row.stats.observe_step(drafted, len(new_tokens) - 1)
+            row.stats.observe_step(drafted, len(new_tokens) - 1, width)
         row.tokens.extend(new_tokens)
         if row.finish_reason is None and len(row.tokens) >= row.max_new:
             row.finish_reason = "length"

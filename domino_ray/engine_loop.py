@@ -9,7 +9,6 @@ requests join the running batch as slots free up: continuous batching across cal
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import queue
 import threading
 from dataclasses import dataclass
@@ -171,9 +170,8 @@ class EngineLoop:
         live = {row.request.request_id: row.stats for row in self.engine.rows}
         last = {e.request_id: e for e in events}
         after = {rid: e.completion.stats if e.completion is not None else live[rid] for rid, e in last.items()}
-        return [dataclasses.replace(after[e.request_id],
-                                    acceptance_histogram=list(after[e.request_id].acceptance_histogram))
-                if last[e.request_id] is e else RowStats(after[e.request_id].num_spec_tokens) for e in events]
+        return [after[e.request_id].copy() if last[e.request_id] is e else RowStats(after[e.request_id].num_spec_tokens)
+                for e in events]
 
     def _deliver(self, event: StepEvent, stats: RowStats):
         with self._lock:

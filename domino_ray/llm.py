@@ -23,7 +23,7 @@ from domino_ray.sampling import SamplingParams
 from domino_ray.target import decode, encode_prompt, load_target, load_tokenizer, stop_token_ids
 
 
-def build_engine(target, draft=None, tokenizer=None, *, num_draft_tokens: int | None = None,
+def build_engine(target, draft=None, tokenizer=None, *, num_draft_tokens: int | str | None = "auto",
                  max_batch_size: int = 16, **engine_settings) -> SpecEngine:
     """The one way to assemble a SpecEngine from loaded parts; `load_engine` (jobs, Serve) and `DominoLLM`
     both call it. `draft` is a DominoDraft or None (target only); `tokenizer` None means token ids only,

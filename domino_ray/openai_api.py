@@ -386,9 +386,12 @@ def stats_through(num_tokens: int, counts: list[int], snapshots: list[RowStats])
     token is the step's last, and the step's drafted count stays."""
     event = next(i for i in range(1, len(counts)) if counts[i] >= num_tokens)
     before, after = snapshots[event - 1], snapshots[event]
-    stats = dataclasses.replace(before, acceptance_histogram=list(before.acceptance_histogram))
+    stats = before.copy()
     if after.num_spec_steps > before.num_spec_steps:  # a verify step (the prefill's first token is not one)
-        stats.observe_step(after.num_draft_tokens - before.num_draft_tokens, num_tokens - counts[event - 1] - 1)
+        width = next(w for w, (a, b) in enumerate(zip(after.verify_width_histogram, before.verify_width_histogram))
+                     if a > b)
+        stats.observe_step(after.num_draft_tokens - before.num_draft_tokens, num_tokens - counts[event - 1] - 1,
+                           width)
     return stats
 
 

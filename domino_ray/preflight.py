@@ -219,7 +219,8 @@ def check_models(cfg: JobConfig) -> int:
         check_against_target(draft_config, target_config)
     except (CheckpointError, OSError, ValueError, KeyError) as exc:
         raise ConfigError(f"config key draft.source={cfg.draft.source!r}: {exc}") from None
-    k = cfg.draft.num_draft_tokens or draft_config.max_draft_tokens
+    k = cfg.draft.num_draft_tokens
+    k = draft_config.max_draft_tokens if k in (None, "auto") else k  # auto: widths 0..K, K the checkpoint's most
     if not 1 <= k <= draft_config.max_draft_tokens:
         raise ConfigError(f"config key draft.num_draft_tokens={k} is invalid: this draft proposes "
                           f"1..{draft_config.max_draft_tokens} tokens per step")

@@ -1,16 +1,18 @@
 """Proposers: what the engine asks for draft tokens each step.
 
 A proposer is any object with these members (duck-typed; the engine needs nothing else):
-- `num_draft_tokens`: K, drafts per step; `block_size`: positions its block writes past a row's context.
+- `num_draft_tokens`: K, drafts per step at most; `block_size`: positions its block writes past a row's
+  context; `adaptive`: the engine picks the verify width 0..K each step (`num_draft_tokens="auto"`).
 - `target_layer_ids`: target layers whose outputs it needs as context (empty: none).
 - `graph_safe`: its `propose` is device work on fixed shapes (CUDA-graph capturable).
 - `allocate(max_rows, max_len)`: reserve per-row state once.
 - `append_context(rows, target_hidden, offsets)`: new target hidden states `[b, q, L*C]` of positions
   `offsets[b] + arange(q)` of slots `rows`; entries past a row's committed length are junk it must
   tolerate (they are overwritten later).
-- `propose(r, anchor, offsets, kv_len, committed, request_ids) -> [r, K]`: drafts after `anchor [r]` at
-  positions `offsets [r]` for slots `0..r` (padding slots included), attending over `kv_len` buffer
-  positions; `committed`/`request_ids` are the host's view of the real rows (test proposers use them).
+- `propose(r, anchor, offsets, kv_len, width, committed, request_ids) -> [r, width]`: `width <= K` drafts
+  after `anchor [r]` at positions `offsets [r]` for slots `0..r` (padding slots included), attending over
+  `kv_len` buffer positions; `committed`/`request_ids` are the host's view of the real rows (test
+  proposers use them).
 - `move_row(src, dst, length)`: slot compaction.
 
 `DominoProposer` runs a Domino/DFlash draft. (The tests' `OracleProposer` knows the target's continuation.)
@@ -27,10 +29,12 @@ from domino_ray.kv_cache import KVBuffers, row_attention, visible_keys
 class DominoProposer:
     graph_safe = True
 
-    def __init__(self, draft: DominoDraft, target, num_draft_tokens: int | None = None):
+    def __init__(self, draft: DominoDraft, target, num_draft_tokens: int | str | None = None):
+        """`num_draft_tokens`: K per step; None = the most the checkpoint supports; "auto" = adaptive up to it."""
         cfg = draft.config
-        k = cfg.max_draft_tokens if num_draft_tokens is None else num_draft_tokens
-        if not 1 <= k <= cfg.max_draft_tokens:
+        self.adaptive = num_draft_tokens == "auto"
+        k = cfg.max_draft_tokens if num_draft_tokens in (None, "auto") else num_draft_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= cfg.max_draft_tokens:
             raise ValueError(f"num_draft_tokens={k} is out of range: this draft (block_size={cfg.block_size}, "
                              f"shift_label={cfg.shift_label}) proposes 1..{cfg.max_draft_tokens} tokens per step")
         self.draft, self.config, self.num_draft_tokens = draft, cfg, k
@@ -62,8 +66,8 @@ class DominoProposer:
             k, v = layer.self_attn.key_value(context, cos, sin)
             self.kv.write(i, rows, positions, k, v)
 
-    def propose(self, r: int, anchor: torch.Tensor, offsets: torch.Tensor, kv_len: int, committed=None,
-                request_ids=None) -> torch.Tensor:
+    def propose(self, r: int, anchor: torch.Tensor, offsets: torch.Tensor, kv_len: int, width: int,
+                committed=None, request_ids=None) -> torch.Tensor:
         block_size, rows = self.block_size, slice(0, r)
         block = torch.cat([self.embed(anchor)[:, None].to(self.dtype),
                            self.mask_embedding.expand(r, block_size - 1, -1)], 1)  # [r, B, C]
@@ -82,7 +86,7 @@ class DominoProposer:
             return attn.output(row_attention(q, keys, values, visible, attn.head_dim ** -0.5))
 
         hidden = self.draft.run_layers(block, cos, sin, attend_layer)  # [r, B, C]
-        return self.draft.draft_tokens(hidden, anchor, self.num_draft_tokens, self.embed, self.lm_head)
+        return self.draft.draft_tokens(hidden, anchor, width, self.embed, self.lm_head)  # the GRU loop stops at W
 
     def move_row(self, src: int, dst: int, length: int):
         self.kv.move_row(src, dst, length)

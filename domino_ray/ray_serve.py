@@ -58,6 +58,9 @@ class Metrics:
         self.draft = _counter("domino_draft_tokens", "draft tokens proposed (that could be accepted)", tags)
         self.accepted = _counter("domino_accepted_draft_tokens", "draft tokens accepted (bonus excluded)", tags)
         self.steps = _counter("domino_spec_steps", "target verify passes", tags)
+        self.widths = metrics.Counter("domino_verify_width_steps", "verify passes by verify width (drafts verified)",
+                                      tag_keys=("model", "width"))
+        self.widths.set_default_tags(tags)
         self.ttft = metrics.Histogram("domino_time_to_first_token_s", "request arrival to first token, seconds",
                                       boundaries=TTFT_BOUNDARIES, tag_keys=("model",))
         self.ttft.set_default_tags(tags)
@@ -76,6 +79,9 @@ class Metrics:
                                (self.accepted, stats.num_accepted_draft_tokens), (self.steps, stats.num_spec_steps)):
             if value:  # Ray counters refuse inc(0)
                 counter.inc(value)
+        for width, steps in enumerate(stats.verify_width_histogram):
+            if steps:
+                self.widths.inc(steps, tags={"width": str(width)})
         if piece.completion is not None and started is not None:
             self.latency.observe(time.perf_counter() - started)
 

@@ -32,6 +32,7 @@ GENERATED_FIELDS = [
     pa.field("mean_acceptance_length", pa.float64()),     # 1 + accepted / steps (bonus included)
     pa.field("draft_acceptance_rate", pa.float64()),
     pa.field("acceptance_histogram", pa.list_(pa.int32())),  # [K+1]: steps that accepted exactly j drafts
+    pa.field("verify_width_histogram", pa.list_(pa.int32())),  # [K+1]: steps that verified W = j drafts
     pa.field("time_to_first_token_s", pa.float64()),
     pa.field("time_taken_llm_s", pa.float64()),
     pa.field("error", pa.string()),                       # null on success
@@ -149,7 +150,8 @@ def error_row(reason: str, *, prompt: str | None, num_spec_tokens: int) -> dict:
         "num_generated_tokens": 0, "finish_reason": "error", "num_spec_tokens": num_spec_tokens,
         "num_spec_steps": 0, "num_draft_tokens": 0, "num_accepted_draft_tokens": 0,
         "mean_acceptance_length": 0.0, "draft_acceptance_rate": 0.0,
-        "acceptance_histogram": [0] * (num_spec_tokens + 1), "time_to_first_token_s": 0.0,
+        "acceptance_histogram": [0] * (num_spec_tokens + 1), "verify_width_histogram": [0] * (num_spec_tokens + 1),
+        "time_to_first_token_s": 0.0,
         "time_taken_llm_s": 0.0, "error": reason,
     }
 

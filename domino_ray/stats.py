@@ -1,14 +1,15 @@
 """Per-row acceptance statistics (vLLM conventions; vocabulary in `verify.py`).
 
 Invariant for every finished row: `num_generated_tokens == 1 + num_spec_steps + num_accepted_draft_tokens`
-(the first token comes from prefill; each step commits its accepted drafts plus one more token). When a
+(the first token comes from prefill; each step commits its accepted drafts plus one more token, whatever
+its verify width W, W = 0 being a plain decode step). When a
 stop token lands inside an accepted block, the step counts the drafts before it as accepted and the
 stop token as the step's last token; drafts after it are dropped.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 @dataclass
@@ -18,17 +19,27 @@ class RowStats:
     num_draft_tokens: int = 0            # drafts that could have been accepted (capped by the row's budget)
     num_accepted_draft_tokens: int = 0   # accepted drafts, excluding the bonus token
     acceptance_histogram: list[int] = field(default_factory=list)  # [K+1]: steps that accepted exactly j drafts
+    verify_width_histogram: list[int] = field(default_factory=list)  # [K+1]: steps that verified W = j drafts
 
     def __post_init__(self):
         if not self.acceptance_histogram:
             self.acceptance_histogram = [0] * (self.num_spec_tokens + 1)
+        if not self.verify_width_histogram:
+            self.verify_width_histogram = [0] * (self.num_spec_tokens + 1)
 
-    def observe_step(self, num_draft_tokens: int, num_accepted: int):
+    def observe_step(self, num_draft_tokens: int, num_accepted: int, width: int | None = None):
+        """One verify step at width `width` (default K) that could accept `num_draft_tokens` drafts (the width
+        capped by the row's budget) and accepted `num_accepted`."""
         assert 0 <= num_accepted <= max(num_draft_tokens, 0), (num_accepted, num_draft_tokens)
         self.num_spec_steps += 1
         self.num_draft_tokens += num_draft_tokens
         self.num_accepted_draft_tokens += num_accepted
         self.acceptance_histogram[num_accepted] += 1
+        self.verify_width_histogram[self.num_spec_tokens if width is None else width] += 1
+
+    def copy(self) -> "RowStats":
+        return replace(self, acceptance_histogram=list(self.acceptance_histogram),
+                       verify_width_histogram=list(self.verify_width_histogram))
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -48,6 +59,7 @@ class RowStats:
             "mean_acceptance_length": self.mean_acceptance_length,
             "draft_acceptance_rate": self.draft_acceptance_rate,
             "acceptance_histogram": list(self.acceptance_histogram),
+            "verify_width_histogram": list(self.verify_width_histogram),
         }
 
 
@@ -82,4 +94,5 @@ def total_stats(rows) -> RowStats:
         total.num_accepted_draft_tokens += r.num_accepted_draft_tokens
     if rows:
         total.acceptance_histogram = merge_histograms(r.acceptance_histogram for r in rows)
+        total.verify_width_histogram = merge_histograms(r.verify_width_histogram for r in rows)
     return total

@@ -15,7 +15,7 @@ from domino_ray.stats import RowStats, merge_histograms, per_position_acceptance
 
 STATS_COLUMNS = ["finish_reason", "error", "num_input_tokens", "num_generated_tokens", "num_spec_tokens",
                  "num_spec_steps", "num_draft_tokens", "num_accepted_draft_tokens", "acceptance_histogram",
-                 "time_to_first_token_s"]
+                 "verify_width_histogram", "time_to_first_token_s"]
 MAX_ERROR_REASONS = 20  # in _summary.json; the printed summary shows 5
 TOTALS = ["num_input_tokens", "num_generated_tokens", "num_spec_steps", "num_draft_tokens",
           "num_accepted_draft_tokens"]
@@ -32,9 +32,10 @@ def summarize(rows: pa.Table, id_column: str, *, run: dict, config: dict, output
     ks = sorted(set(rows.column("num_spec_tokens").to_pylist()))
     try:
         histogram = merge_histograms(rows.column("acceptance_histogram").to_pylist())
+        widths = merge_histograms(rows.column("verify_width_histogram").to_pylist())
         per_position = per_position_acceptance(histogram) if histogram else []
     except ValueError:  # rows written with different K (the config changed between runs)
-        histogram, per_position = None, None
+        histogram, widths, per_position = None, None, None
     ok = pc.not_equal(rows.column("finish_reason"), "error")
     ttft = pc.mean(pc.filter(rows.column("time_to_first_token_s"), ok)).as_py() if n - failed else None
     errors = Counter(e for e in rows.column("error").to_pylist() if e is not None)
@@ -49,6 +50,7 @@ def summarize(rows: pa.Table, id_column: str, *, run: dict, config: dict, output
         "mean_acceptance_length": pooled.mean_acceptance_length,  # pooled over rows: 1 + all accepted / all steps
         "draft_acceptance_rate": pooled.draft_acceptance_rate,
         "acceptance_histogram": histogram,
+        "verify_width_histogram": widths,  # steps run at each verify width W = 0..K (the adaptive policy's choices)
         "per_position_acceptance": per_position,
         "mean_time_to_first_token_s": ttft,
         "errors": dict(listed),

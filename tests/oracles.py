@@ -22,11 +22,11 @@ class OracleProposer:
     graph_safe = False  # drafts come from host-side references
 
     def __init__(self, references: dict, num_draft_tokens: int, vocab_size: int, wrong_at: dict | None = None,
-                 shadow=None):
+                 shadow=None, adaptive: bool = False):
         self.references = {k: list(v) for k, v in references.items()}
         self.num_draft_tokens, self.vocab_size = num_draft_tokens, vocab_size
         self.wrong_at = wrong_at or {}
-        self.shadow = shadow
+        self.shadow, self.adaptive = shadow, adaptive
         self.target_layer_ids = shadow.target_layer_ids if shadow else ()
         self.block_size = shadow.block_size if shadow else 1
         self.calls: dict = {}
@@ -39,17 +39,17 @@ class OracleProposer:
         if self.shadow:
             self.shadow.append_context(rows, target_hidden, offsets)
 
-    def propose(self, r, anchor, offsets, kv_len, committed, request_ids) -> torch.Tensor:
+    def propose(self, r, anchor, offsets, kv_len, width, committed, request_ids) -> torch.Tensor:
         if self.shadow:
-            self.shadow.propose(r, anchor, offsets, kv_len, committed, request_ids)
-        k = self.num_draft_tokens
+            self.shadow.propose(r, anchor, offsets, kv_len, width, committed, request_ids)
+        k = width
         drafts = [[0] * k for _ in range(r)]  # padding slots get zeros
         for i, (rid, done) in enumerate(zip(request_ids, committed)):
             ref = self.references[rid]
             step = self.calls.get(rid, 0)
             self.calls[rid] = step + 1
             schedule = self.wrong_at.get(rid)
-            wrong = schedule[step % len(schedule)] if schedule else k
+            wrong = schedule[step % len(schedule)] if schedule else self.num_draft_tokens
             row = (ref[done:done + k] + [0] * k)[:k]
             drafts[i] = [t if j < wrong else (t + 1) % self.vocab_size for j, t in enumerate(row)]
         return torch.tensor(drafts, dtype=torch.long, device=anchor.device).reshape(r, k)

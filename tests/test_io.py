@@ -214,7 +214,7 @@ def test_resume_compares_ids_and_settings(tmp_path):
     assert rows_to_do(generated, pa.array(["1", "2"]), {"input": {"files": {"f": 2}}}) == 0
 
     base = output_settings(load_config(None, []))
-    assert {"model.source", "draft.source", "generation.max_new_tokens", "generation.seed", "runtime.seed",
+    assert {"model.source", "draft.source", "generation.max_new_tokens", "generation.seed",
             "model.chat_template", "input.id_column"} <= set(base)
     assert "generation.max_batch_size" not in base and "model.device" not in base  # speed, not output
     assert output_settings(load_config(None, ["generation.max_batch_size=3", "runtime.max_actors=4"])) == base

@@ -271,8 +271,7 @@ def test_stats_through_cuts_a_step_as_the_engine_cuts_at_a_stop_token():
 
     K, snapshots = 4, [RowStats(4), RowStats(4)]  # nothing yet; after the prefill's first token
     for drafted, accepted in [(4, 2), (4, 4), (3, 1)]:  # three verify steps: 3, 5 and 2 tokens
-        s = RowStats(K, snapshots[-1].num_spec_steps, snapshots[-1].num_draft_tokens,
-                     snapshots[-1].num_accepted_draft_tokens, list(snapshots[-1].acceptance_histogram))
+        s = snapshots[-1].copy()
         s.observe_step(drafted, accepted)
         snapshots.append(s)
     counts = [0, 1, 4, 9, 11]
@@ -281,6 +280,7 @@ def test_stats_through_cuts_a_step_as_the_engine_cuts_at_a_stop_token():
     cut = stats_through(6, counts, snapshots)  # 2 of the second step's 5 tokens: 1 accepted draft, then the cut
     assert (cut.num_spec_steps, cut.num_draft_tokens, cut.num_accepted_draft_tokens) == (2, 8, 3)
     assert cut.acceptance_histogram == [0, 1, 1, 0, 0] and 6 == 1 + cut.num_spec_steps + cut.num_accepted_draft_tokens
+    assert cut.verify_width_histogram == [0, 0, 0, 0, 2]
 
 
 def test_consumer_leaving_aborts_the_request(engine_loop, model, tokenizer):

@@ -1,0 +1,87 @@
+"""The verify width W per step: how many draft tokens (0..K) the target checks, chosen every step.
+
+A fixed K wins at batch 1 and loses as the batch fills: each step verifies `rows x (W+1)` positions,
+and once the target is compute-bound the extra positions cost more than the accepted drafts save. So
+each step the engine picks the W that maximises expected committed tokens per second:
+
+    rate(W) = sum over rows of E[tokens | W] / cost(row bucket, W)
+    E[tokens | W] = 1 + sum_{i=1..W} prod_{j<=i} p_j      (p_j: draft j accepted given drafts < j were)
+
+`cost` is a table of step times measured on the device at engine start and updated from real steps;
+`p` comes from running acceptance estimates, pooled over the engine's rows with a decaying average
+and refined per row from its own history. W = 0 is a plain target decode step (no drafting at all),
+so a useless draft costs nothing; the Domino correction loop stops at W, so a short width also drafts
+less. Verifying fewer drafts never changes what the target accepts: lossless by construction.
+
+Exploration comes from the prior: estimates decay towards 1/2 while a position goes unverified, so a
+draft written off at W = 0 is tried again after a while (rarely: the decay is slow).
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+
+def expected_tokens(accept: Sequence[float], width: int, usable: int) -> float:
+    """Expected tokens a row commits in one step at `width`, with conditional acceptance `accept[i]` for
+    draft i+1 and at most `usable` drafts allowed by its budget (the bonus token always comes)."""
+    total = survive = 1.0
+    for p in accept[:max(0, min(width, usable))]:
+        survive *= p
+        total += survive
+    return total
+
+
+def choose_width(costs: Mapping[int, float], accept_rows: Sequence[Sequence[float]],
+                 usable: Sequence[int]) -> int:
+    """The width in `costs` (W -> seconds per step for this row bucket) with the most expected committed
+    tokens per second over the rows (`accept_rows[r]`, `usable[r]` as in `expected_tokens`). Ties go to
+    the narrower width."""
+    best, best_rate = 0, -1.0
+    for width in sorted(costs):
+        rate = sum(expected_tokens(a, width, u) for a, u in zip(accept_rows, usable)) / costs[width]
+        if rate > best_rate * (1 + 1e-9):
+            best, best_rate = width, rate
+    return best
+
+
+class AcceptanceEstimates:
+    """Per-position acceptance, pooled over rows (decayed counts) with per-row refinement.
+
+    Position i is *tried* in a step when drafts 1..i-1 were accepted and i was within the step's usable
+    width; it *succeeds* when draft i is accepted. The pooled estimate is a Beta(1, 1)-smoothed ratio of
+    decayed counts (`decay` per engine step); a row's estimate shrinks its own counts towards the pooled
+    one with `row_weight` pseudo-trials.
+    """
+
+    def __init__(self, num_draft_tokens: int, *, decay: float = 0.99, row_weight: float = 4.0):
+        self.k, self.decay, self.row_weight = num_draft_tokens, decay, row_weight
+        self.success = [0.0] * num_draft_tokens
+        self.trials = [0.0] * num_draft_tokens
+
+    def pooled(self) -> list[float]:
+        return [(s + 1.0) / (n + 2.0) for s, n in zip(self.success, self.trials)]
+
+    def for_row(self, row_success: Sequence[float], row_trials: Sequence[float], pooled: Sequence[float]) -> list[float]:
+        m = self.row_weight
+        return [(s + m * p) / (n + m) for s, n, p in zip(row_success, row_trials, pooled)]
+
+    def start_step(self):
+        self.success = [s * self.decay for s in self.success]
+        self.trials = [n * self.decay for n in self.trials]
+
+    def observe(self, usable: int, accepted: int, row_success: list[float], row_trials: list[float]):
+        """One row's step: `usable` drafts could be accepted, `accepted` were."""
+        for i in range(min(usable, accepted + 1)):
+            hit = i < accepted
+            self.trials[i] += 1.0
+            self.success[i] += hit
+            row_trials[i] += 1.0
+            row_success[i] += hit
+
+
+def candidate_widths(num_draft_tokens: int, graphs: bool) -> list[int]:
+    """Every width 0..K eagerly; with CUDA graphs a few (each width is its own set of graphs)."""
+    if not graphs:
+        return list(range(num_draft_tokens + 1))
+    return sorted({0, num_draft_tokens} | {1 << i for i in range(num_draft_tokens.bit_length()) if 1 << i < num_draft_tokens})

@@ -1,0 +1,127 @@
+"""The adaptive verify width: a pure policy over measured costs and acceptance estimates; lossless in the
+engine whatever it picks; honest statistics with variable widths."""
+
+from __future__ import annotations
+
+import pytest
+
+from domino_ray.engine import Request, SpecEngine
+from domino_ray.proposer import DominoProposer
+from domino_ray.sampling import SamplingParams
+from domino_ray.verify_width import AcceptanceEstimates, candidate_widths, choose_width, expected_tokens
+from oracles import OracleProposer
+from tiny_models import ragged_prompts, tiny_draft, tiny_target
+
+K = 4
+
+
+def compute_bound(rows: int, overhead: float = 1.0, per_position: float = 0.05) -> dict[int, float]:
+    """A step costs a fixed overhead plus a cost per verified position (rows x (W+1))."""
+    return {w: overhead + per_position * rows * (w + 1) for w in range(9)}
+
+
+def test_expected_tokens():
+    assert expected_tokens([1.0] * 8, 5, 8) == 6.0           # all accepted: W drafts + the bonus
+    assert expected_tokens([1.0] * 8, 5, 2) == 3.0           # the budget caps usable drafts
+    assert expected_tokens([0.5, 0.5], 2, 8) == 1.75         # 1 + 0.5 + 0.25
+    assert expected_tokens([0.9] * 8, 0, 8) == 1.0           # W = 0: a plain decode step
+
+
+def test_width_shrinks_as_a_compute_bound_batch_grows():
+    accept = [0.8] * 8
+    widths = [choose_width(compute_bound(rows), [accept] * rows, [100] * rows) for rows in (1, 4, 16, 64, 256)]
+    assert widths == sorted(widths, reverse=True) and widths[0] == 8 and widths[-1] < widths[0], widths
+
+
+def test_useless_drafts_give_width_zero_and_perfect_ones_the_full_block():
+    flat = {w: 1.0 + 0.1 * w for w in range(9)}
+    assert choose_width(flat, [[0.02] * 8] * 4, [100] * 4) == 0
+    assert choose_width(flat, [[1.0] * 8] * 4, [100] * 4) == 8
+    assert choose_width(flat, [[1.0] * 8], [2]) == 2  # no point verifying drafts the budget cannot take
+
+
+def test_estimates_pool_rows_decay_to_the_prior_and_refine_per_row():
+    est = AcceptanceEstimates(3, decay=0.5)
+    row_s, row_n = [0.0] * 3, [0.0] * 3
+    for _ in range(20):
+        est.start_step()
+        est.observe(3, 1, row_s, row_n)  # draft 1 accepted, draft 2 rejected, draft 3 never tried
+    pooled = est.pooled()
+    assert pooled[0] > 0.6 and pooled[1] < 0.4 and pooled[2] == 0.5
+    assert row_n == [20.0, 20.0, 0.0] and est.for_row(row_s, row_n, pooled)[0] > pooled[0]
+    for _ in range(30):
+        est.start_step()  # nothing verified: back towards 1/2, so the draft gets tried again some day
+    assert all(abs(p - 0.5) < 0.01 for p in est.pooled())
+
+
+def test_candidate_widths():
+    assert candidate_widths(8, graphs=False) == list(range(9))
+    assert candidate_widths(16, graphs=True) == [0, 1, 2, 4, 8, 16]
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target("qwen3", seed=5)
+
+
+def check_stats(c, k):
+    s = c.stats
+    assert len(c.token_ids) == 1 + s.num_spec_steps + s.num_accepted_draft_tokens
+    assert sum(s.verify_width_histogram) == s.num_spec_steps == sum(s.acceptance_histogram)
+    assert len(s.verify_width_histogram) == len(s.acceptance_histogram) == k + 1
+    assert s.num_accepted_draft_tokens <= s.num_draft_tokens <= sum(w * n for w, n in enumerate(s.verify_width_histogram))
+
+
+def test_adaptive_greedy_equals_target_only(target):
+    """Ragged prompts, 3 slots for 7 rows (slot reuse), stop tokens mid-block, real draft."""
+    prompts = ragged_prompts(7, seed=3, max_len=20)
+    params = [SamplingParams(max_new_tokens=n, stop_token_ids=(s,)) for n, s in zip((5, 17, 9, 23, 12, 30, 8),
+                                                                                   (7, 11, 3, 50, 60, 1, 2))]
+    base = SpecEngine(target, None, max_rows=3).generate([Request(i, p, sp) for i, (p, sp) in
+                                                          enumerate(zip(prompts, params))])
+    for costs in (None, {r: {w: 1.0 + 0.01 * w for w in range(K + 1)} for r in (1, 2, 3)}):  # measured; cheap drafts
+        engine = SpecEngine(target, DominoProposer(tiny_draft(target, block_size=K), target, "auto"), max_rows=3,
+                            width_costs=costs)
+        out = engine.generate([Request(i, p, sp) for i, (p, sp) in enumerate(zip(prompts, params))])
+        assert [c.token_ids for c in out] == [c.token_ids for c in base]
+        for c in out:
+            check_stats(c, K)
+    assert sum(sum(c.stats.verify_width_histogram[1:]) for c in out) > 0  # cheap drafts: some steps drafted
+
+
+def test_random_draft_settles_on_plain_decoding(target):
+    costs = {r: {w: 1.0 + 0.3 * w for w in range(K + 1)} for r in (1, 2, 4)}
+    engine = SpecEngine(target, DominoProposer(tiny_draft(target, block_size=K, seed=9), target, "auto"),
+                        max_rows=4, width_costs=costs)
+    out = engine.generate([Request(i, p, SamplingParams(max_new_tokens=120, ignore_eos=True))
+                           for i, p in enumerate(ragged_prompts(4, seed=1))])
+    widths = [sum(c.stats.verify_width_histogram[w] for c in out) for w in range(K + 1)]
+    assert widths[0] >= 0.85 * sum(widths), widths
+    for c in out:
+        check_stats(c, K)
+
+
+def test_oracle_at_full_acceptance_verifies_the_full_block_at_batch_one(target):
+    prompt = ragged_prompts(1, seed=8)[0]
+    (ref,) = SpecEngine(target, None, max_rows=1).generate([Request(0, prompt, SamplingParams(max_new_tokens=60))])
+    oracle = OracleProposer({0: prompt + ref.token_ids}, K, target.config.vocab_size, adaptive=True)
+    engine = SpecEngine(target, oracle, max_rows=1)  # costs measured on this machine
+    (c,) = engine.generate([Request(0, prompt, SamplingParams(max_new_tokens=60))])
+    assert c.token_ids == ref.token_ids
+    widths = c.stats.verify_width_histogram
+    assert widths[K] >= c.stats.num_spec_steps - 2, widths  # at most a step or two to learn
+    check_stats(c, K)
+
+
+def test_adaptive_sampling_is_reproducible_per_seed(target):
+    prompts = ragged_prompts(3, seed=6)
+    params = SamplingParams(max_new_tokens=20, temperature=0.9, seed=123)
+    costs = {r: {w: 1.0 + 0.01 * w for w in range(K + 1)} for r in (1, 2, 4)}
+
+    def run(rows, ps):
+        engine = SpecEngine(target, DominoProposer(tiny_draft(target, block_size=K), target, "auto"), max_rows=rows,
+                            width_costs=costs)
+        return [c.token_ids for c in engine.generate([Request(i, p, params) for i, p in enumerate(ps)])]
+
+    together = run(4, prompts)
+    assert together[1] == run(1, prompts[1:2])[0]
