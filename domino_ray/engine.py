@@ -147,7 +147,6 @@ class SpecEngine:
         self.top_p = torch.ones(r, device=dev)                        # [R]
         self.top_k = torch.zeros(r, dtype=torch.long, device=dev)     # [R]
         self.seeds = torch.zeros(r, dtype=torch.long, device=dev)     # [R] sampled rows' seeds
-        self.draws = torch.zeros(r, dtype=torch.long, device=dev)     # [R] random draws so far (one per step)
         self.drafts = torch.zeros(r, k, dtype=torch.long, device=dev)  # [R, K] the draft step's output
         self.packed = torch.zeros(r, k + 2, dtype=torch.long, device=dev)  # [R, 1 + K+1] accepted, tokens
         self.packed_host = torch.zeros(r, k + 2, dtype=torch.long, pin_memory=dev.type == "cuda")
@@ -288,12 +287,11 @@ class SpecEngine:
         lengths = ints[:, 0]
         self.top_k[rows], self.seeds[rows] = ints[:, 2], ints[:, 3]
         self.temperature[rows], self.top_p[rows] = floats[:, 0], floats[:, 1]
-        self.draws[rows] = 0
         positions = self.key_positions[:longest].expand(k, longest)  # [k, m]: every prompt starts at 0
         hidden, taps = run_decoder(self.decoder, ids.to(self.device), positions,
                                    RowAttention(self.kv, write_index=positions, prefill_rows=rows), self.tap_layers)
         last = hidden[torch.arange(k, device=self.device), lengths - 1]  # [k, C]
-        first = self._choose_first(self.lm_head(last)[:, None], rows, batch)  # [k]
+        first = self._choose_first(self.lm_head(last)[:, None], rows, batch, lengths)  # [k]
         if taps is not None:
             self.proposer.append_context(rows, taps, torch.zeros_like(lengths))
         self.lens[rows] = lengths
@@ -302,7 +300,6 @@ class SpecEngine:
         return first
 
     def _decode(self, events: list[StepEvent]):
-        started = time.perf_counter()
         n = len(self.rows)
         r = next(b for b in self.row_buckets if b >= n)
         longest = max(row.committed for row in self.rows)  # committed - 1 positions are in the KV
@@ -312,6 +309,7 @@ class SpecEngine:
                                    for row in self.rows)
         usable = [row.max_new - len(row.tokens) - 1 for row in self.rows]  # drafts each budget allows
         w = self._choose_width(r, usable) if self.adaptive else self.num_draft_tokens
+        started = time.perf_counter()  # the device step, timed as measure_costs times it
         if w:
             self._draft(r, t, w)
         self._run(("verify", r, t, w, sampled, filtered), lambda: self._verify_step(r, t, w, sampled, filtered))
@@ -332,18 +330,20 @@ class SpecEngine:
         self.estimates.start_step()
         for row, (a, *_), u in zip(self.rows, packed, usable):
             self.estimates.observe(min(w, u), a, row.succeeded, row.tried)
-        self.costs[r][w] = 0.9 * self.costs[r][w] + 0.1 * seconds
+        cost = self.costs[r][w]
+        self.costs[r][w] = 0.9 * cost + 0.1 * min(seconds, 2 * cost)  # a stall (GC, a busy core) moves it little
 
     @torch.inference_mode()
-    def measure_costs(self, repeats: int = 2) -> dict[int, dict[int, float]]:
+    def measure_costs(self, repeats: int = 4) -> dict[int, dict[int, float]]:
         """Seconds per step for every row bucket and candidate width, timed on the device while every slot
-        is free (padding rows: the steps change nothing). The first run of each also captures its graphs."""
+        is free (padding rows: the steps change nothing): the fastest of `repeats` runs after a warm-up
+        run, which also captures the step's graphs."""
         t = min(_round_up(self.span, self.kv_chunk), self.capacity)
         costs: dict[int, dict[int, float]] = {}
         for r in self.row_buckets:
-            costs[r] = {}
-            for w in self.widths:
-                for i in range(repeats):
+            times: dict[int, list[float]] = {w: [] for w in self.widths}
+            for _ in range(repeats + 1):  # widths interleaved: each sees the same machine state
+                for w in self.widths:
                     start = time.perf_counter()
                     if w:
                         self._draft(r, t, w)
@@ -351,7 +351,8 @@ class SpecEngine:
                     self._read_packed(0, w)
                     if self.device.type == "cuda":
                         torch.cuda.synchronize(self.device)
-                    costs[r][w] = time.perf_counter() - start  # the last repeat: warm
+                    times[w].append(time.perf_counter() - start)
+            costs[r] = {w: min(ts[1:]) for w, ts in times.items()}
         return costs
 
     def _draft(self, r: int, t: int, w: int):
@@ -388,7 +389,7 @@ class SpecEngine:
         accepted, tokens = greedy_accept(target_logits=logits, drafts=verify_ids[:, 1:], limit=limit)
         if sampled:
             probs = sampling_probs(logits, self.temperature[:r], self.top_k[:r], self.top_p[:r], filtered=filtered)
-            uniforms = counter_uniforms(self.seeds[:r], self.draws[:r], w + 1, stride=self.num_draft_tokens + 1)
+            uniforms = counter_uniforms(self.seeds[:r], positions + 1)  # per token position: see rejection_accept
             s_accepted, s_tokens = rejection_accept(target_probs=probs, drafts=verify_ids[:, 1:], limit=limit,
                                                     uniforms=uniforms)
             is_sampled = self.temperature[:r] > 0
@@ -402,7 +403,6 @@ class SpecEngine:
         self.anchor[:r] = tokens.gather(1, accepted[:, None])[:, 0]
         lens += advance
         remaining -= advance
-        self.draws[:r] += 1
 
     def _read_packed(self, n: int, w: int) -> list[list[int]]:
         """Rows `0..n` of (accepted, W+1 tokens), read to the host."""
@@ -457,21 +457,20 @@ class SpecEngine:
         self.kv.move_row(src, dst, length)
         if self.proposer is not None:
             self.proposer.move_row(src, dst, length)
-        for t in (self.lens, self.anchor, self.remaining, self.temperature, self.top_p, self.top_k, self.seeds,
-                  self.draws):
+        for t in (self.lens, self.anchor, self.remaining, self.temperature, self.top_p, self.top_k, self.seeds):
             t[dst] = t[src]
         self.rows[dst] = self.rows[src]
 
-    def _choose_first(self, logits: torch.Tensor, rows: slice, batch: list[_Row]) -> torch.Tensor:
-        """First token per admitted row from the prompt's last logits `[k, 1, V]` -> `[k]` (draw 0)."""
+    def _choose_first(self, logits: torch.Tensor, rows: slice, batch: list[_Row], lengths: torch.Tensor
+                      ) -> torch.Tensor:
+        """First token per admitted row from the prompt's last logits `[k, 1, V]` -> `[k]`."""
         first = logits[:, 0].argmax(-1)
         if any(not r.request.params.greedy for r in batch):
             probs = sampling_probs(logits, self.temperature[rows], self.top_k[rows], self.top_p[rows],
                                    filtered=any(r.request.params.top_k > 0 or r.request.params.top_p < 1.0
                                                 for r in batch))
-            uniforms = counter_uniforms(self.seeds[rows], self.draws[rows], 1, stride=self.num_draft_tokens + 1)
+            uniforms = counter_uniforms(self.seeds[rows], lengths[:, None])  # the token's position: the prompt length
             first = torch.where(self.temperature[rows] > 0, sample_from_probs(probs[:, 0], uniforms[:, 0]), first)
-        self.draws[rows] = 1
         return first
 
 

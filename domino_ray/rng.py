@@ -1,8 +1,9 @@
 """Counter-based uniforms on the device: per-row randomness without generators or host syncs.
 
-A row's uniforms are a pure function of (its seed, its draw counter, the index within the draw), so
-a request's samples are reproducible from its seed whatever else shares the batch, and a step
-needs no host work: splitmix64 (Steele et al.) over int64 tensors, whose multiplications wrap.
+A row's uniform for a token is a pure function of (its seed, the token's position), so a request's
+samples are reproducible from its seed whatever else shares the batch and however many drafts each
+step verified, and a step needs no host work: splitmix64 (Steele et al.) over int64 tensors, whose
+multiplications wrap.
 """
 
 from __future__ import annotations
@@ -25,9 +26,8 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
     return x ^ _shift_right(x, 31)
 
 
-def counter_uniforms(seeds: torch.Tensor, draws: torch.Tensor, count: int, stride: int) -> torch.Tensor:
-    """Uniforms `[r, count]` in [0, 1) (float64, 53 random bits) for rows with int64 `seeds [r]` at draw
-    `draws [r]`; draw d of a row uses the counters `d * stride + 0..count` (`count <= stride`)."""
-    index = draws[:, None] * stride + torch.arange(count, device=seeds.device)  # [r, count]
-    bits = _mix(_mix(seeds[:, None] * _GOLDEN + 1) + index * _GOLDEN)
+def counter_uniforms(seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
+    """Uniforms `[r, q]` in [0, 1) (float64, 53 random bits) for rows with int64 `seeds [r]` at int64
+    `counters [r, q]` (the engine uses a token's absolute position in its row)."""
+    bits = _mix(_mix(seeds[:, None] * _GOLDEN + 1) + counters * _GOLDEN)
     return _shift_right(bits, 11).double() * 2.0 ** -53

@@ -12,6 +12,8 @@ Greedy: accept the longest prefix where d_i == argmax of the target at the previ
 Sampled (temperature > 0): the draft proposal is one-hot, so speculative sampling reduces to: accept
 d_i with probability p_i(d_i); at the first rejection sample from p with d_i removed and renormalised;
 if all K are accepted, sample the bonus from p_K. The output is distributed exactly as the target's.
+We realise it coupled to the target's own inverse-CDF sample at each position (`rejection_accept`), so
+with per-position uniforms the sampled text does not depend on the draft at all.
 
 `limit [n]` caps how many drafts may be accepted (the row's remaining token budget minus the bonus), so
 a step never commits more tokens than the row may still emit.
@@ -38,33 +40,31 @@ def greedy_accept(*, target_logits: torch.Tensor, drafts: torch.Tensor, limit: t
 
 def rejection_accept(*, target_probs: torch.Tensor, drafts: torch.Tensor, limit: torch.Tensor,
                      uniforms: torch.Tensor):
-    """Lossless speculative sampling with a one-hot (greedy) draft proposal.
+    """Lossless speculative sampling with a one-hot (greedy) draft proposal, coupled to the target's own sample.
 
-    target_probs `[n, K+1, V]` (after temperature/top-k/top-p), drafts `[n, K]`, limit `[n]`,
-    uniforms `[n, K+1]` in [0, 1) -> (accepted `[n]`, tokens `[n, K+1]`).
+    target_probs `[n, K+1, V]` (after temperature/top-k/top-p), drafts `[n, K]`, limit `[n]`, uniforms
+    `[n, K+1]` in [0, 1) -> (accepted `[n]`, tokens `[n, K+1]`).
+
+    x_i is the target's own sample at position i (inverse CDF of `uniforms[:, i]`); draft i is accepted
+    iff it equals x_i, and the bonus is x at the first rejection. That is speculative sampling for a
+    one-hot proposal (accept d with probability p(d); on rejection, x is distributed as p with d removed
+    and renormalised), and the committed tokens are always the x's: with uniforms indexed by absolute
+    token position, the output is the one target-only sampling gives with the same seed, whatever the
+    draft proposed or how many drafts were verified.
     """
     n, k = drafts.shape
-    v = target_probs.shape[-1]
-    p_draft = target_probs[:, :k].gather(-1, drafts[..., None])[..., 0]  # [n, K]
+    samples = sample_from_probs(target_probs, uniforms)  # [n, K+1]
     usable = torch.arange(k, device=drafts.device)[None, :] < limit[:, None]
-    accepted = ((uniforms[:, :k] < p_draft) & usable).cumprod(1).sum(1)  # [n]
-    final = target_probs.gather(1, accepted[:, None, None].expand(n, 1, v))[:, 0].clone()  # [n, V]
-    if k:
-        # A draft that was usable but not accepted was rejected: remove its token from the residual.
-        rejected = accepted < limit.clamp(max=k)  # [n]
-        token = drafts.gather(1, accepted.clamp(max=k - 1)[:, None])  # [n, 1]
-        final.scatter_(1, token, torch.where(rejected[:, None], 0.0, final.gather(1, token)))
-    bonus = sample_from_probs(final, uniforms[:, k])  # [n]
-    tokens = torch.cat([drafts, drafts.new_zeros(n, 1)], 1).scatter(1, accepted[:, None], bonus[:, None])
-    return accepted, tokens
+    accepted = ((drafts == samples[:, :k]) & usable).cumprod(1).sum(1)  # [n]
+    return accepted, samples
 
 
 def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """Inverse-CDF sampling: probs `[n, V]` (unnormalised is fine), uniforms `[n]` in [0, 1) -> ids `[n]`.
+    """Inverse-CDF sampling: probs `[..., V]` (unnormalised is fine), uniforms `[...]` in [0, 1) -> ids `[...]`.
 
     `right=True` picks the first index whose cumulative mass exceeds u * total, which always has
     positive probability. No host sync (unlike torch.multinomial with a generator per row).
     """
-    cdf = probs.double().cumsum(-1)  # [n, V]
-    threshold = (uniforms.double() * cdf[:, -1])[:, None]
-    return torch.searchsorted(cdf, threshold, right=True)[:, 0].clamp(max=probs.shape[-1] - 1)
+    cdf = probs.double().cumsum(-1)  # [..., V]
+    threshold = (uniforms.double() * cdf[..., -1])[..., None]
+    return torch.searchsorted(cdf, threshold, right=True)[..., 0].clamp(max=probs.shape[-1] - 1)
