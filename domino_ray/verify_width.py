@@ -36,10 +36,20 @@ def choose_width(costs: Mapping[int, float], accept_rows: Sequence[Sequence[floa
                  usable: Sequence[int]) -> int:
     """The width in `costs` (W -> seconds per step for this row bucket) with the most expected committed
     tokens per second over the rows (`accept_rows[r]`, `usable[r]` as in `expected_tokens`). Ties go to
-    the narrower width."""
+    the narrower width. O(rows x K): each row's expected tokens for every W come from one running sum."""
+    k = max(costs)
+    gain = [0.0] * (k + 1)  # gain[W] = sum over rows of expected_tokens(row, W)
+    for accept, cap in zip(accept_rows, usable):
+        total = survive = 1.0
+        gain[0] += 1.0
+        for i in range(k):
+            if i < cap:
+                survive *= accept[i]
+                total += survive
+            gain[i + 1] += total
     best, best_rate = 0, -1.0
     for width in sorted(costs):
-        rate = sum(expected_tokens(a, width, u) for a, u in zip(accept_rows, usable)) / costs[width]
+        rate = gain[width] / costs[width]
         if rate > best_rate * (1 + 1e-9):
             best, best_rate = width, rate
     return best

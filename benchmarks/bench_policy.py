@@ -1,0 +1,111 @@
+"""The adaptive verify width against every static choice: target-only, each fixed K, and `auto`.
+
+    python benchmarks/bench_policy.py --threads 2 --json /tmp/policy.json
+
+Drafts: the shipped demo draft, a random draft (same shapes, accepts ~nothing) and a half-trained one
+(the demo draft with its GRU head switched off: the backbone alone). Batch 1, 4, 16, 32; 128 new tokens
+per row (`ignore_eos`), 2 x rows prompts per run (so every slot is reused once); greedy, every output
+checked against target-only. Configurations run interleaved within each repeat; tok/s is the median
+over repeats. The adaptive engine's start-up (its cost table) is timed separately, not in tok/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from domino_ray.checkpoint import load_draft
+from domino_ray.config import DEMO_ASSETS
+from domino_ray.draft import DominoDraft
+from domino_ray.engine import Request, SpecEngine
+from domino_ray.proposer import DominoProposer
+from domino_ray.sampling import SamplingParams
+from domino_ray.target import encode_prompt, load_target, load_tokenizer
+from domino_ray.train_draft import backbone_only
+
+
+def run(target, draft, k, prompts, rows, max_new_tokens):
+    """(tokens/s, completions, engine start seconds); k None = target-only, "auto" = adaptive."""
+    start = time.perf_counter()
+    proposer = DominoProposer(draft, target, k) if k is not None else None
+    engine = SpecEngine(target, proposer, max_rows=rows)
+    started = time.perf_counter() - start
+    params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
+    t0 = time.perf_counter()
+    out = engine.generate([Request(i, p, params) for i, p in enumerate(prompts)])
+    seconds = time.perf_counter() - t0
+    return sum(len(c.token_ids) for c in out) / seconds, out, started
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--assets", type=Path, default=DEMO_ASSETS)
+    p.add_argument("--batch-sizes", default="1,4,16,32")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--drafts", default="demo,random,half-trained")
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    import pyarrow.parquet as pq
+
+    target = load_target(str(args.assets / "target"), dtype="auto", device="cpu")
+    tokenizer = load_tokenizer(str(args.assets / "target"))
+    demo = load_draft(args.assets / "draft", target_config=target.config, dtype=target.dtype)
+    torch.manual_seed(0)
+    drafts = {"demo": demo, "random": DominoDraft(demo.config).to(target.dtype).eval(),
+              "half-trained": backbone_only(demo)}
+    drafts = {name: drafts[name] for name in args.drafts.split(",")}
+    k_max = demo.config.max_draft_tokens
+    texts = pq.read_table(args.assets / "prompts.parquet").column("prompt").to_pylist()
+    all_prompts = [encode_prompt(tokenizer, prompt=t, chat_template=False) for t in texts]
+    results = {}
+    for rows in (int(b) for b in args.batch_sizes.split(",")):
+        prompts = all_prompts[:2 * rows]
+        for name, draft in drafts.items():
+            configs = {"target-only": None, **{f"K={k}": k for k in range(1, k_max + 1)}, "auto": "auto"}
+            tps = {c: [] for c in configs}
+            starts = []
+            reference = None
+            for _ in range(args.repeats):
+                for label, k in configs.items():
+                    rate, out, started = run(target, draft if k is not None else None, k, prompts, rows,
+                                             args.max_new_tokens)
+                    tps[label].append(rate)
+                    tokens = [c.token_ids for c in out]
+                    reference = reference or (tokens if k is None else None)
+                    if reference is not None:
+                        assert tokens == reference, f"{name} {label} batch {rows}: output differs from target-only"
+                    if k == "auto":
+                        starts.append(started)
+                        widths = [sum(col) for col in zip(*(c.stats.verify_width_histogram for c in out))]
+            med = {c: statistics.median(v) for c, v in tps.items()}
+            static = {c: v for c, v in med.items() if c != "auto"}
+            best = max(static, key=static.get)
+            cell = {"tokens_per_s": {c: round(v, 1) for c, v in med.items()}, "best_static": best,
+                    "auto_over_best_static": round(med["auto"] / static[best], 3),
+                    "auto_over_target_only": round(med["auto"] / med["target-only"], 3),
+                    f"auto_over_K={k_max}": round(med["auto"] / med[f"K={k_max}"], 3),
+                    "auto_widths": widths, "auto_start_s": round(statistics.median(starts), 2)}
+            results[f"{name} batch {rows}"] = cell
+            print(f"{name:<13} batch {rows:>2}: auto {med['auto']:8.1f} tok/s | best static {best:<11} "
+                  f"{static[best]:8.1f} | target-only {med['target-only']:8.1f} | K={k_max} {med[f'K={k_max}']:8.1f} | "
+                  f"auto/best {cell['auto_over_best_static']:.3f} auto/target {cell['auto_over_target_only']:.3f} "
+                  f"auto/K{k_max} {cell[f'auto_over_K={k_max}']:.3f} | widths {widths} | start {cell['auto_start_s']} s",
+                  flush=True)
+    meta = {"machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} torch threads",
+            "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "args": vars(args)}
+    if args.json:
+        args.json.write_text(json.dumps({"meta": meta, "results": results}, indent=1, default=str) + "\n")
+
+
+if __name__ == "__main__":
+    main()
