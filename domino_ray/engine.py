@@ -44,7 +44,7 @@ from domino_ray.stats import RowStats
 from domino_ray.step_graphs import StepGraphs, use_cuda_graphs
 from domino_ray.target_forward import RowAttention, install, run_decoder
 from domino_ray.verify import greedy_accept, rejection_accept, sample_from_probs
-from domino_ray.verify_width import AcceptanceEstimates, candidate_widths, choose_width
+from domino_ray.verify_width import AcceptanceEstimates, candidate_widths, choose_width, smooth_costs
 
 
 @dataclass
@@ -159,9 +159,10 @@ class SpecEngine:
         self.graphs = StepGraphs(self.device) if graphs else None
         self.widths = candidate_widths(k, graphs) if self.adaptive else [k]
         self.estimates = AcceptanceEstimates(k)
-        self.costs: dict[int, dict[int, float]] = {}  # row bucket -> width -> seconds per step
+        self.costs: dict[int, dict[int, float]] = {}  # row bucket -> width -> seconds per step (as measured)
         if self.adaptive:
             self.costs = {r: dict(c) for r, c in width_costs.items()} if width_costs else self.measure_costs()
+        self.smoothed = {r: smooth_costs(c) for r, c in self.costs.items()}  # what the policy reads
         if self.device.type == "cuda":
             check_memory_fits(self.memory_plan(), torch.cuda.mem_get_info(self.device)[0], self.device)
 
@@ -323,7 +324,7 @@ class SpecEngine:
     def _choose_width(self, r: int, usable: list[int]) -> int:
         pooled = self.estimates.pooled()
         accept = [self.estimates.for_row(row.succeeded, row.tried, pooled) for row in self.rows]
-        return choose_width(self.costs[r], accept, usable)
+        return choose_width(self.smoothed[r], accept, usable)
 
     def _learn(self, r: int, w: int, seconds: float, packed: list[list[int]], usable: list[int]):
         """Fold one step into the acceptance estimates and the cost table (a decaying average)."""
@@ -332,6 +333,7 @@ class SpecEngine:
             self.estimates.observe(min(w, u), a, row.succeeded, row.tried)
         cost = self.costs[r][w]
         self.costs[r][w] = 0.9 * cost + 0.1 * min(seconds, 2 * cost)  # a stall (GC, a busy core) moves it little
+        self.smoothed[r] = smooth_costs(self.costs[r])
 
     @torch.inference_mode()
     def measure_costs(self, repeats: int = 4) -> dict[int, dict[int, float]]:

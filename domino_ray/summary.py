@@ -87,6 +87,8 @@ def human_summary(s: dict) -> str:
                      f"draft acceptance rate {s['draft_acceptance_rate']:.3f}")
         if s["per_position_acceptance"]:
             lines.append("  per-position acceptance: " + " ".join(f"{p:.2f}" for p in s["per_position_acceptance"]))
+        if s.get("verify_width_histogram"):
+            lines.append("  steps by verify width W=0..K: " + " ".join(str(n) for n in s["verify_width_histogram"]))
     base = run.get("baseline")
     if base:
         lines.append(f"  target only: {base['tokens_per_s']:.1f} tokens/s while busy -> speed-up "

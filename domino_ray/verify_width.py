@@ -90,6 +90,22 @@ class AcceptanceEstimates:
             row_success[i] += hit
 
 
+def smooth_costs(costs: Mapping[int, float]) -> dict[int, float]:
+    """Step times measured on a noisy machine, denoised: a drafting step costs a fixed part (the draft block,
+    the verify forward) plus a part per verified draft, so the widths W >= 1 get a least-squares line
+    through their measurements (never below zero); W = 0 (no drafting) keeps its own figure."""
+    drafting = sorted(w for w in costs if w >= 1)
+    out = dict(costs)
+    if len(drafting) >= 2:
+        n = len(drafting)
+        mean_w = sum(drafting) / n
+        mean_c = sum(costs[w] for w in drafting) / n
+        slope = sum((w - mean_w) * (costs[w] - mean_c) for w in drafting) / sum((w - mean_w) ** 2 for w in drafting)
+        slope = max(slope, 0.0)  # more positions never cost less
+        out.update({w: mean_c + slope * (w - mean_w) for w in drafting})
+    return out
+
+
 def candidate_widths(num_draft_tokens: int, graphs: bool) -> list[int]:
     """Every width 0..K eagerly; with CUDA graphs a few (each width is its own set of graphs)."""
     if not graphs:

@@ -86,8 +86,9 @@ def check_output_invariants(table: pa.Table, summary: dict, input_ids: list, id_
     rows = table.to_pylist()
     for r in rows:
         assert r["num_generated_tokens"] == len(r["generated_tokens"])
-        assert sum(r["acceptance_histogram"]) == r["num_spec_steps"]
-        assert len(r["acceptance_histogram"]) == r["num_spec_tokens"] + 1
+        assert sum(r["acceptance_histogram"]) == r["num_spec_steps"] == sum(r["verify_width_histogram"])
+        assert len(r["acceptance_histogram"]) == len(r["verify_width_histogram"]) == r["num_spec_tokens"] + 1
+        assert r["num_draft_tokens"] <= sum(w * n for w, n in enumerate(r["verify_width_histogram"]))
         if r["finish_reason"] == "error":
             assert r["error"] and r["num_generated_tokens"] == 0
         else:
@@ -102,6 +103,8 @@ def check_output_invariants(table: pa.Table, summary: dict, input_ids: list, id_
     steps = totals["num_spec_steps"]
     hist = [sum(col) for col in zip(*(r["acceptance_histogram"] for r in rows))]
     assert summary["acceptance_histogram"] == hist and sum(hist) == steps
+    widths = [sum(col) for col in zip(*(r["verify_width_histogram"] for r in rows))]
+    assert summary["verify_width_histogram"] == widths and sum(widths) == steps
     if steps:
         assert summary["mean_acceptance_length"] == pytest.approx(1 + totals["num_accepted_draft_tokens"] / steps)
 

@@ -8,7 +8,8 @@ import pytest
 from domino_ray.engine import Request, SpecEngine
 from domino_ray.proposer import DominoProposer
 from domino_ray.sampling import SamplingParams
-from domino_ray.verify_width import AcceptanceEstimates, candidate_widths, choose_width, expected_tokens
+from domino_ray.verify_width import (AcceptanceEstimates, candidate_widths, choose_width, expected_tokens,
+                                     smooth_costs)
 from oracles import OracleProposer
 from tiny_models import ragged_prompts, tiny_draft, tiny_target
 
@@ -52,6 +53,13 @@ def test_estimates_pool_rows_decay_to_the_prior_and_refine_per_row():
     for _ in range(30):
         est.start_step()  # nothing verified: back towards 1/2, so the draft gets tried again some day
     assert all(abs(p - 0.5) < 0.01 for p in est.pooled())
+
+
+def test_smoothing_removes_a_stall_and_keeps_the_trend():
+    measured = {0: 1.0, 1: 2.0, 2: 2.1, 3: 5.0, 4: 2.3, 5: 2.4}  # a stall at W = 3
+    smooth = smooth_costs(measured)
+    assert smooth[0] == 1.0 and all(smooth[w] <= smooth[w + 1] for w in range(1, 5)) and smooth[3] < 3.0
+    assert smooth_costs({0: 1.0, 1: 2.0, 2: 1.5}) == {0: 1.0, 1: 1.75, 2: 1.75}  # never cheaper with more drafts
 
 
 def test_candidate_widths():
