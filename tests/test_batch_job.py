@@ -154,7 +154,8 @@ def test_greedy_outputs_equal_target_only(job, tiny_pair):
 
 def test_baseline_comparison(job):
     base = job["summary"]["run"]["baseline"]
-    assert base["compared"] == job["good"] and base["identical"] == job["good"] - 1  # all but the sampled row
+    # Sampled rows too: acceptance is coupled to the target's own per-position samples (same seed, same text).
+    assert base["compared"] == job["good"] and base["identical"] == job["good"]
     assert base["tokens_per_s"] > 0 and base["speedup"] > 0
 
 
