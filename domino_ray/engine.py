@@ -44,7 +44,7 @@ from domino_ray.stats import RowStats
 from domino_ray.step_graphs import StepGraphs, use_cuda_graphs
 from domino_ray.target_forward import RowAttention, install, run_decoder
 from domino_ray.verify import greedy_accept, rejection_accept, sample_from_probs
-from domino_ray.verify_width import AcceptanceEstimates, candidate_widths, choose_width, smooth_costs
+from domino_ray.verify_width import AcceptanceEstimates, StepCosts, candidate_widths, choose_width
 
 
 @dataclass
@@ -98,13 +98,13 @@ class SpecEngine:
     CUDA graphs (fewer graphs to capture), 32 without (less attention over padding).
     `cuda_graphs`: "auto" (on for CUDA), "on" or "off".
     `width_costs`: seconds per step by row bucket and verify width, for an adaptive proposer
-    (`num_draft_tokens="auto"`); None = measure them now (`measure_costs`).
+    (`num_draft_tokens="auto"`), as `{bucket: {W: seconds}}` or a `StepCosts`; None = measure them now.
     """
 
     def __init__(self, target, proposer=None, *, max_rows: int = 16, max_model_len: int | None = None,
                  eos_token_ids: Iterable[int] = (), seed: int = 0, max_prefill_tokens: int = 8192,
                  kv_chunk: int | None = None, cuda_graphs: str = "auto",
-                 width_costs: dict[int, dict[int, float]] | None = None):
+                 width_costs: dict | StepCosts | None = None):
         cfg = target.config
         self.target, self.decoder, self.lm_head = target, target.get_decoder(), target.get_output_embeddings()
         self.proposer = proposer
@@ -159,10 +159,10 @@ class SpecEngine:
         self.graphs = StepGraphs(self.device) if graphs else None
         self.widths = candidate_widths(k, graphs) if self.adaptive else [k]
         self.estimates = AcceptanceEstimates(k)
-        self.costs: dict[int, dict[int, float]] = {}  # row bucket -> width -> seconds per step (as measured)
+        self.costs: StepCosts | None = None
         if self.adaptive:
-            self.costs = {r: dict(c) for r, c in width_costs.items()} if width_costs else self.measure_costs()
-        self.smoothed = {r: smooth_costs(c) for r, c in self.costs.items()}  # what the policy reads
+            self.costs = (width_costs if isinstance(width_costs, StepCosts) else StepCosts(width_costs) if width_costs
+                          else self.measure_costs())
         if self.device.type == "cuda":
             check_memory_fits(self.memory_plan(), torch.cuda.mem_get_info(self.device)[0], self.device)
 
@@ -309,7 +309,7 @@ class SpecEngine:
         filtered = sampled and any(row.request.params.top_k > 0 or row.request.params.top_p < 1.0
                                    for row in self.rows)
         usable = [row.max_new - len(row.tokens) - 1 for row in self.rows]  # drafts each budget allows
-        w = self._choose_width(r, usable) if self.adaptive else self.num_draft_tokens
+        w = self._choose_width(r, t, usable) if self.adaptive else self.num_draft_tokens
         started = time.perf_counter()  # the device step, timed as measure_costs times it
         if w:
             self._draft(r, t, w)
@@ -317,45 +317,47 @@ class SpecEngine:
         packed = self._read_packed(n, w)  # the step's one host sync
         now = time.perf_counter()
         if self.adaptive:
-            self._learn(r, w, now - started, packed, usable)
+            self._learn(r, t, w, now - started, packed, usable)
         for row, (a, *row_tokens), u in zip(self.rows, packed, usable):
             self._commit(row, row_tokens[:a + 1], events, now, drafted=min(w, u), width=w)
 
-    def _choose_width(self, r: int, usable: list[int]) -> int:
+    def _choose_width(self, r: int, t: int, usable: list[int]) -> int:
         pooled = self.estimates.pooled()
         accept = [self.estimates.for_row(row.succeeded, row.tried, pooled) for row in self.rows]
-        return choose_width(self.smoothed[r], accept, usable)
+        return choose_width(self.costs.at(r, t), accept, usable)
 
-    def _learn(self, r: int, w: int, seconds: float, packed: list[list[int]], usable: list[int]):
+    def _learn(self, r: int, t: int, w: int, seconds: float, packed: list[list[int]], usable: list[int]):
         """Fold one step into the acceptance estimates and the cost table (a decaying average)."""
         self.estimates.start_step()
         for row, (a, *_), u in zip(self.rows, packed, usable):
             self.estimates.observe(min(w, u), a, row.succeeded, row.tried)
-        cost = self.costs[r][w]
-        self.costs[r][w] = 0.9 * cost + 0.1 * min(seconds, 2 * cost)  # a stall (GC, a busy core) moves it little
-        self.smoothed[r] = smooth_costs(self.costs[r])
+        self.costs.observe(r, w, t, seconds)
 
     @torch.inference_mode()
-    def measure_costs(self, repeats: int = 4) -> dict[int, dict[int, float]]:
-        """Seconds per step for every row bucket and candidate width, timed on the device while every slot
-        is free (padding rows: the steps change nothing): the fastest of `repeats` runs after a warm-up
-        run, which also captures the step's graphs."""
-        t = min(_round_up(self.span, self.kv_chunk), self.capacity)
-        costs: dict[int, dict[int, float]] = {}
-        for r in self.row_buckets:
-            times: dict[int, list[float]] = {w: [] for w in self.widths}
-            for _ in range(repeats + 1):  # widths interleaved: each sees the same machine state
-                for w in self.widths:
-                    start = time.perf_counter()
-                    if w:
-                        self._draft(r, t, w)
-                    self._run(("verify", r, t, w, False, False), lambda: self._verify_step(r, t, w, False, False))
-                    self._read_packed(0, w)
-                    if self.device.type == "cuda":
-                        torch.cuda.synchronize(self.device)
-                    times[w].append(time.perf_counter() - start)
-            costs[r] = {w: min(ts[1:]) for w, ts in times.items()}
-        return costs
+    def measure_costs(self, repeats: int = 3) -> StepCosts:
+        """Seconds per step for every row bucket and candidate width at the shortest and the longest key
+        length, timed on the device while every slot is free (padding rows: the steps change nothing):
+        the fastest of `repeats` runs after a warm-up run, which also captures the step's graphs."""
+        lengths = (min(_round_up(self.span, self.kv_chunk), self.capacity), self.capacity)
+        tables = []
+        for t in lengths:
+            table: dict[int, dict[int, float]] = {}
+            for r in self.row_buckets:
+                times: dict[int, list[float]] = {w: [] for w in self.widths}
+                for _ in range(repeats + 1):  # widths interleaved: each sees the same machine state
+                    for w in self.widths:
+                        start = time.perf_counter()
+                        if w:
+                            self._draft(r, t, w)
+                        self._run(("verify", r, t, w, False, False),
+                                  lambda: self._verify_step(r, t, w, False, False))
+                        self._read_packed(0, w)
+                        if self.device.type == "cuda":
+                            torch.cuda.synchronize(self.device)
+                        times[w].append(time.perf_counter() - start)
+                table[r] = {w: min(ts[1:]) for w, ts in times.items()}
+            tables.append(table)
+        return StepCosts.from_two_lengths(tables[0], tables[1], *lengths)
 
     def _draft(self, r: int, t: int, w: int):
         if getattr(self.proposer, "graph_safe", False):

@@ -7,7 +7,8 @@ each step the engine picks the W that maximises expected committed tokens per se
     rate(W) = sum over rows of E[tokens | W] / cost(row bucket, W)
     E[tokens | W] = 1 + sum_{i=1..W} prod_{j<=i} p_j      (p_j: draft j accepted given drafts < j were)
 
-`cost` is a table of step times measured on the device at engine start and updated from real steps;
+`cost` is a table of step times measured on the device at engine start (at the shortest and the longest
+key length: a step's cost is about linear in the keys it attends) and updated from real steps;
 `p` comes from running acceptance estimates, pooled over the engine's rows with a decaying average
 and refined per row from its own history. W = 0 is a plain target decode step (no drafting at all),
 so a useless draft costs nothing; the Domino correction loop stops at W, so a short width also drafts
@@ -104,6 +105,34 @@ def smooth_costs(costs: Mapping[int, float]) -> dict[int, float]:
         slope = max(slope, 0.0)  # more positions never cost less
         out.update({w: mean_c + slope * (w - mean_w) for w in drafting})
     return out
+
+
+class StepCosts:
+    """Seconds per step by row bucket and width, linear in the attended key length t: `base + per_key * t`.
+
+    Real steps refine `base` for the (bucket, width) they ran at; `per_key` (and so how costs grow with the
+    context) comes from the start-up measurement. Without the t term, a width in use would look dearer
+    and dearer as contexts grow while the others kept their start-up figures.
+    """
+
+    def __init__(self, base: dict[int, dict[int, float]], per_key: dict[int, dict[int, float]] | None = None):
+        self.base = {r: dict(c) for r, c in base.items()}
+        self.per_key = per_key or {r: {w: 0.0 for w in c} for r, c in base.items()}
+
+    @classmethod
+    def from_two_lengths(cls, short: dict, long: dict, t_short: int, t_long: int) -> "StepCosts":
+        per_key = {r: {w: max(0.0, (long[r][w] - short[r][w]) / max(t_long - t_short, 1)) for w in short[r]}
+                   for r in short}
+        base = {r: {w: short[r][w] - per_key[r][w] * t_short for w in short[r]} for r in short}
+        return cls(base, per_key)
+
+    def at(self, r: int, t: int) -> dict[int, float]:
+        return smooth_costs({w: b + self.per_key[r][w] * t for w, b in self.base[r].items()})
+
+    def observe(self, r: int, w: int, t: int, seconds: float):
+        predicted = self.base[r][w] + self.per_key[r][w] * t
+        seconds = min(seconds, 2 * predicted)  # a stall (GC, a busy core) moves it little
+        self.base[r][w] = 0.9 * self.base[r][w] + 0.1 * (seconds - self.per_key[r][w] * t)
 
 
 def candidate_widths(num_draft_tokens: int, graphs: bool) -> list[int]:

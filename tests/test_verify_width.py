@@ -153,3 +153,16 @@ def test_sampled_text_is_the_target_only_sample_for_the_same_seed(target, top_p)
         out = engine.generate(requests())
         assert [c.token_ids for c in out] == base
     assert sum(c.stats.num_accepted_draft_tokens for c in out) > 0  # the oracle's drafts were accepted, not replaced
+
+
+def test_step_costs_grow_with_the_context_and_learn_from_real_steps():
+    from domino_ray.verify_width import StepCosts
+
+    costs = StepCosts.from_two_lengths({1: {0: 1.0, 4: 2.0}}, {1: {0: 2.0, 4: 6.0}}, 100, 500)
+    assert costs.at(1, 100) == {0: 1.0, 4: 2.0} and costs.at(1, 300) == {0: 1.5, 4: 4.0}
+    for _ in range(100):
+        costs.observe(1, 4, 300, 5.0)  # the W = 4 step is dearer than measured at every length
+    assert costs.at(1, 300)[4] == pytest.approx(5.0) and costs.at(1, 500)[4] == pytest.approx(7.0)
+    assert costs.at(1, 300)[0] == 1.5  # an unused width keeps its figure
+    costs.observe(1, 0, 300, 100.0)  # a stall counts at most twice the prediction
+    assert costs.at(1, 300)[0] == pytest.approx(1.65)
