@@ -160,7 +160,7 @@ def test_step_costs_grow_with_the_context_and_learn_from_real_steps():
 
     costs = StepCosts.from_two_lengths({1: {0: 1.0, 4: 2.0}}, {1: {0: 2.0, 4: 6.0}}, 100, 500)
     assert costs.at(1, 100) == {0: 1.0, 4: 2.0} and costs.at(1, 300) == {0: 1.5, 4: 4.0}
-    for _ in range(100):
+    for _ in range(300):
         costs.observe(1, 4, 300, 5.0)  # the W = 4 step is dearer than measured at every length
     assert costs.at(1, 300)[4] == pytest.approx(5.0) and costs.at(1, 500)[4] == pytest.approx(7.0)
     assert costs.at(1, 300)[0] == 1.5  # an unused width keeps its figure
