@@ -127,6 +127,8 @@ class SpecEngine:
         self.capacity = _round_up(self.max_model_len + self.span, self.kv_chunk)
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.groups = cfg.num_attention_heads // cfg.num_key_value_heads
+        if self.device.type == "cuda":  # before allocating anything
+            check_memory_fits(self.memory_plan(), torch.cuda.mem_get_info(self.device)[0], self.device)
         self.kv = KVBuffers(cfg.num_hidden_layers, max_rows, self.capacity, cfg.num_key_value_heads, head_dim,
                             weight.dtype, self.device)
         self.tap_layers: tuple[int, ...] = ()
@@ -163,22 +165,22 @@ class SpecEngine:
         if self.adaptive:
             self.costs = (width_costs if isinstance(width_costs, StepCosts) else StepCosts(width_costs) if width_costs
                           else self.measure_costs())
-        if self.device.type == "cuda":
-            check_memory_fits(self.memory_plan(), torch.cuda.mem_get_info(self.device)[0], self.device)
 
     def memory_plan(self) -> dict[str, int]:
-        """Bytes the engine preallocates or peaks at beyond the weights (README "Memory")."""
-        cfg, elt = self.target.config, self.kv.keys[0].element_size()
+        """Bytes the engine preallocates or peaks at beyond the weights (README "Memory"), from the shapes."""
+        cfg, elt = self.target.config, self.dtype.itemsize
         r, q, t = self.max_rows, self.num_draft_tokens + 1, self.capacity
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        draft = getattr(self.proposer, "config", None)  # a DominoProposer's DraftConfig
+        draft_kv = 2 * draft.num_hidden_layers * r * draft.num_key_value_heads * t * draft.head_dim * elt if draft else 0
         # The largest decode bucket's intermediates: logits (+ float32 probabilities and float64 CDF when
         # sampling), the widest activations, one layer's attention scores and the key mask. CUDA graphs share
         # one pool, so this is also about what the captured graphs hold.
         step = r * q * (cfg.vocab_size * (elt + 4 + 8) + 4 * cfg.intermediate_size * elt) \
             + r * cfg.num_attention_heads * q * t * 4 + r * self.groups * q * t
         prefill = self.max_prefill_tokens * (6 * cfg.hidden_size + 3 * cfg.intermediate_size) * elt
-        plan = {"target_kv": self.kv.nbytes, "draft_kv": getattr(getattr(self.proposer, "kv", None), "nbytes", 0),
-                "decode_step": step, "prefill_peak": prefill}
-        return plan
+        return {"target_kv": 2 * cfg.num_hidden_layers * r * cfg.num_key_value_heads * t * head_dim * elt,
+                "draft_kv": draft_kv, "decode_step": step, "prefill_peak": prefill}
 
     # ---- requests ---------------------------------------------------------------------------------
 
