@@ -14,8 +14,9 @@ and refined per row from its own history. W = 0 is a plain target decode step (n
 so a useless draft costs nothing; the Domino correction loop stops at W, so a short width also drafts
 less. Verifying fewer drafts never changes what the target accepts: lossless by construction.
 
-Exploration comes from the prior: estimates decay towards 1/2 while a position goes unverified, so a
-draft written off at W = 0 is tried again after a while (rarely: the decay is slow).
+Exploration comes from the prior, which is optimistic (a new engine drafts at once; a few misses bring
+a bad draft's estimate down): estimates decay towards it while a position goes unverified, so a draft
+written off at W = 0 is tried again after a while (rarely: the decay is slow).
 """
 
 from __future__ import annotations
@@ -60,18 +61,20 @@ class AcceptanceEstimates:
     """Per-position acceptance, pooled over rows (decayed counts) with per-row refinement.
 
     Position i is *tried* in a step when drafts 1..i-1 were accepted and i was within the step's usable
-    width; it *succeeds* when draft i is accepted. The pooled estimate is a Beta(1, 1)-smoothed ratio of
-    decayed counts (`decay` per engine step); a row's estimate shrinks its own counts towards the pooled
-    one with `row_weight` pseudo-trials.
+    width; it *succeeds* when draft i is accepted. The pooled estimate is a ratio of decayed counts
+    (`decay` per engine step) smoothed by a Beta prior of mean `prior` and weight `prior_weight` trials;
+    a row's estimate shrinks its own counts towards the pooled one with `row_weight` pseudo-trials.
     """
 
-    def __init__(self, num_draft_tokens: int, *, decay: float = 0.99, row_weight: float = 4.0):
+    def __init__(self, num_draft_tokens: int, *, decay: float = 0.995, prior: float = 0.8, prior_weight: float = 2.0,
+                 row_weight: float = 4.0):
         self.k, self.decay, self.row_weight = num_draft_tokens, decay, row_weight
+        self.prior_hits, self.prior_trials = prior * prior_weight, prior_weight
         self.success = [0.0] * num_draft_tokens
         self.trials = [0.0] * num_draft_tokens
 
     def pooled(self) -> list[float]:
-        return [(s + 1.0) / (n + 2.0) for s, n in zip(self.success, self.trials)]
+        return [(s + self.prior_hits) / (n + self.prior_trials) for s, n in zip(self.success, self.trials)]
 
     def for_row(self, row_success: Sequence[float], row_trials: Sequence[float], pooled: Sequence[float]) -> list[float]:
         m = self.row_weight

@@ -42,17 +42,18 @@ def test_useless_drafts_give_width_zero_and_perfect_ones_the_full_block():
 
 
 def test_estimates_pool_rows_decay_to_the_prior_and_refine_per_row():
-    est = AcceptanceEstimates(3, decay=0.5)
+    est = AcceptanceEstimates(3, decay=0.5, prior=0.8)
+    assert est.pooled() == pytest.approx([0.8] * 3)  # optimistic: a new engine drafts at once
     row_s, row_n = [0.0] * 3, [0.0] * 3
     for _ in range(20):
         est.start_step()
         est.observe(3, 1, row_s, row_n)  # draft 1 accepted, draft 2 rejected, draft 3 never tried
     pooled = est.pooled()
-    assert pooled[0] > 0.6 and pooled[1] < 0.4 and pooled[2] == 0.5
+    assert pooled[0] > 0.85 and pooled[1] < 0.5 and pooled[2] == pytest.approx(0.8)
     assert row_n == [20.0, 20.0, 0.0] and est.for_row(row_s, row_n, pooled)[0] > pooled[0]
     for _ in range(30):
-        est.start_step()  # nothing verified: back towards 1/2, so the draft gets tried again some day
-    assert all(abs(p - 0.5) < 0.01 for p in est.pooled())
+        est.start_step()  # nothing verified: back to the prior, so the draft gets tried again some day
+    assert all(abs(p - 0.8) < 0.01 for p in est.pooled())
 
 
 def test_smoothing_removes_a_stall_and_keeps_the_trend():
