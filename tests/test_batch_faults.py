@@ -12,7 +12,7 @@ import pytest
 from batch_fixtures import job_overrides, python, ray_cluster, REPO, tiny_pair  # noqa: F401
 from domino_ray.engine import Request, SpecEngine
 from domino_ray.engine_loop import EngineLoop
-from domino_ray.ray_batch import FAULT_ENV
+from domino_ray.ray_predictor import FAULT_ENV
 from domino_ray.sampling import SamplingParams
 from tiny_models import tiny_target
 

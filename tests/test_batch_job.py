@@ -21,7 +21,8 @@ from batch_fixtures import (check_output_invariants, job_config, make_prompts, r
                             tiny_pair, write_shards)
 from domino_ray.config import ConfigError, load_config
 from domino_ray.preflight import check_input
-from domino_ray.ray_batch import FAULT_ENV, init_ray, read_inputs, run_job
+from domino_ray.ray_batch import init_ray, read_inputs, run_job
+from domino_ray.ray_predictor import FAULT_ENV
 from domino_ray.target import encode_prompt, load_target, load_tokenizer
 
 pytestmark = pytest.mark.ray
