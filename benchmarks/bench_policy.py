@@ -12,21 +12,18 @@ over repeats. The adaptive engine's start-up (its cost table) is timed separatel
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import statistics
 import time
 from pathlib import Path
 
 import torch
 
-from domino_ray.checkpoint import load_draft
 from domino_ray.config import DEMO_ASSETS
 from domino_ray.draft import DominoDraft
 from domino_ray.engine import Request, SpecEngine
 from domino_ray.proposer import DominoProposer
 from domino_ray.sampling import SamplingParams
-from domino_ray.target import encode_prompt, load_target, load_tokenizer
+from common import demo_pair, write_results
 from domino_ray.train_draft import backbone_only
 
 
@@ -55,18 +52,12 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    import pyarrow.parquet as pq
-
-    target = load_target(str(args.assets / "target"), dtype="auto", device="cpu")
-    tokenizer = load_tokenizer(str(args.assets / "target"))
-    demo = load_draft(args.assets / "draft", target_config=target.config, dtype=target.dtype)
+    target, demo, _, all_prompts = demo_pair(args.assets)
     torch.manual_seed(0)
     drafts = {"demo": demo, "random": DominoDraft(demo.config).to(target.dtype).eval(),
               "half-trained": backbone_only(demo)}
     drafts = {name: drafts[name] for name in args.drafts.split(",")}
     k_max = demo.config.max_draft_tokens
-    texts = pq.read_table(args.assets / "prompts.parquet").column("prompt").to_pylist()
-    all_prompts = [encode_prompt(tokenizer, prompt=t, chat_template=False) for t in texts]
     results = {}
     for rows in (int(b) for b in args.batch_sizes.split(",")):
         prompts = all_prompts[:2 * rows]
@@ -101,10 +92,7 @@ def main(argv=None):
                   f"auto/best {cell['auto_over_best_static']:.3f} auto/target {cell['auto_over_target_only']:.3f} "
                   f"auto/K{k_max} {cell[f'auto_over_K={k_max}']:.3f} | widths {widths} | start {cell['auto_start_s']} s",
                   flush=True)
-    meta = {"machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} torch threads",
-            "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "args": vars(args)}
-    if args.json:
-        args.json.write_text(json.dumps({"meta": meta, "results": results}, indent=1, default=str) + "\n")
+    write_results(args.json, results, args)
 
 
 if __name__ == "__main__":

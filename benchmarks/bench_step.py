@@ -17,25 +17,22 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
+import statistics
 import subprocess
 import sys
 import tempfile
-import platform
-import statistics
 import time
 from pathlib import Path
 
 import torch
 from torch.overrides import TorchFunctionMode
 
-from domino_ray.checkpoint import load_draft
 from domino_ray.config import DEMO_ASSETS
 from domino_ray.draft import DominoDraft
 from domino_ray.engine import Request, SpecEngine
 from domino_ray.proposer import DominoProposer
 from domino_ray.sampling import SamplingParams
-from domino_ray.target import encode_prompt, load_target, load_tokenizer
+from common import demo_pair, write_results
 
 
 class CallCounter(TorchFunctionMode):
@@ -108,16 +105,11 @@ def main(argv=None):
         engines = {"before": baseline_engine(args.baseline_ref), "now": CURRENT}
     if args.threads:
         torch.set_num_threads(args.threads)
-    import pyarrow.parquet as pq
-
-    target = load_target(str(args.assets / "target"), dtype="auto", device="cpu")
-    tokenizer = load_tokenizer(str(args.assets / "target"))
-    demo_draft = load_draft(args.assets / "draft", target_config=target.config, dtype=target.dtype)
+    target, demo_draft, _, prompts = demo_pair(args.assets)
+    prompts = prompts[:32]
     torch.manual_seed(0)
     random_target = type(target)(target.config).to(target.dtype).eval()
     random_draft = DominoDraft(demo_draft.config).to(target.dtype).eval()
-    texts = pq.read_table(args.assets / "prompts.parquet").column("prompt").to_pylist()[:32]
-    prompts = [encode_prompt(tokenizer, prompt=t, chat_template=False) for t in texts]
     pairs = {"demo": (target, demo_draft), "random": (random_target, random_draft)}
 
     results = {}
@@ -137,10 +129,7 @@ def main(argv=None):
                                     "calls_per_step": round(calls[name], 1)}
                     print(f"{key:<38} {results[key]['tokens_per_s']:>9.1f} tok/s {calls[name]:>8.1f} torch calls/step",
                           flush=True)
-    meta = {"machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} torch threads",
-            "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "args": vars(args)}
-    if args.json:
-        args.json.write_text(json.dumps({"meta": meta, "results": results}, indent=1, default=str) + "\n")
+    write_results(args.json, results, args)
 
 
 if __name__ == "__main__":
