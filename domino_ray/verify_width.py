@@ -133,9 +133,12 @@ class StepCosts:
         return smooth_costs({w: b + self.per_key[r][w] * t for w, b in self.base[r].items()})
 
     def observe(self, r: int, w: int, t: int, seconds: float):
-        predicted = self.base[r][w] + self.per_key[r][w] * t
-        seconds = min(seconds, 2 * predicted)  # a stall (GC, a busy core) moves it little
-        self.base[r][w] = 0.9 * self.base[r][w] + 0.1 * (seconds - self.per_key[r][w] * t)
+        """Fold in a real step. Start-up figures are the fastest of a few runs, so this tracks the lower
+        envelope too: faster steps pull the figure down quickly, slower ones (a stall, a busy core) raise it
+        slowly; otherwise a width in use would look dearer than the unused ones just for being observed."""
+        base = seconds - self.per_key[r][w] * t
+        rate = 0.3 if base < self.base[r][w] else 0.02
+        self.base[r][w] += rate * (base - self.base[r][w])
 
 
 def candidate_widths(num_draft_tokens: int, graphs: bool) -> list[int]:

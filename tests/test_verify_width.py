@@ -161,9 +161,12 @@ def test_step_costs_grow_with_the_context_and_learn_from_real_steps():
 
     costs = StepCosts.from_two_lengths({1: {0: 1.0, 4: 2.0}}, {1: {0: 2.0, 4: 6.0}}, 100, 500)
     assert costs.at(1, 100) == {0: 1.0, 4: 2.0} and costs.at(1, 300) == {0: 1.5, 4: 4.0}
-    for _ in range(300):
+    for _ in range(1000):
         costs.observe(1, 4, 300, 5.0)  # the W = 4 step is dearer than measured at every length
     assert costs.at(1, 300)[4] == pytest.approx(5.0) and costs.at(1, 500)[4] == pytest.approx(7.0)
     assert costs.at(1, 300)[0] == 1.5  # an unused width keeps its figure
-    costs.observe(1, 0, 300, 100.0)  # a stall counts at most twice the prediction
-    assert costs.at(1, 300)[0] == pytest.approx(1.65)
+    costs.observe(1, 0, 300, 100.0)  # a stall moves it a little
+    assert 1.5 < costs.at(1, 300)[0] < 4.0
+    for _ in range(20):
+        costs.observe(1, 0, 300, 1.0)  # faster steps bring it down quickly
+    assert costs.at(1, 300)[0] == pytest.approx(1.0, abs=0.01)
