@@ -22,12 +22,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
+from pathlib import Path
 
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from bench_engine_cpu import prompts_for
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # runs from a plain checkout, no install
+from bench_engine_cpu import prompts_for  # noqa: E402
 from domino_ray.checkpoint import parse_draft_config
 from domino_ray.draft import DominoDraft
 from domino_ray.engine import Request, SpecEngine
