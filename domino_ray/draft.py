@@ -124,6 +124,30 @@ class DraftAttention(nn.Module):
         return self.o_proj(a.transpose(1, 2).reshape(b, n, self.num_heads * self.head_dim))
 
 
+def context_key_value_weights(layers) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Every layer's k/v projections as one matrix `[L*2*Hkv*D, C]` (+ bias) and the k_norm weights `[L, D]`:
+    the context keys/values of all layers in one GEMM (`context_keys_values`)."""
+    attn = [layer.self_attn for layer in layers]
+    weight = torch.cat([torch.cat([a.k_proj.weight, a.v_proj.weight]) for a in attn])
+    bias = torch.cat([torch.cat([a.k_proj.bias, a.v_proj.bias]) for a in attn]) if attn[0].k_proj.bias is not None \
+        else None
+    return weight, bias, torch.stack([a.k_norm.weight for a in attn])
+
+
+def context_keys_values(context: torch.Tensor, weights, eps: float, head_dim: int, cos, sin):
+    """Rotated keys and values `[L, b, Hkv, q, D]` of every layer for context `[b, q, C]`: the same numbers as
+    each layer's `key_value`, from `context_key_value_weights`."""
+    weight, bias, k_norm = weights
+    b, q, _ = context.shape
+    kv = F.linear(context, weight, bias).view(b, q, k_norm.shape[0], 2, -1, head_dim)  # [b, q, L, 2, Hkv, D]
+    k, v = kv[:, :, :, 0], kv[:, :, :, 1]                                              # [b, q, L, Hkv, D]
+    dtype = k.dtype
+    k = k.float()
+    k = k_norm[:, None, :] * (k * torch.rsqrt(k.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
+    k, v = k.permute(2, 0, 3, 1, 4), v.permute(2, 0, 3, 1, 4)                           # [L, b, Hkv, q, D]
+    return apply_rotary(k, cos, sin), v
+
+
 class DraftMLP(nn.Module):
     def __init__(self, cfg: DraftConfig):
         super().__init__()

@@ -23,14 +23,15 @@ class KVBuffers:
 
     def __init__(self, num_layers: int, max_rows: int, max_len: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str):
-        shape = (max_rows, num_kv_heads, max_len, head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        shape = (num_layers, max_rows, num_kv_heads, max_len, head_dim)
+        self.all_keys = torch.zeros(shape, dtype=dtype, device=device)    # [L, R, Hkv, T, D]
+        self.all_values = torch.zeros(shape, dtype=dtype, device=device)
+        self.keys, self.values = list(self.all_keys), list(self.all_values)  # per-layer views
         self.max_len = max_len
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+        return 2 * self.all_keys.numel() * self.all_keys.element_size()
 
     def write(self, layer: int, rows: slice, index: torch.Tensor, keys: torch.Tensor, values: torch.Tensor):
         """Scatter `keys/values [b, Hkv, q, D]` to positions `index [b, q]` of slots `rows`."""
@@ -39,14 +40,21 @@ class KVBuffers:
         self.keys[layer][rows].scatter_(2, idx, keys)
         self.values[layer][rows].scatter_(2, idx, values)
 
+    def write_all_layers(self, rows: slice, index: torch.Tensor, keys: torch.Tensor, values: torch.Tensor):
+        """`keys/values [L, b, Hkv, q, D]` of every layer to positions `index [b, q]` of slots `rows`, at once."""
+        n, b, h, q, d = keys.shape
+        idx = index[None, :, None, :, None].expand(n, b, h, q, d)
+        self.all_keys[:, rows].scatter_(3, idx, keys)
+        self.all_values[:, rows].scatter_(3, idx, values)
+
     def view(self, layer: int, rows: slice, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values `[b, Hkv, kv_len, D]` of slots `rows` (views, no copy)."""
         return self.keys[layer][rows, :, :kv_len], self.values[layer][rows, :, :kv_len]
 
     def move_row(self, src: int, dst: int, length: int):
         """Copy the first `length` positions of slot `src` into slot `dst` (slot compaction)."""
-        for buf in (*self.keys, *self.values):
-            buf[dst, :, :length] = buf[src, :, :length]
+        for buf in (self.all_keys, self.all_values):
+            buf[:, dst, :, :length] = buf[:, src, :, :length]
 
 
 def visible_keys(key_limit: torch.Tensor, groups: int, key_positions: torch.Tensor) -> torch.Tensor:

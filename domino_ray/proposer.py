@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from domino_ray.draft import DominoDraft
+from domino_ray.draft import DominoDraft, context_key_value_weights, context_keys_values
 from domino_ray.kv_cache import KVBuffers, row_attention, visible_keys
 
 
@@ -48,6 +48,8 @@ class DominoProposer:
             mask_id = torch.tensor([cfg.mask_token_id], device=self.embed.weight.device)
             self.mask_embedding = self.embed(mask_id).to(self.device, self.dtype)  # [1, C]
         self.block_offsets = torch.arange(cfg.block_size, device=self.device)   # [B]
+        # All layers' context k/v projections fused (a copy: build the proposer after the draft's last update).
+        self.context_weights = context_key_value_weights(draft.layers)
         self.groups = cfg.num_attention_heads // cfg.num_key_value_heads
         self.kv: KVBuffers | None = None
         self.key_positions: torch.Tensor | None = None
@@ -62,9 +64,8 @@ class DominoProposer:
         context = self.draft.project_context(target_hidden.to(self.device))  # [b, q, C]
         positions = offsets[:, None] + torch.arange(context.shape[1], device=self.device)  # [b, q]
         cos, sin = self.draft.rope(positions, self.dtype)
-        for i, layer in enumerate(self.draft.layers):
-            k, v = layer.self_attn.key_value(context, cos, sin)
-            self.kv.write(i, rows, positions, k, v)
+        k, v = context_keys_values(context, self.context_weights, self.config.rms_norm_eps, self.config.head_dim, cos, sin)
+        self.kv.write_all_layers(rows, positions, k, v)
 
     def propose(self, r: int, anchor: torch.Tensor, offsets: torch.Tensor, kv_len: int, width: int,
                 committed=None, request_ids=None) -> torch.Tensor:

@@ -46,3 +46,17 @@ def test_gru_is_the_bias_free_cell_of_the_papers():
     with torch.no_grad():
         _, state = gru(x)
     assert torch.allclose(state[0], h)
+
+
+def test_fused_context_keys_values_equal_each_layers_own():
+    from domino_ray.draft import context_key_value_weights, context_keys_values
+
+    target = tiny_target()
+    draft = tiny_draft(target, block_size=4)
+    context = torch.randn(3, 5, draft.config.hidden_size, dtype=torch.float64)
+    cos, sin = draft.rope(torch.arange(5).expand(3, 5), torch.float64)
+    keys, values = context_keys_values(context, context_key_value_weights(draft.layers), draft.config.rms_norm_eps,
+                                       draft.config.head_dim, cos, sin)  # [L, b, Hkv, q, D]
+    for i, layer in enumerate(draft.layers):
+        k, v = layer.self_attn.key_value(context, cos, sin)
+        assert torch.allclose(keys[i], k, atol=1e-12) and torch.equal(values[i], v)
