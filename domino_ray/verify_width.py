@@ -107,6 +107,8 @@ def smooth_costs(costs: Mapping[int, float]) -> dict[int, float]:
         slope = sum((w - mean_w) * (costs[w] - mean_c) for w in drafting) / sum((w - mean_w) ** 2 for w in drafting)
         slope = max(slope, 0.0)  # more positions never cost less
         out.update({w: mean_c + slope * (w - mean_w) for w in drafting})
+    if 0 in out:  # drafting is extra work: a drafting step never costs less than a plain decode step
+        out.update({w: max(c, out[0]) for w, c in out.items()})
     return out
 
 
