@@ -32,7 +32,10 @@ VLLM_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": 
             "VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1",
             # No network at run time: the models are local directories.
             "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
-VLLM_MODES = ("vllm-target-only", "vllm-ngram", "vllm-dflash")
+# vllm-dflash: our draft as shipped; vllm-dflash-no-head: a copy without the GRU head (embed_proj, prefix_gru),
+# which is all vLLM's DFlash loader knows of a Domino checkpoint.
+VLLM_MODES = ("vllm-target-only", "vllm-ngram", "vllm-dflash", "vllm-dflash-no-head")
+HEAD_CONFIG_KEYS = ("projector_type", "pure_draft_prefix_len", "emb_dim", "gru_hidden_dim")
 
 
 # ---- ours (our venv) --------------------------------------------------------------------------------
@@ -140,6 +143,9 @@ def vllm_worker(spec_path: Path, out_path: Path):
             speculative = {"method": "ngram", "num_speculative_tokens": spec["ngram_tokens"]}
         elif spec["mode"] == "vllm-dflash":
             speculative = {"method": "dflash", "model": spec["draft"], "num_speculative_tokens": spec["dflash_tokens"]}
+        elif spec["mode"] == "vllm-dflash-no-head":
+            speculative = {"method": "dflash", "model": spec["draft_no_head"],
+                           "num_speculative_tokens": spec["dflash_tokens"]}
         start = time.perf_counter()
         llm = LLM(model=spec["target"], dtype="float32", max_model_len=spec["max_model_len"],
                   max_num_seqs=spec["rows"], seed=0, enable_prefix_caching=False, disable_log_stats=False,
@@ -174,8 +180,25 @@ def spec_counters(llm) -> dict:
             "accepted": values.get("vllm:spec_decode_num_accepted_tokens", 0)}
 
 
+def draft_without_head(draft_dir: Path, out_dir: Path) -> Path:
+    """A copy of a Domino draft with its GRU head's weights and config keys removed (a plain DFlash draft)."""
+    from safetensors.torch import load_file, save_file
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    weights = load_file(draft_dir / "model.safetensors")
+    save_file({k: v for k, v in weights.items() if not k.startswith(("embed_proj.", "prefix_gru."))},
+              out_dir / "model.safetensors")
+    config = json.loads((draft_dir / "config.json").read_text())
+    for section in (config, config.get("dflash_config", {})):
+        for key in HEAD_CONFIG_KEYS:
+            section.pop(key, None)
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out_dir
+
+
 def run_vllm(mode: str, args, prompts: list[list[int]], workdir: Path) -> dict:
     spec = {"mode": mode, "target": str(args.assets / "target"), "draft": str(args.assets / "draft"),
+            "draft_no_head": str(workdir / "draft-no-head"),
             "prompts": prompts, "rows": args.rows, "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
             "ngram_tokens": args.ngram_tokens, "dflash_tokens": args.dflash_tokens,
             "max_model_len": args.max_model_len}
@@ -183,6 +206,8 @@ def run_vllm(mode: str, args, prompts: list[list[int]], workdir: Path) -> dict:
     spec_path.write_text(json.dumps(spec))
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # never our packages in vLLM's venv
     env.update(VLLM_ENV)
+    if args.vllm_preload_iomp:  # what vLLM's CPU docs ask for (it warns that speculation is slow without it)
+        env["LD_PRELOAD"] = str(args.vllm_python.parent.parent / "lib" / "libiomp5.so")
     start = time.perf_counter()
     with open(log_path, "w") as log:
         proc = subprocess.run([str(args.vllm_python), __file__, "--vllm-worker", str(spec_path), str(out_path)],
@@ -229,6 +254,7 @@ def main(argv=None):
     p.add_argument("--vllm-python", type=Path, default=ROOT / ".venv-vllm" / "bin" / "python")
     p.add_argument("--vllm-modes", default=",".join(VLLM_MODES))
     p.add_argument("--vllm-timeout", type=int, default=1800)
+    p.add_argument("--vllm-preload-iomp", action="store_true", help="LD_PRELOAD the venv's Intel OpenMP for vLLM")
     p.add_argument("--ours-only", action="store_true", help="skip vLLM (no .venv-vllm needed)")
     p.add_argument("--profile", action="store_true", help="also profile one of our decode steps at --rows rows")
     p.add_argument("--workdir", type=Path, default=ROOT / "out" / "bench_peers", help="vLLM specs, outputs, logs")
@@ -266,6 +292,7 @@ def main(argv=None):
     vllm_results = {}
     if vllm_modes:
         args.workdir.mkdir(parents=True, exist_ok=True)
+        draft_without_head(args.assets / "draft", args.workdir / "draft-no-head")
     for mode in vllm_modes:
         res = vllm_results[mode] = run_vllm(mode, args, prompts, args.workdir)
         loads[f"after {mode}"] = os.getloadavg()[0]
