@@ -279,9 +279,11 @@ def main(argv=None):
     for name, d in modes.items():  # warm-up: first-call costs (hooks, allocator) stay out of timing
         run_ours(target, d, prompts[:args.rows], rows=args.rows, max_new_tokens=8)
     ours_runs = {name: [] for name in modes}
-    for _ in range(args.repeats):  # interleaved: both our modes see the same machine state
+    for repeat in range(args.repeats):  # interleaved: both our modes see the same machine state
         for name, d in modes.items():
             ours_runs[name].append(run_ours(target, d, prompts, rows=args.rows, max_new_tokens=args.max_new_tokens))
+            r = ours_runs[name][-1]
+            print(f"{name} repeat {repeat}: {r['tokens'] / r['seconds']:.0f} tok/s", file=sys.stderr, flush=True)
     loads["after ours"] = os.getloadavg()[0]
     reference = ours_runs["ours-target-only"][0]["token_ids"]
     for name, runs in ours_runs.items():  # lossless: every run of every mode gives target-only's greedy tokens
@@ -295,6 +297,8 @@ def main(argv=None):
         draft_without_head(args.assets / "draft", args.workdir / "draft-no-head")
     for mode in vllm_modes:
         res = vllm_results[mode] = run_vllm(mode, args, prompts, args.workdir)
+        print(f"{mode}: {[round(r['tokens'] / r['seconds']) for r in res['runs']]} tok/s, "
+              f"{res.get('error', 'ok')}", file=sys.stderr, flush=True)
         loads[f"after {mode}"] = os.getloadavg()[0]
         if res.get("error"):
             print(f"{mode}: did not run: {res['error']}", file=sys.stderr)
@@ -310,7 +314,8 @@ def main(argv=None):
     profiles = [profile_ours_step(target, d, prompts, rows=args.rows) for d in modes.values()] if args.profile else []
 
     print(f"\n{len(prompts)} prompts x {args.max_new_tokens} greedy new tokens (ignore_eos), {args.rows} rows, "
-          f"{args.threads} threads, {args.repeats} repeat(s); load average {loads}")
+          f"{args.threads} threads, {args.repeats} repeat(s), OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}; "
+          f"load average {loads}")
     print(f"{'mode':<18} {'tok/s (each repeat)':>24} {'vs vLLM':>8} {'vs ours':>8} {'tau':>5} {'start-up':>9}  agreement")
     for r in rows:
         tps = " / ".join(f"{x:.0f}" for x in r["tokens_per_s"])
@@ -332,6 +337,7 @@ def main(argv=None):
             print(f"    {op['op']:<40} {op['ms_per_step']:>8.3f} ms {op['calls_per_step']:>7.1f} calls")
     meta = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
             "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "load_average": loads,
+            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
             "args": {k: str(v) for k, v in vars(args).items()}}
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
