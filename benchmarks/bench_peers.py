@@ -99,7 +99,7 @@ def profile_ours_step(target, draft, prompts, *, rows: int, steps: int = 8, max_
     for _ in range(steps):
         engine.step()
     wall_ms = (time.perf_counter() - start) * 1e3 / steps
-    assert len(engine.rows) == rows, "rows finished inside the timed window"
+    assert len(engine.rows) == rows, "rows finished inside the timed window: lower --profile-steps"
     engine = started_engine()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         start = time.perf_counter()
@@ -257,6 +257,7 @@ def main(argv=None):
     p.add_argument("--vllm-preload-iomp", action="store_true", help="LD_PRELOAD the venv's Intel OpenMP for vLLM")
     p.add_argument("--ours-only", action="store_true", help="skip vLLM (no .venv-vllm needed)")
     p.add_argument("--profile", action="store_true", help="also profile one of our decode steps at --rows rows")
+    p.add_argument("--profile-steps", type=int, default=16, help="steady-state steps timed and profiled")
     p.add_argument("--workdir", type=Path, default=ROOT / "out" / "bench_peers", help="vLLM specs, outputs, logs")
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
     p.add_argument("--vllm-worker", nargs=2, type=Path, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
@@ -311,7 +312,8 @@ def main(argv=None):
     for r in rows:
         r["vs_vllm_target_only"] = (round(r["median_tokens_per_s"] / base["median_tokens_per_s"], 2) if base else None)
         r["vs_ours_target_only"] = round(r["median_tokens_per_s"] / by_mode["ours-target-only"]["median_tokens_per_s"], 2)
-    profiles = [profile_ours_step(target, d, prompts, rows=args.rows) for d in modes.values()] if args.profile else []
+    profiles = [profile_ours_step(target, d, prompts, rows=args.rows, steps=args.profile_steps)
+                for d in modes.values()] if args.profile else []
 
     print(f"\n{len(prompts)} prompts x {args.max_new_tokens} greedy new tokens (ignore_eos), {args.rows} rows, "
           f"{args.threads} threads, {args.repeats} repeat(s), OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}; "

@@ -22,7 +22,7 @@ def run(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
 def test_peers_ours_only_smoke(tmp_path):
     out = tmp_path / "peers.json"
     result = run("--ours-only", "--prompts", "4", "--max-new-tokens", "12", "--rows", "2", "--threads", "1",
-                 "--profile", "--json", str(out))
+                 "--profile", "--profile-steps", "4", "--json", str(out))
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(out.read_text())
     rows = {r["mode"]: r for r in report["results"]}
