@@ -59,7 +59,7 @@ SMOKE_DRAFT = {**HUANG2020_DRAFT, "dflash_config": {**HUANG2020_DRAFT["dflash_co
 
 class Forced:
     """The real draft's step, then its drafts replaced on the device by each slot's reference continuation
-    (`refs[slot]`, filled after admission): forced full acceptance at the real drafting cost, capturable."""
+    (`refs[slot]`, filled before the run): forced full acceptance at the real drafting cost, capturable."""
 
     graph_safe = True
 
@@ -91,7 +91,12 @@ def sync(device):
 
 
 def generate(engine, prompts, max_new, device, references=None):
-    """Run to completion; returns (seconds, completions). All rows are admitted in the first step."""
+    """Run to completion; returns (seconds, completions). All rows are admitted in the first step, into
+    slots in prompt-length order (the engine sorts an admitted batch that way), and never move: all of
+    them finish in the same step. So slot s holds the s-th shortest prompt's reference throughout."""
+    if references is not None:
+        for slot, i in enumerate(sorted(range(len(prompts)), key=lambda i: len(prompts[i]))):
+            engine.proposer.refs[slot, :len(references[i])].copy_(torch.tensor(references[i]))
     for i, p in enumerate(prompts):
         engine.add_request(Request(i, p, SamplingParams(max_new_tokens=max_new)))
     done = {}
@@ -99,11 +104,6 @@ def generate(engine, prompts, max_new, device, references=None):
     start = time.perf_counter()
     while engine.has_unfinished():
         done.update((e.request_id, e.completion) for e in engine.step() if e.completion is not None)
-        if references is not None:
-            for slot, row in enumerate(engine.rows):
-                ref = references[row.request.request_id]
-                engine.proposer.refs[slot, :len(ref)].copy_(torch.tensor(ref))
-            references = None  # rows never move: all of them finish in the same step
     sync(device)
     return time.perf_counter() - start, [done[i] for i in range(len(prompts))]
 
@@ -189,6 +189,7 @@ def main():
                 "spec_forced_tok_s": spec_tokens / t_spec,
                 "speedup": (spec_tokens / t_spec) / (batch * args.max_new_tokens / t_base),
                 "mean_acceptance_length": sum(c.stats.mean_acceptance_length for c in spec) / batch,
+                "steps": max(c.stats.num_spec_steps for c in spec),
                 **steps, "draft_over_verify": steps["draft_step_ms"] / steps["verify_step_ms"],
                 "graphs_captured": len(engine.graphs.graphs) if engine.graphs else 0,
                 "lossless_check": tie_check(target, prompts, base, spec, args.tie_margin),

@@ -26,7 +26,9 @@ class KVBuffers:
         shape = (num_layers, max_rows, num_kv_heads, max_len, head_dim)
         self.all_keys = torch.zeros(shape, dtype=dtype, device=device)    # [L, R, Hkv, T, D]
         self.all_values = torch.zeros(shape, dtype=dtype, device=device)
-        self.keys, self.values = list(self.all_keys), list(self.all_values)  # per-layer views
+        # Per-layer views by indexing (not unbind, whose views refuse in-place writes outside inference mode).
+        self.keys = [self.all_keys[i] for i in range(num_layers)]
+        self.values = [self.all_values[i] for i in range(num_layers)]
         self.max_len = max_len
 
     @property
