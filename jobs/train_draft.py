@@ -77,13 +77,13 @@ def generate_cached(target, prompts: list[list[int]], cache: Path | None, *, chu
     start, done_before = time.perf_counter(), len(sequences)
     for i in range(len(sequences), len(prompts), chunk):
         sequences += generate_sequences(target, prompts[i:i + chunk], **generate_kwargs)
-        generated = sum(len(s) - n for s, n in sequences[done_before:])
-        print(f"generated {len(sequences)}/{len(prompts)} prompts, {generated} new tokens "
-              f"({time.perf_counter() - start:.0f}s)", flush=True)
         if cache is not None:
             cache.parent.mkdir(parents=True, exist_ok=True)
             torch.save(sequences, cache.with_suffix(".tmp"))
             cache.with_suffix(".tmp").replace(cache)  # atomic: a kill mid-save keeps the previous chunks
+        generated = sum(len(s) - n for s, n in sequences[done_before:])
+        print(f"generated {len(sequences)}/{len(prompts)} prompts, {generated} new tokens "
+              f"({time.perf_counter() - start:.0f}s)", flush=True)  # after the save: what it says is on disk
     return sequences
 
 
