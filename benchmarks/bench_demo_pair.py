@@ -137,6 +137,12 @@ def main(argv=None):
             table[name] = entry
         repeated = repeated_fraction(reference)
         results[f"batch {rows}"] = {"drafts": table, "repeated_4gram_fraction": round(repeated, 3)}
+        if domino.config.has_d2t:  # a pruned vocabulary bounds acceptance: drafts can only be its ids
+            vocab = set(domino.to_target_ids(torch.arange(domino.config.draft_vocab_size)).tolist())
+            generated = [t for row in reference for t in row]
+            coverage = sum(t in vocab for t in generated) / max(len(generated), 1)
+            results[f"batch {rows}"]["draft_vocab_coverage"] = round(coverage, 4)
+            print(f"draft vocabulary ({len(vocab)} ids) covers {coverage:.2%} of the target's generated tokens")
         print(f"\nbatch {rows}: {len(prompts)} held-out prompts x {args.max_new_tokens} new tokens, greedy, "
               f"{args.repeats} interleaved repeats (outputs equal target-only token for token; "
               f"{repeated:.0%} of generated 4-grams repeat an earlier one in their row)")
