@@ -84,7 +84,7 @@ def test_greedy_speculative_equals_target_only(pair):
     engine = SpecEngine(target, DominoProposer(draft, target), max_rows=3, max_model_len=1024, eos_token_ids=eos)
     spec = engine.generate(requests())
     assert [c.token_ids for c in spec] == [c.token_ids for c in baseline]
-    assert total_stats(c.stats for c in spec).mean_acceptance_length > 1.5  # trained: an untrained draft gives ~1.0
+    assert total_stats(c.stats for c in spec).mean_acceptance_length > 1.2  # trained: an untrained draft gives 1.0
 
 
 # ---- sampling ----------------------------------------------------------------------------------------
