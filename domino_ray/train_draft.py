@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -58,8 +59,11 @@ class TrainConfig:
 
 def draft_config_for(target_config, *, mask_token_id: int, num_layers: int = 1, block_size: int = 8,
                      target_layer_ids: tuple[int, ...] | None = None, head: bool = True, emb_dim: int = 128,
-                     gru_hidden_dim: int = 256, shift_label: bool = True, num_uncorrected: int = 1) -> DraftConfig:
-    """A draft shaped like the target's layers (hidden size, heads, RoPE) for any HF decoder config."""
+                     gru_hidden_dim: int = 256, shift_label: bool = True, num_uncorrected: int = 1,
+                     draft_vocab_size: int | None = None) -> DraftConfig:
+    """A draft shaped like the target's layers (hidden size, heads, RoPE) for any HF decoder config.
+    `draft_vocab_size`: an own pruned lm_head of that many ids, mapped to target ids by `d2t`
+    (`init_pruned_vocabulary` fills both)."""
     c = target_config
     heads = c.num_attention_heads
     rope = getattr(c, "rope_parameters", None) or {}
@@ -70,7 +74,11 @@ def draft_config_for(target_config, *, mask_token_id: int, num_layers: int = 1, 
         raise ValueError(f"target_layer_ids {list(ids)}: expected ids in [0, {n_target}) for a {n_target}-layer target")
     if not 0 <= mask_token_id < c.vocab_size:
         raise ValueError(f"mask_token_id={mask_token_id}: expected an id in [0, {c.vocab_size})")
+    if draft_vocab_size is not None and not 0 < draft_vocab_size < c.vocab_size:
+        raise ValueError(f"draft_vocab_size={draft_vocab_size}: expected an int in (0, {c.vocab_size}), "
+                         "or None for the target's lm_head")
     return DraftConfig(
+        draft_vocab_size=draft_vocab_size, has_d2t=draft_vocab_size is not None,
         hidden_size=c.hidden_size, intermediate_size=c.intermediate_size, num_hidden_layers=num_layers,
         num_attention_heads=heads, num_key_value_heads=getattr(c, "num_key_value_heads", None) or heads,
         head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads, vocab_size=c.vocab_size,
@@ -82,9 +90,11 @@ def draft_config_for(target_config, *, mask_token_id: int, num_layers: int = 1, 
 
 
 def generate_sequences(target, prompts: list[list[int]], *, max_new_tokens: int, batch_size: int = 32,
-                       eos_token_ids=(), on_progress: Callable[[int], None] | None = None) -> list[tuple[list[int], int]]:
-    """Greedy target-only continuations: `(prompt + generated ids, len(prompt))` per prompt."""
-    engine = SpecEngine(target, None, max_rows=batch_size, eos_token_ids=eos_token_ids)
+                       eos_token_ids=(), on_progress: Callable[[int], None] | None = None,
+                       max_model_len: int | None = None) -> list[tuple[list[int], int]]:
+    """Greedy target-only continuations: `(prompt + generated ids, len(prompt))` per prompt. `max_model_len`
+    bounds the KV cache (rows x length): a long-context target's own limit (SmolLM2: 8192) would reserve GBs."""
+    engine = SpecEngine(target, None, max_rows=batch_size, eos_token_ids=eos_token_ids, max_model_len=max_model_len)
     params = SamplingParams(max_new_tokens=max_new_tokens)
     done: dict[int, list[int]] = {}
 
@@ -107,6 +117,38 @@ def collate(sequences: list[tuple[list[int], int]], pad_id: int = 0):
     starts = torch.tensor([start for _, start in sequences])
     lengths = torch.tensor([len(seq) for seq, _ in sequences])
     return ids, starts, lengths
+
+
+def frequent_ids(sequences: list[tuple[list[int], int]], size: int, vocab_size: int) -> torch.Tensor:
+    """The `size` ids most frequent in the generated parts (ties and the remainder filled by prompt-token
+    counts, then by id), ascending: the pruned draft vocabulary (speculators' d2t order)."""
+    generated, prompt = torch.zeros(vocab_size), torch.zeros(vocab_size)
+    for seq, start in sequences:
+        generated += torch.bincount(torch.tensor(seq[start:], dtype=torch.long), minlength=vocab_size)[:vocab_size]
+        prompt += torch.bincount(torch.tensor(seq[:start], dtype=torch.long), minlength=vocab_size)[:vocab_size]
+    score = generated * (prompt.max() + 1) + prompt  # generated counts first, prompt counts break ties
+    return score.topk(size, sorted=True).indices.sort().values
+
+
+def init_pruned_vocabulary(draft: DominoDraft, target, draft_ids: torch.Tensor):
+    """Set `d2t` (draft id i -> target id i + d2t[i]) and start the draft's lm_head from the target's rows."""
+    cfg = draft.config
+    if not cfg.has_d2t or len(draft_ids) != cfg.draft_vocab_size:
+        raise ValueError(f"{len(draft_ids)} draft ids for a draft with draft_vocab_size={cfg.draft_vocab_size}")
+    with torch.no_grad():
+        draft.d2t.copy_(draft_ids - torch.arange(len(draft_ids)))
+        weight = target.get_output_embeddings().weight[draft_ids.to(draft.lm_head.weight.device)]
+        draft.lm_head.weight.copy_(weight.to(draft.lm_head.weight.dtype))
+
+
+def target_to_draft_ids(draft: DominoDraft, vocab_size: int) -> torch.Tensor | None:
+    """`[V]` long: the draft id of each target id, -100 for ids outside the pruned vocabulary; None without one."""
+    if not draft.config.has_d2t:
+        return None
+    table = torch.full((vocab_size,), -100, dtype=torch.long, device=draft.d2t.device)
+    table[draft.to_target_ids(torch.arange(len(draft.d2t), device=draft.d2t.device))] = torch.arange(
+        len(draft.d2t), device=draft.d2t.device)
+    return table
 
 
 def sample_anchors(starts: torch.Tensor, lengths: torch.Tensor, num_anchors: int,
@@ -140,13 +182,12 @@ def context_features(target, ids: torch.Tensor, layer_ids) -> torch.Tensor:
 # ---- the training forward --------------------------------------------------------------------------
 
 def block_logits(draft: DominoDraft, target, features: torch.Tensor, ids: torch.Tensor, anchors: torch.Tensor):
-    """Training-mode logits for every anchor: base `[b, A, K, V]` and final `[b, A, K, V]` (None without a head).
+    """Training-mode logits for every anchor: base `[b, A, K, V]` and final `[b, A, K, V]` (None without a head);
+    V is the draft's vocabulary (pruned: draft ids, see `target_to_draft_ids`).
 
     ids `[b, T]` are the true tokens; draft i of the block at anchor p predicts ids[p + 1 + i].
     """
     cfg = draft.config
-    if cfg.draft_vocab_size is not None:
-        raise ValueError("training a draft with its own pruned vocabulary (d2t) is not supported")
     embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
     b, t = ids.shape
     a, bs, k = anchors.shape[1], cfg.block_size, cfg.max_draft_tokens
@@ -196,8 +237,8 @@ def lambda_base(step: int, steps: int, cfg: TrainConfig) -> float:
 
 
 def accuracy_stats(predictions: torch.Tensor, labels: torch.Tensor) -> dict:
-    """Per-position accuracy of predictions `[..., K]` and the acceptance-length estimate over blocks whose K
-    labels all exist."""
+    """Per-position accuracy of predictions `[..., K]` (target ids) and the acceptance-length estimate over
+    blocks whose K labels all exist."""
     right = predictions == labels
     valid = labels != -100
     per_pos = [(right[..., i] & valid[..., i]).sum().item() / max(valid[..., i].sum().item(), 1)
@@ -210,9 +251,14 @@ def accuracy_stats(predictions: torch.Tensor, labels: torch.Tensor) -> dict:
 # ---- the loop --------------------------------------------------------------------------------------
 
 def train_draft(draft: DominoDraft, target, sequences: list[tuple[list[int], int]], cfg: TrainConfig,
-                log: Callable[[str], None] = print, eval_sequences: list[tuple[list[int], int]] | None = None
-                ) -> list[dict]:
-    """Train `draft` in place on target-generated sequences; returns the logged history."""
+                log: Callable[[str], None] = print, eval_sequences: list[tuple[list[int], int]] | None = None, *,
+                features: list[torch.Tensor] | None = None, eval_features: list[torch.Tensor] | None = None,
+                checkpoint: Path | None = None, checkpoint_every: int = 100) -> list[dict]:
+    """Train `draft` in place on target-generated sequences; returns the logged history.
+
+    `features` (per sequence `[T_i, F]`, from `sequence_features`) replace the target's forward each step:
+    on a CPU that forward costs far more than the draft's. With `checkpoint` the whole training state is
+    saved there every `checkpoint_every` steps and a rerun resumes from it (same result as one run)."""
     device = next(target.parameters()).device
     target.eval().requires_grad_(False)
     draft.to(device).train()
@@ -223,22 +269,33 @@ def train_draft(draft: DominoDraft, target, sequences: list[tuple[list[int], int
         1 + math.cos(math.pi * min(1.0, s / cfg.steps))))
     k = draft.config.max_draft_tokens
     weights = position_weights(k, cfg.gamma, device)
+    to_draft = target_to_draft_ids(draft, draft.config.vocab_size)
     order: list[int] = []
-    history, start = [], time.perf_counter()
-    for step in range(cfg.steps):
+    history, first_step, start = [], 0, time.perf_counter()
+    if checkpoint is not None and checkpoint.exists():
+        state = torch.load(checkpoint, weights_only=False)
+        draft.load_state_dict(state["draft"])
+        optimizer.load_state_dict(state["optimizer"])
+        schedule.load_state_dict(state["schedule"])
+        generator.set_state(state["generator"])
+        order, history, first_step = state["order"], state["history"], state["step"]
+        log(f"resumed from {checkpoint} at step {first_step}")
+    for step in range(first_step, cfg.steps):
         if len(order) < cfg.batch_size:  # epochs in a seeded random order
             order += torch.randperm(len(sequences), generator=generator).tolist()
-        batch, order = [sequences[i] for i in order[:cfg.batch_size]], order[cfg.batch_size:]
-        ids, starts, lengths = collate(batch)
+        rows, order = order[:cfg.batch_size], order[cfg.batch_size:]
+        ids, starts, lengths = collate([sequences[i] for i in rows])
         anchors = sample_anchors(starts, lengths, cfg.anchors_per_sequence, generator)
         ids, lengths, anchors = ids.to(device), lengths.to(device), anchors.to(device)
         with torch.no_grad():
-            features = context_features(target, ids, draft.config.target_layer_ids)
-        base, final = block_logits(draft, target, features, ids, anchors)
+            batch_features = (collate_features([features[i] for i in rows]).to(device) if features is not None
+                              else context_features(target, ids, draft.config.target_layer_ids))
+        base, final = block_logits(draft, target, batch_features, ids, anchors)
         labels = block_labels(ids, lengths, anchors, k)
+        targets = draft_labels(labels, to_draft)
         lam = lambda_base(step, cfg.steps, cfg) if final is not None else 1.0
-        loss_base = weighted_ce(base, labels, weights)
-        loss = loss_base if final is None else (1 - lam) * weighted_ce(final, labels, weights) + lam * loss_base
+        loss_base = weighted_ce(base, targets, weights)
+        loss = loss_base if final is None else (1 - lam) * weighted_ce(final, targets, weights) + lam * loss_base
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(draft.parameters(), cfg.grad_clip)
@@ -249,18 +306,61 @@ def train_draft(draft: DominoDraft, target, sequences: list[tuple[list[int], int
                      "seconds": round(time.perf_counter() - start, 1)}
             with torch.no_grad():
                 head_logits = final if final is not None else base
-                entry["train"] = _rounded(accuracy_stats(head_logits.argmax(-1), labels),
-                                          accuracy_stats(base.argmax(-1), labels))
+                entry["train"] = _rounded(accuracy_stats(draft.to_target_ids(head_logits.argmax(-1)), labels),
+                                          accuracy_stats(draft.to_target_ids(base.argmax(-1)), labels))
                 if eval_sequences:
-                    entry["eval"] = _rounded(*evaluate_blocks(draft, target, eval_sequences, cfg))
+                    entry["eval"] = _rounded(*evaluate_blocks(draft, target, eval_sequences, cfg,
+                                                              features=eval_features))
             history.append(entry)
             log(_format(entry))
+        if checkpoint is not None and ((step + 1) % checkpoint_every == 0 or step + 1 == cfg.steps):
+            state = {"draft": draft.state_dict(), "optimizer": optimizer.state_dict(),
+                     "schedule": schedule.state_dict(), "generator": generator.get_state(), "order": order,
+                     "history": history, "step": step + 1}
+            torch.save(state, checkpoint.with_suffix(".tmp"))
+            checkpoint.with_suffix(".tmp").replace(checkpoint)
     draft.eval()
     return history
 
 
+def draft_labels(labels: torch.Tensor, to_draft: torch.Tensor | None) -> torch.Tensor:
+    """Target-id labels -> the draft's ids (-100 where the pruned vocabulary lacks the token: no loss, and
+    the accuracy, measured in target ids, counts it wrong)."""
+    if to_draft is None:
+        return labels
+    return to_draft[labels.clamp(min=0)].masked_fill(labels == -100, -100)
+
+
+def collate_features(features: list[torch.Tensor]) -> torch.Tensor:
+    """Per-sequence features `[T_i, F]` -> `[b, T, F]`, zero-padded on the right (padding is never attended:
+    a block's context is the positions before its anchor)."""
+    t = max(f.shape[0] for f in features)
+    out = features[0].new_zeros(len(features), t, features[0].shape[1])
+    for row, f in enumerate(features):
+        out[row, :f.shape[0]] = f
+    return out
+
+
 @torch.no_grad()
-def evaluate_blocks(draft: DominoDraft, target, sequences, cfg: TrainConfig, batch_size: int = 16):
+def sequence_features(target, sequences: list[tuple[list[int], int]], layer_ids, *, batch_size: int = 8,
+                      dtype: torch.dtype = torch.float16) -> list[torch.Tensor]:
+    """The context features of every sequence, `[T_i, F]` each, stored in `dtype` (fp16 keeps 3 decimal
+    digits of the hidden states and halves the memory). Computed once, reused by every training step."""
+    device = next(target.parameters()).device
+    order = sorted(range(len(sequences)), key=lambda i: len(sequences[i][0]))  # similar lengths: little padding
+    by_index = {}
+    for i in range(0, len(order), batch_size):
+        rows = order[i:i + batch_size]
+        ids, _, lengths = collate([sequences[r] for r in rows])
+        feats = context_features(target, ids.to(device), layer_ids).to(dtype).cpu()
+        for row, r in enumerate(rows):
+            by_index[r] = feats[row, :lengths[row]].clone()
+    return [by_index[i] for i in range(len(sequences))]
+
+
+@torch.no_grad()
+def evaluate_blocks(draft: DominoDraft, target, sequences, cfg: TrainConfig, batch_size: int = 16,
+                    features: list[torch.Tensor] | None = None):
     """Teacher-forced statistics (final logits, base logits) on fixed anchors of held-out sequences."""
     was_training = draft.training
     draft.eval()
@@ -271,10 +371,11 @@ def evaluate_blocks(draft: DominoDraft, target, sequences, cfg: TrainConfig, bat
         ids, starts, lengths = collate(sequences[i:i + batch_size])
         anchors = sample_anchors(starts, lengths, cfg.anchors_per_sequence, generator).to(device)
         ids, lengths = ids.to(device), lengths.to(device)
-        features = context_features(target, ids, draft.config.target_layer_ids)
-        base, final = block_logits(draft, target, features, ids, anchors)
-        bases.append(base.argmax(-1).flatten(0, 1))  # [b*A, K]
-        finals.append((final if final is not None else base).argmax(-1).flatten(0, 1))
+        batch_features = (collate_features(features[i:i + batch_size]).to(device) if features is not None
+                          else context_features(target, ids, draft.config.target_layer_ids))
+        base, final = block_logits(draft, target, batch_features, ids, anchors)
+        bases.append(draft.to_target_ids(base.argmax(-1)).flatten(0, 1))  # [b*A, K]
+        finals.append(draft.to_target_ids((final if final is not None else base).argmax(-1)).flatten(0, 1))
         all_labels.append(block_labels(ids, lengths, anchors, base.shape[2]).flatten(0, 1))
     draft.train(was_training)
     labels = torch.cat(all_labels)
@@ -310,9 +411,10 @@ def backbone_only(draft: DominoDraft) -> DominoDraft:
 
 
 def engine_acceptance(target, draft: DominoDraft, prompts: list[list[int]], *, max_new_tokens: int,
-                      batch_size: int = 16, eos_token_ids=()) -> dict:
+                      batch_size: int = 16, eos_token_ids=(), max_model_len: int | None = None) -> dict:
     """Greedy speculative generation in the real engine: mean acceptance length and per-position acceptance."""
-    engine = SpecEngine(target, DominoProposer(draft, target), max_rows=batch_size, eos_token_ids=eos_token_ids)
+    engine = SpecEngine(target, DominoProposer(draft, target), max_rows=batch_size, eos_token_ids=eos_token_ids,
+                        max_model_len=max_model_len)
     params = SamplingParams(max_new_tokens=max_new_tokens)
     out = engine.generate([Request(i, list(p), params) for i, p in enumerate(prompts)])
     total = total_stats(c.stats for c in out)

@@ -12,23 +12,27 @@
 3. It is saved in the HF/DFlash layout that `domino_ray.checkpoint.load_draft` reads (plus
    `training.json`), and with `--eval-prompts` measured in the engine (greedy, target verifies).
 
-The generated sequences can be cached (`--sequences`) and reused by later runs, e.g. for ablations.
+The generated sequences can be cached (`--sequences`, saved chunk by chunk: a stopped run resumes) and reused
+by later runs, e.g. for ablations.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import time
 from pathlib import Path
 
 import torch
 
-from domino_ray.checkpoint import save_draft
+from domino_ray.checkpoint import save_draft, save_draft_speculators
 from domino_ray.draft import DominoDraft
-from domino_ray.target import encode_prompt, load_target, load_tokenizer, resolve_device, stop_token_ids
-from domino_ray.train_draft import (TrainConfig, backbone_only, draft_config_for, engine_acceptance,
-                                    generate_sequences, train_draft)
+from domino_ray.target import (encode_prompt, load_target, load_tokenizer, resolve_device, resolve_dtype,
+                              stop_token_ids)
+from domino_ray.train_draft import (TrainConfig, backbone_only, draft_config_for, engine_acceptance, frequent_ids,
+                                    generate_sequences, init_pruned_vocabulary, sequence_features,
+                                    target_to_draft_ids, train_draft)
 
 
 def read_prompts(path: Path, column: str, limit: int | None) -> list[str]:
@@ -55,11 +59,63 @@ def mask_token_id(args, tokenizer, target_config) -> int:
 
 
 def encode_all(tokenizer, prompts: list[str], chat: bool, max_len: int) -> list[list[int]]:
+    """The prompts' token ids, without those of `max_len` tokens or more."""
     encoded = [encode_prompt(tokenizer, prompt=p, chat_template=chat) for p in prompts]
     kept = [ids for ids in encoded if len(ids) < max_len]
     if len(kept) < len(encoded):
         print(f"skipped {len(encoded) - len(kept)} prompts longer than {max_len - 1} tokens")
     return kept
+
+
+def generate_cached(target, prompts: list[list[int]], cache: Path | None, *, chunk: int, **generate_kwargs):
+    """The target's greedy continuations of `prompts`, generated `chunk` prompts at a time; with `cache`
+    each finished chunk is saved there (a stopped run resumes after the last saved chunk, a finished
+    cache is reused as is)."""
+    sequences = torch.load(cache) if cache is not None and cache.exists() else []
+    if sequences:
+        print(f"loaded {len(sequences)} sequences from {cache}")
+    start, done_before = time.perf_counter(), len(sequences)
+    for i in range(len(sequences), len(prompts), chunk):
+        sequences += generate_sequences(target, prompts[i:i + chunk], **generate_kwargs)
+        if cache is not None:
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            torch.save(sequences, cache.with_suffix(".tmp"))
+            cache.with_suffix(".tmp").replace(cache)  # atomic: a kill mid-save keeps the previous chunks
+        generated = sum(len(s) - n for s, n in sequences[done_before:])
+        print(f"generated {len(sequences)}/{len(prompts)} prompts, {generated} new tokens "
+              f"({time.perf_counter() - start:.0f}s)", flush=True)  # after the save: what it says is on disk
+    return sequences
+
+
+def features_cached(target, sequences, layer_ids, directory: Path | None, *, chunk: int) -> list[torch.Tensor]:
+    """`sequence_features` of every sequence, `chunk` sequences per file in `directory` (a stopped run
+    resumes after the last saved file; the layer ids are part of the file names)."""
+    out, start = [], time.perf_counter()
+    tag = "-".join(str(i) for i in layer_ids)
+    for i in range(0, len(sequences), chunk):
+        path = directory / f"features-L{tag}-{i:06d}-{min(i + chunk, len(sequences)):06d}.pt" if directory else None
+        if path is not None and path.exists():
+            out += torch.load(path)
+            continue
+        part = sequence_features(target, sequences[i:i + chunk], layer_ids)
+        if path is not None:
+            directory.mkdir(parents=True, exist_ok=True)
+            torch.save(part, path.with_suffix(".tmp"))
+            path.with_suffix(".tmp").replace(path)
+        out += part
+        print(f"features {len(out)}/{len(sequences)} sequences ({time.perf_counter() - start:.0f}s)", flush=True)
+    return out
+
+
+def encode_eval_prompts(tokenizer, path: Path, count: int, chat: bool, max_len: int) -> list[list[int]]:
+    """Held-out prompts from a `messages` column (chat turns, as shipped for SmolLM2) or a `prompt` column."""
+    import pyarrow.parquet as pq
+
+    if "messages" in pq.read_schema(path).names:
+        rows = pq.read_table(path, columns=["messages"]).column("messages").to_pylist()[:count]
+        encoded = [encode_prompt(tokenizer, messages=m) for m in rows]
+        return [ids for ids in encoded if len(ids) < max_len]
+    return encode_all(tokenizer, read_prompts(path, "prompt", count), chat, max_len)
 
 
 def parse_args(argv=None):
@@ -72,7 +128,21 @@ def parse_args(argv=None):
     p.add_argument("--out", type=Path, required=True, help="directory for the draft checkpoint")
     p.add_argument("--sequences", type=Path, default=None, help="cache of generated sequences (.pt), reused if present")
     p.add_argument("--max-new-tokens", type=int, default=192, help="tokens the target generates per prompt")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="prompt + generated tokens per row (default: the target's limit, at most 4096); bounds the KV cache")
     p.add_argument("--gen-batch", type=int, default=32, help="rows the engine generates at once")
+    p.add_argument("--gen-chunk", type=int, default=256, help="prompts per saved chunk of --sequences (resume unit)")
+    p.add_argument("--generate-only", action="store_true", help="stop after generating (and caching) the sequences")
+    p.add_argument("--features", type=Path, default=None,
+                   help="directory caching the target's hidden states of every sequence (computed once instead of "
+                        "every step: on a CPU the target's forward dominates); resumable")
+    p.add_argument("--features-only", action="store_true", help="stop after computing (and caching) the features")
+    p.add_argument("--checkpoint", type=Path, default=None, help="training state file: saved every 100 steps, resumed")
+    p.add_argument("--draft-vocab-size", type=int, default=None,
+                   help="pruned draft vocabulary: the N ids most frequent in the generated text (d2t/t2d)")
+    p.add_argument("--save-dtype", default=None, help="dtype of the saved weights (e.g. bfloat16; default: as trained)")
+    p.add_argument("--layout", choices=("dflash", "speculators"), default=None,
+                   help="checkpoint layout (default: dflash, speculators with --draft-vocab-size)")
     p.add_argument("--layers", type=int, default=1, help="draft decoder layers")
     p.add_argument("--block-size", type=int, default=8)
     p.add_argument("--target-layer-ids", default=None, help="comma-separated target layers for the context")
@@ -106,55 +176,62 @@ def main(argv=None):
     target = load_target(args.target, dtype=args.dtype, device=device)
     tokenizer = load_tokenizer(args.target)
     eos = stop_token_ids(target, tokenizer)
-    max_len = getattr(target.config, "max_position_embeddings", 4096)
+    max_len = min(x for x in (args.max_model_len, getattr(target.config, "max_position_embeddings", None), 4096) if x)
 
-    if args.sequences is not None and args.sequences.exists():
-        sequences = torch.load(args.sequences)
-        print(f"loaded {len(sequences)} sequences from {args.sequences}")
-    else:
-        prompts = encode_all(tokenizer, read_prompts(args.prompts, args.prompt_column, args.num_prompts),
-                             args.chat_template, max_len)
-        start = time.perf_counter()
-        every = max(1, len(prompts) // 10)
-
-        def progress(n: int):
-            if n % every == 0:
-                print(f"generated {n}/{len(prompts)} ({time.perf_counter() - start:.0f}s)", flush=True)
-
-        sequences = generate_sequences(target, prompts, max_new_tokens=min(args.max_new_tokens, max_len - 1),
-                                       batch_size=args.gen_batch, eos_token_ids=eos, on_progress=progress)
-        generated = sum(len(s) - n for s, n in sequences)
-        print(f"generated {generated} tokens for {len(sequences)} prompts in {time.perf_counter() - start:.0f}s")
-        if args.sequences is not None:
-            args.sequences.parent.mkdir(parents=True, exist_ok=True)
-            torch.save(sequences, args.sequences)
+    prompts = encode_all(tokenizer, read_prompts(args.prompts, args.prompt_column, args.num_prompts),
+                         args.chat_template, max_len - args.max_new_tokens + 1)  # prompt + answer fit in max_len
+    sequences = generate_cached(target, prompts, args.sequences, chunk=args.gen_chunk,
+                                max_new_tokens=args.max_new_tokens, batch_size=args.gen_batch,
+                                eos_token_ids=eos, max_model_len=max_len)
+    if args.generate_only:
+        return
     train_seqs, eval_seqs = sequences[:len(sequences) - args.holdout], sequences[len(sequences) - args.holdout:]
 
     layer_ids = tuple(int(x) for x in args.target_layer_ids.split(",")) if args.target_layer_ids else None
     draft_cfg = draft_config_for(target.config, mask_token_id=mask_token_id(args, tokenizer, target.config),
                                  num_layers=args.layers, block_size=args.block_size, target_layer_ids=layer_ids,
-                                 head=not args.no_head, emb_dim=args.emb_dim, gru_hidden_dim=args.gru_hidden_dim)
+                                 head=not args.no_head, emb_dim=args.emb_dim, gru_hidden_dim=args.gru_hidden_dim,
+                                 draft_vocab_size=args.draft_vocab_size)
+    features = eval_features = None
+    if args.features is not None:
+        all_features = features_cached(target, sequences, draft_cfg.target_layer_ids, args.features, chunk=args.gen_chunk)
+        features, eval_features = all_features[:len(train_seqs)], all_features[len(train_seqs):]
+        if args.features_only:
+            return
     gamma = args.gamma if args.gamma is not None else {8: 4.0, 10: 5.0, 16: 7.0}.get(args.block_size, args.block_size / 2)
     train_cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, anchors_per_sequence=args.anchors,
                             lr=args.lr, gamma=gamma, lambda_base_decay_ratio=args.lambda_decay_ratio, seed=args.seed,
                             log_every=args.log_every)
     torch.manual_seed(args.seed)
     draft = DominoDraft(draft_cfg).to(device=device, dtype=target.dtype)
+    if draft_cfg.has_d2t:
+        draft_ids = frequent_ids(train_seqs, args.draft_vocab_size, draft_cfg.vocab_size)
+        init_pruned_vocabulary(draft, target, draft_ids)
+        covered = target_to_draft_ids(draft, draft_cfg.vocab_size)
+        generated = torch.tensor([t for seq, n in train_seqs for t in seq[n:]])
+        print(f"pruned vocabulary: {args.draft_vocab_size} ids cover "
+              f"{(covered[generated] >= 0).float().mean().item():.2%} of the generated training tokens")
     print(f"draft: {sum(p.numel() for p in draft.parameters()) / 1e6:.2f}M parameters, {draft_cfg}")
     history = train_draft(draft, target, train_seqs, train_cfg, log=lambda s: print(s, flush=True),
-                          eval_sequences=eval_seqs or None)
-    save_draft(draft, args.out)
+                          eval_sequences=eval_seqs or None, features=features, eval_features=eval_features,
+                          checkpoint=args.checkpoint)
+    layout = args.layout or ("speculators" if draft_cfg.has_d2t else "dflash")
+    saved = copy.deepcopy(draft).to(resolve_dtype(args.save_dtype)) if args.save_dtype else draft
+    if layout == "speculators":
+        save_draft_speculators(saved, args.out, verifier=str(args.target))
+    else:
+        save_draft(saved, args.out)
     record = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
               "train_config": vars(train_cfg), "history": history}
 
     if args.eval_prompts is not None:
-        prompts = encode_all(tokenizer, read_prompts(args.eval_prompts, "prompt", args.eval_count),
-                             args.chat_template, max_len)
+        prompts = encode_eval_prompts(tokenizer, args.eval_prompts, args.eval_count, args.chat_template,
+                                      max_len - args.eval_max_new_tokens + 1)
         record["engine"] = {}
         candidates = [("domino", draft)] + ([("backbone_only", backbone_only(draft))] if draft_cfg.has_head else [])
         for name, candidate in candidates:
             result = engine_acceptance(target, candidate, prompts, max_new_tokens=args.eval_max_new_tokens,
-                                       eos_token_ids=eos)
+                                       eos_token_ids=eos, max_model_len=max_len)
             result.pop("token_ids")
             record["engine"][name] = result
             print(f"engine, {len(prompts)} held-out prompts, {name}: mean acceptance length "

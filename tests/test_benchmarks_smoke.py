@@ -97,6 +97,22 @@ def test_demo_pair_benchmark_smoke(tmp_path):
 
 
 @pytest.mark.slow
+def test_demo_pair_benchmark_takes_the_smollm2_pair(tmp_path):
+    """`--pair smollm2`: the converted SmolLM2 target, the shipped draft and held-out chat prompts."""
+    from domino_ray.smollm2 import cache_dir, is_converted
+
+    if not is_converted() or not (BENCH.parent / "domino_ray" / "assets" / "smollm2" / "draft").is_dir():
+        pytest.skip(f"SmolLM2 is not converted at {cache_dir()} (run `make smollm2`) or no draft is shipped")
+    out = tmp_path / "smol.json"
+    run_script("bench_demo_pair.py", "--pair", "smollm2", "--prompts", "2", "--max-new-tokens", "8",
+               "--batch-sizes", "2", "--repeats", "1", "--threads", "1", "--json", str(out))
+    drafts = json.loads(out.read_text())["results"]["batch 2"]["drafts"]
+    assert set(drafts) == {"target-only", "domino", "domino-base-only"}
+    assert len({d["tokens"] for d in drafts.values()}) == 1 and drafts["domino"]["num_spec_tokens"] == 8
+    check_acceptance(drafts["domino"]["mean_acceptance_length"], drafts["domino"]["per_position_acceptance"], 8)
+
+
+@pytest.mark.slow
 @pytest.mark.ray
 def test_batch_job_benchmark_smoke():
     """bench_batch_job at a toy size: the job and the direct engine generate the same number of tokens

@@ -167,3 +167,69 @@ def test_tiny_training_improves_acceptance():
     plain = backbone_only(draft)
     assert not plain.config.has_head and torch.equal(plain.fc.weight, draft.fc.weight)
     assert engine_acceptance(target, plain, prompts[160:], max_new_tokens=30)["token_ids"] == trained["token_ids"]
+
+
+# ---- pruned vocabulary, cached features, resume (issue 11) ----------------------------------------
+
+def test_pruned_vocabulary_maps_back_to_target_ids(target64, sequences64):
+    from domino_ray.train_draft import draft_labels, frequent_ids, init_pruned_vocabulary, target_to_draft_ids
+
+    v = target64.config.vocab_size
+    ids = frequent_ids(sequences64, 24, v)
+    generated = torch.bincount(torch.tensor([t for s, n in sequences64 for t in s[n:]]), minlength=v)
+    assert ids.tolist() == sorted(ids.tolist()) and len(set(ids.tolist())) == 24
+    assert generated[ids].sum() == generated.sort(descending=True).values[:24].sum()  # the most frequent ones
+    draft = make_draft(target64, draft_vocab_size=24)
+    init_pruned_vocabulary(draft, target64, ids)
+    assert torch.equal(draft.to_target_ids(torch.arange(24)), ids)
+    assert torch.equal(draft.lm_head.weight, target64.get_output_embeddings().weight[ids])
+    table = target_to_draft_ids(draft, v)
+    outside = next(i for i in range(v) if i not in set(ids.tolist()))
+    labels = torch.tensor([[ids[3].item(), outside, -100]])
+    assert draft_labels(labels, table).tolist() == [[3, -100, -100]]
+
+
+def test_pruned_draft_trains_and_stays_lossless(target64, sequences64):
+    from domino_ray.train_draft import frequent_ids, init_pruned_vocabulary
+
+    draft = make_draft(target64, draft_vocab_size=32)
+    init_pruned_vocabulary(draft, target64, frequent_ids(sequences64, 32, target64.config.vocab_size))
+    cfg = TrainConfig(steps=30, batch_size=6, anchors_per_sequence=8, lr=1e-2, log_every=30)
+    before, _ = evaluate_blocks(draft, target64, sequences64, cfg)
+    train_draft(draft, target64, sequences64, cfg, log=lambda s: None)
+    after, _ = evaluate_blocks(draft, target64, sequences64, cfg)
+    assert after["accuracy"][0] > before["accuracy"][0] + 0.1
+    prompts = [s[:n] for s, n in sequences64]
+    spec = engine_acceptance(target64, draft, prompts, max_new_tokens=20)
+    assert spec["token_ids"] == [s[n:] for s, n in sequences64]  # the target's own greedy output
+
+
+def test_cached_features_give_the_same_training(target64, sequences64):
+    from domino_ray.train_draft import sequence_features
+
+    cfg = TrainConfig(steps=3, batch_size=4, anchors_per_sequence=4, lr=1e-2, lambda_base_decay_ratio=0.5)
+    a, b = make_draft(target64), make_draft(target64)
+    train_draft(a, target64, sequences64, cfg, log=lambda s: None)
+    features = sequence_features(target64, sequences64, b.config.target_layer_ids, batch_size=4, dtype=torch.float64)
+    assert [f.shape[0] for f in features] == [len(s) for s, _ in sequences64]
+    train_draft(b, target64, sequences64, cfg, log=lambda s: None, features=features)
+    for key, value in a.state_dict().items():
+        assert torch.allclose(value, b.state_dict()[key], atol=1e-9), key
+
+
+def test_a_stopped_training_resumes_to_the_same_weights(target64, sequences64, tmp_path):
+    cfg = TrainConfig(steps=5, batch_size=4, anchors_per_sequence=4, lr=1e-2, log_every=3)
+    whole = make_draft(target64)
+    train_draft(whole, target64, sequences64, cfg, log=lambda s: None)
+
+    def stop(line):
+        raise KeyboardInterrupt  # the first log line, at step 3: the checkpoint holds step 2
+
+    stopped, state = make_draft(target64), tmp_path / "state.pt"
+    with pytest.raises(KeyboardInterrupt):
+        train_draft(stopped, target64, sequences64, cfg, log=stop, checkpoint=state, checkpoint_every=2)
+    resumed, logs = make_draft(target64, seed=7), []  # other initial weights: all must come from the checkpoint
+    history = train_draft(resumed, target64, sequences64, cfg, log=logs.append, checkpoint=state, checkpoint_every=2)
+    assert logs[0] == f"resumed from {state} at step 2" and [h["step"] for h in history] == [3, 5]
+    for key, value in whole.state_dict().items():
+        assert torch.allclose(value, resumed.state_dict()[key], atol=1e-12), key
