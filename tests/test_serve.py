@@ -50,7 +50,10 @@ def app(tmp_path_factory):
     from domino_ray.ray_serve import build_app, build_health_app
 
     # float64: greedy comparisons against a differently batched reference must not flip on near-ties.
-    target_dir, draft_dir = save_tiny_pair(tmp_path_factory.mktemp("serve_pair"), dtype=torch.float64)
+    # A long context, so the overload test's long requests outlast its burst even when the engine runs a
+    # useless (random) draft at W = 0, a plain decode step.
+    target_dir, draft_dir = save_tiny_pair(tmp_path_factory.mktemp("serve_pair"), dtype=torch.float64,
+                                           max_positions=4096)
     cfg = load_config(None, [
         f"model.source={target_dir}", f"draft.source={draft_dir}", f"serve.model_name={MODEL}",
         f"generation.max_batch_size={SLOTS}", "generation.max_new_tokens=16", "generation.seed=0",
@@ -249,7 +252,7 @@ BAD_HTTP = [  # (path, body, status, param): one of each kind the issue names, a
     ("/v1/completions", {"prompt": 42}, 400, "prompt"),
     ("/v1/completions", {"prompt": ""}, 400, "prompt"),
     ("/v1/completions", {"prompt": "a", "max_tokens": 100_000}, 400, "max_tokens"),
-    ("/v1/completions", {"prompt": list(range(5)) * 200}, 400, "prompt"),
+    ("/v1/completions", {"prompt": list(range(5)) * 1000}, 400, "prompt"),  # over the 4096-token context
     ("/v1/completions", {"prompt": "a", "temperature": 3}, 400, "temperature"),
     ("/v1/completions", {"prompt": "a", "top_p": 1.5}, 400, "top_p"),
     ("/v1/completions", {"prompt": "a", "n": 3}, 400, "n"),
@@ -313,7 +316,7 @@ def test_overload_burst_gets_fast_429s_and_the_server_recovers(app, reference):
     """Fill every slot and the whole wait queue with long requests, then burst more than the replica and
     the proxy hold: every burst request is refused with 429 while the long ones are still running (so
     no refusal waited for capacity), nothing crashes, and once the long ones go the server serves again."""
-    hold = {"model": MODEL, "prompt": "the quick brown fox", "max_tokens": 480, "ignore_eos": True, "stream": True}
+    hold = {"model": MODEL, "prompt": "the quick brown fox", "max_tokens": 4000, "ignore_eos": True, "stream": True}
     short = {"model": MODEL, "prompt": "the quick brown fox", "max_tokens": 8}
     burst = 2 * (ONGOING - SLOTS - WAITING + QUEUED)  # twice what the replica and the proxy can still hold
 

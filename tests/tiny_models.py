@@ -101,7 +101,8 @@ def tiny_tokenizer(vocab_size: int = VOCAB):
                                    pad_token="<|endoftext|>", chat_template=CHAT_TEMPLATE)
 
 
-def save_tiny_pair(directory, *, block_size: int = 4, seed: int = 0, dtype: torch.dtype = torch.float32):
+def save_tiny_pair(directory, *, block_size: int = 4, seed: int = 0, dtype: torch.dtype = torch.float32,
+                   max_positions: int = 512):
     """Write a tiny Qwen3 target (with tokenizer, EOS = <|im_end|>) and a Domino draft in the HF/DFlash
     layout under `directory`; returns (target_dir, draft_dir) as strings."""
     from pathlib import Path
@@ -109,7 +110,7 @@ def save_tiny_pair(directory, *, block_size: int = 4, seed: int = 0, dtype: torc
     from domino_ray.checkpoint import save_draft
 
     directory = Path(directory)
-    target = tiny_target("qwen3", seed=seed, dtype=dtype)
+    target = tiny_target("qwen3", seed=seed, dtype=dtype, max_positions=max_positions)
     tokenizer = tiny_tokenizer(target.config.vocab_size)
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
     target.config.eos_token_id = eos
