@@ -181,7 +181,7 @@ def main():
             r, t = engine.row_buckets[-1], engine.capacity
             steps = time_steps(engine, [
                 ("draft_step_ms", ("draft", r, t, k), lambda: engine._draft_step(r, t, k)),
-                ("verify_step_ms", ("verify", r, t, k, False, False),
+                ("verify_step_ms", ("verify", r, t, k, False, False, True),
                  lambda: engine._verify_step(r, t, k, False, False))])
             spec_tokens = sum(len(c.token_ids) for c in spec)
             row = results[f"batch {batch} cuda_graphs={graphs}"] = {

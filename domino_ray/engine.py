@@ -44,7 +44,7 @@ from domino_ray.stats import RowStats
 from domino_ray.step_graphs import StepGraphs, use_cuda_graphs
 from domino_ray.target_forward import RowAttention, install, run_decoder
 from domino_ray.verify import greedy_accept, rejection_accept, sample_from_probs
-from domino_ray.verify_width import AcceptanceEstimates, StepCosts, candidate_widths, choose_width
+from domino_ray.verify_width import AcceptanceEstimates, StepCosts, best_width, candidate_widths, width_rates
 
 
 @dataclass
@@ -311,11 +311,12 @@ class SpecEngine:
         filtered = sampled and any(row.request.params.top_k > 0 or row.request.params.top_p < 1.0
                                    for row in self.rows)
         usable = [row.max_new - len(row.tokens) - 1 for row in self.rows]  # drafts each budget allows
-        w = self._choose_width(r, t, usable) if self.adaptive else self.num_draft_tokens
+        w, context = self._choose_width(r, t, usable) if self.adaptive else (self.num_draft_tokens, True)
         started = time.perf_counter()  # the device step, timed as measure_costs times it
         if w:
             self._draft(r, t, w)
-        self._run(("verify", r, t, w, sampled, filtered), lambda: self._verify_step(r, t, w, sampled, filtered))
+        self._run(("verify", r, t, w, sampled, filtered, context),
+                  lambda: self._verify_step(r, t, w, sampled, filtered, context))
         packed = self._read_packed(n, w)  # the step's one host sync
         now = time.perf_counter()
         if self.adaptive:
@@ -323,10 +324,13 @@ class SpecEngine:
         for row, (a, *row_tokens), u in zip(self.rows, packed, usable):
             self._commit(row, row_tokens[:a + 1], events, now, drafted=min(w, u), width=w)
 
-    def _choose_width(self, r: int, t: int, usable: list[int]) -> int:
+    def _choose_width(self, r: int, t: int, usable: list[int]) -> tuple[int, bool]:
+        """(W, whether the step keeps the draft's context current: always unless the draft is useless)."""
         pooled = self.estimates.pooled()
         accept = [self.estimates.for_row(row.succeeded, row.tried, pooled) for row in self.rows]
-        return choose_width(self.costs.at(r, t), accept, usable)
+        rates = width_rates(self.costs.at(r, t), accept, usable)
+        w = best_width(rates)
+        return w, w > 0 or not self.estimates.draft_is_useless()
 
     def _learn(self, r: int, t: int, w: int, seconds: float, packed: list[list[int]], usable: list[int]):
         """Fold one step into the acceptance estimates and the cost table (a decaying average)."""
@@ -351,8 +355,8 @@ class SpecEngine:
                         start = time.perf_counter()
                         if w:
                             self._draft(r, t, w)
-                        self._run(("verify", r, t, w, False, False),
-                                  lambda: self._verify_step(r, t, w, False, False))
+                        self._run(("verify", r, t, w, False, False, True),
+                                  lambda: self._verify_step(r, t, w, False, False, True))
                         self._read_packed(0, w)
                         if self.device.type == "cuda":
                             torch.cuda.synchronize(self.device)
@@ -380,16 +384,16 @@ class SpecEngine:
         """`w` draft tokens for slots `0..r` into `self.drafts[:r, :w]`."""
         self.drafts[:r, :w] = self.proposer.propose(r, self.anchor[:r], self.lens[:r], t, w, committed, request_ids)
 
-    def _verify_step(self, r: int, t: int, w: int, sampled: bool, filtered: bool):
+    def _verify_step(self, r: int, t: int, w: int, sampled: bool, filtered: bool, context: bool = True):
         """Verify `[anchor, drafts[:w]]` for slots `0..r` over `t` key positions, accept, advance the rows and
-        write `self.packed[:r, :w+2]` = (accepted, tokens)."""
+        write `self.packed[:r, :w+2]` = (accepted, tokens); `context`: also feed the draft's context."""
         lens, remaining = self.lens[:r], self.remaining[:r]
         verify_ids = torch.cat([self.anchor[:r, None], self.drafts[:r, :w]], 1)  # [r, W+1]
         positions = lens[:, None] + self.verify_offsets[:w + 1]                  # [r, W+1]
         visible = visible_keys(positions + 1, self.groups, self.key_positions[:t])  # causal after the prefix
         hidden, taps = run_decoder(self.decoder, verify_ids, positions,
                                    RowAttention(self.kv, write_index=positions, visible=visible, kv_len=t),
-                                   self.tap_layers)
+                                   self.tap_layers if context else ())
         logits = self.lm_head(hidden)  # [r, W+1, V]
         limit = remaining - 1          # drafts that fit the row's budget beside the bonus
         accepted, tokens = greedy_accept(target_logits=logits, drafts=verify_ids[:, 1:], limit=limit)

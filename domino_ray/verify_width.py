@@ -14,7 +14,11 @@ and refined per row from its own history. W = 0 is a plain target decode step (n
 so a useless draft costs nothing; the Domino correction loop stops at W, so a short width also drafts
 less. Verifying fewer drafts never changes what the target accepts: lossless by construction.
 
-Exploration comes from the prior, which is optimistic (a new engine drafts at once; a few misses bring
+While the draft is useless (`AcceptanceEstimates.draft_is_useless`: its first draft lands under 5% of the
+time, counted, not assumed), W = 0 steps also
+skip the draft's context update, so a useless draft costs nothing at all; the positions decoded then are
+missing from that draft's context (a later probe sees the draft at its worst; rows admitted later start
+with their whole prompt as context). Exploration comes from the prior, which is optimistic (a new engine drafts at once; a few misses bring
 a bad draft's estimate down): estimates decay towards it while a position goes unverified, so a draft
 written off at W = 0 is tried again after a while (rarely: the decay is slow).
 """
@@ -34,11 +38,11 @@ def expected_tokens(accept: Sequence[float], width: int, usable: int) -> float:
     return total
 
 
-def choose_width(costs: Mapping[int, float], accept_rows: Sequence[Sequence[float]],
-                 usable: Sequence[int]) -> int:
-    """The width in `costs` (W -> seconds per step for this row bucket) with the most expected committed
-    tokens per second over the rows (`accept_rows[r]`, `usable[r]` as in `expected_tokens`). Ties go to
-    the narrower width. O(rows x K): each row's expected tokens for every W come from one running sum."""
+def width_rates(costs: Mapping[int, float], accept_rows: Sequence[Sequence[float]],
+                usable: Sequence[int]) -> dict[int, float]:
+    """Expected committed tokens per second at each width in `costs` (W -> seconds per step for this row
+    bucket), summed over the rows (`accept_rows[r]`, `usable[r]` as in `expected_tokens`). O(rows x K):
+    each row's expected tokens for every W come from one running sum."""
     k = max(costs)
     gain = [0.0] * (k + 1)  # gain[W] = sum over rows of expected_tokens(row, W)
     for accept, cap in zip(accept_rows, usable):
@@ -49,12 +53,21 @@ def choose_width(costs: Mapping[int, float], accept_rows: Sequence[Sequence[floa
                 survive *= accept[i]
                 total += survive
             gain[i + 1] += total
+    return {w: gain[w] / c for w, c in costs.items()}
+
+
+def best_width(rates: Mapping[int, float]) -> int:
+    """The width with the highest rate; ties go to the narrower width."""
     best, best_rate = 0, -1.0
-    for width in sorted(costs):
-        rate = gain[width] / costs[width]
-        if rate > best_rate * (1 + 1e-9):
-            best, best_rate = width, rate
+    for width in sorted(rates):
+        if rates[width] > best_rate * (1 + 1e-9):
+            best, best_rate = width, rates[width]
     return best
+
+
+def choose_width(costs: Mapping[int, float], accept_rows: Sequence[Sequence[float]],
+                 usable: Sequence[int]) -> int:
+    return best_width(width_rates(costs, accept_rows, usable))
 
 
 class AcceptanceEstimates:
@@ -79,6 +92,11 @@ class AcceptanceEstimates:
     def for_row(self, row_success: Sequence[float], row_trials: Sequence[float], pooled: Sequence[float]) -> list[float]:
         m = self.row_weight
         return [(s + m * p) / (n + m) for s, n, p in zip(row_success, row_trials, pooled)]
+
+    def draft_is_useless(self, min_trials: float = 2.0, max_rate: float = 0.05) -> bool:
+        """The evidence, not the prior, says the first draft almost never lands: W = 0 steps may then skip
+        keeping the draft's context current (the draft is useless, not merely too dear for this batch)."""
+        return bool(self.k) and self.trials[0] >= min_trials and self.success[0] < max_rate * self.trials[0]
 
     def start_step(self):
         self.success = [s * self.decay for s in self.success]

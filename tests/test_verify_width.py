@@ -41,6 +41,20 @@ def test_useless_drafts_give_width_zero_and_perfect_ones_the_full_block():
     assert choose_width(flat, [[1.0] * 8], [2]) == 2  # no point verifying drafts the budget cannot take
 
 
+def test_a_draft_is_useless_on_evidence_not_on_the_prior():
+    est = AcceptanceEstimates(4)
+    assert not est.draft_is_useless()  # no evidence yet
+    row_s, row_n = [0.0] * 4, [0.0] * 4
+    for _ in range(4):
+        est.start_step()
+        est.observe(4, 0, row_s, row_n)  # the first draft rejected every time
+    assert est.draft_is_useless() and est.pooled()[1] == pytest.approx(0.8)  # later positions: untried
+    est.observe(4, 2, row_s, row_n)
+    assert not est.draft_is_useless()  # a hit in 5 tries is not "almost never"
+    dear = {w: 1.0 + 3.0 * w for w in range(9)}  # a good draft can still be too dear for a batch: W = 0
+    assert choose_width(dear, [[0.8] * 8] * 4, [100] * 4) == 0
+
+
 def test_estimates_pool_rows_decay_to_the_prior_and_refine_per_row():
     est = AcceptanceEstimates(3, decay=0.5, prior=0.8)
     assert est.pooled() == pytest.approx([0.8] * 3)  # optimistic: a new engine drafts at once
@@ -98,14 +112,25 @@ def test_adaptive_greedy_equals_target_only(target):
     assert sum(sum(c.stats.verify_width_histogram[1:]) for c in out) > 0  # cheap drafts: some steps drafted
 
 
-def test_random_draft_settles_on_plain_decoding(target):
+class CountingProposer(DominoProposer):
+    appends = 0
+
+    def append_context(self, *args):
+        self.appends += 1
+        super().append_context(*args)
+
+
+def test_random_draft_settles_on_plain_decoding_at_no_cost(target):
+    """A useless draft: W = 0 almost always, and those steps skip the draft's context too."""
     costs = {r: {w: 1.0 + 0.3 * w for w in range(K + 1)} for r in (1, 2, 4)}
-    engine = SpecEngine(target, DominoProposer(tiny_draft(target, block_size=K, seed=9), target, "auto"),
-                        max_rows=4, width_costs=costs)
+    proposer = CountingProposer(tiny_draft(target, block_size=K, seed=9), target, "auto")
+    engine = SpecEngine(target, proposer, max_rows=4, width_costs=costs)
     out = engine.generate([Request(i, p, SamplingParams(max_new_tokens=120, ignore_eos=True))
                            for i, p in enumerate(ragged_prompts(4, seed=1))])
     widths = [sum(c.stats.verify_width_histogram[w] for c in out) for w in range(K + 1)]
     assert widths[0] >= 0.85 * sum(widths), widths
+    steps = max(c.stats.num_spec_steps for c in out)
+    assert proposer.appends < 0.2 * steps, (proposer.appends, steps)  # prefill + the few drafting steps
     for c in out:
         check_stats(c, K)
 
