@@ -73,7 +73,8 @@ def main(argv=None):
     p.add_argument("--prompts", type=int, default=32, help="held-out prompts per run")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--batch-sizes", default="1,16")
-    p.add_argument("--num-draft-tokens", default="", help="extra K values for the Domino draft, e.g. 4")
+    p.add_argument("--num-draft-tokens", default="",
+                   help="extra draft lengths for the Domino draft, e.g. auto,4 (auto: the adaptive verify width)")
     p.add_argument("--extra", action="append", default=[], help="name=path of another draft to compare")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=None)
@@ -107,7 +108,7 @@ def main(argv=None):
     max_model_len = max(len(p) for p in prompts) + args.max_new_tokens
     drafts = {"target-only": (None, None), "domino": (domino, None), "domino-base-only": (backbone_only(domino), None)}
     for k in filter(None, args.num_draft_tokens.split(",")):
-        drafts[f"domino-K{k}"] = (domino, int(k))
+        drafts[f"domino-{k}" if k == "auto" else f"domino-K{k}"] = (domino, k if k == "auto" else int(k))
     for item in args.extra:
         name, path = item.split("=", 1)
         drafts[name] = (load_draft(path, target_config=target.config, dtype=target.dtype), None)

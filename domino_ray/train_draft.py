@@ -53,6 +53,7 @@ class TrainConfig:
     grad_clip: float = 1.0
     seed: int = 0
     log_every: int = 50
+    autocast: str | None = None           # e.g. "bfloat16": mixed-precision forward (weights and optimizer stay fp32)
 
 
 # ---- configuration and data ------------------------------------------------------------------------
@@ -272,6 +273,8 @@ def train_draft(draft: DominoDraft, target, sequences: list[tuple[list[int], int
     to_draft = target_to_draft_ids(draft, draft.config.vocab_size)
     order: list[int] = []
     history, first_step, start = [], 0, time.perf_counter()
+    # bf16 autocast: on CPUs with AMX (and on GPUs) the matmuls run several times faster than in fp32
+    autocast = torch.autocast(device.type, dtype=getattr(torch, cfg.autocast or "float32"), enabled=bool(cfg.autocast))
     if checkpoint is not None and checkpoint.exists():
         state = torch.load(checkpoint, weights_only=False)
         draft.load_state_dict(state["draft"])
@@ -290,12 +293,13 @@ def train_draft(draft: DominoDraft, target, sequences: list[tuple[list[int], int
         with torch.no_grad():
             batch_features = (collate_features([features[i] for i in rows]).to(device) if features is not None
                               else context_features(target, ids, draft.config.target_layer_ids))
-        base, final = block_logits(draft, target, batch_features, ids, anchors)
-        labels = block_labels(ids, lengths, anchors, k)
-        targets = draft_labels(labels, to_draft)
-        lam = lambda_base(step, cfg.steps, cfg) if final is not None else 1.0
-        loss_base = weighted_ce(base, targets, weights)
-        loss = loss_base if final is None else (1 - lam) * weighted_ce(final, targets, weights) + lam * loss_base
+        with autocast:
+            base, final = block_logits(draft, target, batch_features, ids, anchors)
+            labels = block_labels(ids, lengths, anchors, k)
+            targets = draft_labels(labels, to_draft)
+            lam = lambda_base(step, cfg.steps, cfg) if final is not None else 1.0
+            loss_base = weighted_ce(base, targets, weights)
+            loss = loss_base if final is None else (1 - lam) * weighted_ce(final, targets, weights) + lam * loss_base
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(draft.parameters(), cfg.grad_clip)

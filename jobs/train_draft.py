@@ -162,6 +162,8 @@ def parse_args(argv=None):
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="float32", help="target and draft dtype while training")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--autocast", choices=("bfloat16", "float16"), default=None,
+                   help="mixed-precision training forward (weights stay fp32); bfloat16 is ~2.5x faster on AMX CPUs")
     p.add_argument("--eval-prompts", type=Path, default=None, help="Parquet of held-out prompts: engine check")
     p.add_argument("--eval-count", type=int, default=64)
     p.add_argument("--eval-max-new-tokens", type=int, default=128)
@@ -201,7 +203,7 @@ def main(argv=None):
     gamma = args.gamma if args.gamma is not None else {8: 4.0, 10: 5.0, 16: 7.0}.get(args.block_size, args.block_size / 2)
     train_cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, anchors_per_sequence=args.anchors,
                             lr=args.lr, gamma=gamma, lambda_base_decay_ratio=args.lambda_decay_ratio, seed=args.seed,
-                            log_every=args.log_every)
+                            log_every=args.log_every, autocast=args.autocast)
     torch.manual_seed(args.seed)
     draft = DominoDraft(draft_cfg).to(device=device, dtype=target.dtype)
     if draft_cfg.has_d2t:
