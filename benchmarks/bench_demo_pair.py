@@ -66,11 +66,27 @@ def repeated_fraction(rows: list[list[int]], n: int = 4) -> float:
     return repeated / max(total, 1)
 
 
+def acceptance_only(target, drafts, prompts, args, eos, max_model_len, rows) -> dict:
+    results, reference = {}, None
+    for name, (draft, k) in drafts.items():
+        if draft is None or k == "auto":  # target-only has no acceptance; auto's tau is the policy's, not the draft's
+            continue
+        r = run(target, draft, prompts, rows=rows, max_new_tokens=args.max_new_tokens, eos=eos, num_draft_tokens=k,
+                max_model_len=max_model_len)
+        reference = reference or r["token_ids"]
+        assert r["token_ids"] == reference, f"{name}: output differs from the other drafts' (all must be the target's)"
+        results[name] = {"mean_acceptance_length": round(r["mean_acceptance_length"], 3), "tokens": r["tokens"],
+                         "per_position_acceptance": [round(x, 3) for x in per_position_acceptance(r["histogram"])]}
+        print(f"{name:<18} tau {r['mean_acceptance_length']:.3f} over {len(prompts)} prompts, {r['tokens']} tokens; "
+              f"per position {' '.join(f'{x:.2f}' for x in results[name]['per_position_acceptance'])}", flush=True)
+    return {"acceptance": results}
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--pair", choices=("demo", "smollm2"), default="demo")
     p.add_argument("--assets", type=Path, default=None, help="draft + prompts directory (default: the pair's)")
-    p.add_argument("--prompts", type=int, default=32, help="held-out prompts per run")
+    p.add_argument("--prompts", type=int, default=32, help="held-out prompts per run (0: all)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--batch-sizes", default="1,16")
     p.add_argument("--num-draft-tokens", default="",
@@ -78,6 +94,9 @@ def main(argv=None):
     p.add_argument("--extra", action="append", default=[], help="name=path of another draft to compare")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--acceptance-only", action="store_true",
+                   help="only each draft's acceptance at its K (no timing: tau does not depend on it), at the "
+                        "largest batch size; for many prompts")
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = p.parse_args(argv)
     if args.threads:
@@ -100,10 +119,11 @@ def main(argv=None):
     domino = load_draft(assets / "draft", target_config=target.config, dtype=target.dtype)
     table = pq.read_table(assets / "prompts.parquet")
     if "messages" in table.column_names:  # chat prompts: the chat template path
-        prompts = [encode_prompt(tokenizer, messages=m) for m in table.column("messages").to_pylist()[:args.prompts]]
+        prompts = [encode_prompt(tokenizer, messages=m)
+                   for m in table.column("messages").to_pylist()[:args.prompts or None]]
     else:
         prompts = [encode_prompt(tokenizer, prompt=t, chat_template=False)
-                   for t in table.column("prompt").to_pylist()[:args.prompts]]
+                   for t in table.column("prompt").to_pylist()[:args.prompts or None]]
     # the KV cache is reserved for rows x max_model_len: bound it by what these prompts need
     max_model_len = max(len(p) for p in prompts) + args.max_new_tokens
     drafts = {"target-only": (None, None), "domino": (domino, None), "domino-base-only": (backbone_only(domino), None)}
@@ -113,8 +133,10 @@ def main(argv=None):
         name, path = item.split("=", 1)
         drafts[name] = (load_draft(path, target_config=target.config, dtype=target.dtype), None)
 
-    results = {}
-    for rows in (int(b) for b in args.batch_sizes.split(",")):
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    results = acceptance_only(target, drafts, prompts, args, eos, max_model_len, max(batch_sizes)) \
+        if args.acceptance_only else {}
+    for rows in ([] if args.acceptance_only else batch_sizes):
         for name, (draft, k) in drafts.items():  # warm-up: first-call costs (hooks, allocator) stay out of timing
             run(target, draft, prompts[:rows], rows=rows, max_new_tokens=8, eos=eos, num_draft_tokens=k,
                 max_model_len=max_model_len)

@@ -96,6 +96,22 @@ def test_demo_pair_benchmark_smoke(tmp_path):
     assert 0.0 <= results["repeated_4gram_fraction"] <= 1.0
 
 
+def test_demo_pair_benchmark_acceptance_only(tmp_path):
+    """`--acceptance-only`: each fixed-K draft's tau without timing, the same figures the timed run gives;
+    auto and target-only have no draft acceptance of their own and are left out."""
+    out = tmp_path / "acc.json"
+    common = ["--prompts", "3", "--max-new-tokens", "12", "--batch-sizes", "2", "--threads", "1"]
+    run_script("bench_demo_pair.py", *common, "--num-draft-tokens", "auto,3", "--acceptance-only", "--json", str(out))
+    acceptance = json.loads(out.read_text())["results"]["acceptance"]
+    assert set(acceptance) == {"domino", "domino-base-only", "domino-K3"}
+    timed = tmp_path / "timed.json"
+    run_script("bench_demo_pair.py", *common, "--repeats", "1", "--json", str(timed))
+    drafts = json.loads(timed.read_text())["results"]["batch 2"]["drafts"]
+    for name in ("domino", "domino-base-only"):
+        assert acceptance[name]["mean_acceptance_length"] == drafts[name]["mean_acceptance_length"]
+        assert acceptance[name]["tokens"] == drafts[name]["tokens"]
+
+
 @pytest.mark.slow
 def test_demo_pair_benchmark_takes_the_smollm2_pair(tmp_path):
     """`--pair smollm2`: the converted SmolLM2 target, the shipped draft and held-out chat prompts."""
