@@ -10,17 +10,16 @@ each step the engine picks the W that maximises expected committed tokens per se
 `cost` is a table of step times measured on the device at engine start (at the shortest and the longest
 key length: a step's cost is about linear in the keys it attends) and updated from real steps;
 `p` comes from running acceptance estimates, pooled over the engine's rows with a decaying average
-and refined per row from its own history. W = 0 is a plain target decode step (no drafting at all),
-so a useless draft costs nothing; the Domino correction loop stops at W, so a short width also drafts
-less. Verifying fewer drafts never changes what the target accepts: lossless by construction.
+and refined per row from its own history. W = 0 is a plain target decode step (no drafting at all);
+the Domino correction loop stops at W, so a short width also drafts less. Verifying fewer drafts never changes what the target accepts: lossless by construction.
 
 While the draft is useless (`AcceptanceEstimates.draft_is_useless`: its first draft lands under 5% of the
-time, counted, not assumed), W = 0 steps also
-skip the draft's context update, so a useless draft costs nothing at all; the positions decoded then are
-missing from that draft's context (a later probe sees the draft at its worst; rows admitted later start
-with their whole prompt as context). Exploration comes from the prior, which is optimistic (a new engine drafts at once; a few misses bring
-a bad draft's estimate down): estimates decay towards it while a position goes unverified, so a draft
-written off at W = 0 is tried again after a while (rarely: the decay is slow).
+time, counted, not assumed), W = 0 steps also skip the draft's context update. The positions decoded then
+are missing from that draft's context (a later probe sees the draft at its worst; rows admitted later
+start with their whole prompt as context). Exploration comes from the prior, which is optimistic (a new
+engine drafts at once; a few misses bring a bad draft's estimate down): estimates decay towards it while
+a position goes unverified, so a draft written off at W = 0 is tried again after a while (rarely: the
+decay is slow).
 """
 
 from __future__ import annotations
@@ -28,31 +27,33 @@ from __future__ import annotations
 from typing import Mapping, Sequence
 
 
+def expected_tokens_by_width(accept: Sequence[float], usable: int, k: int) -> list[float]:
+    """`[K+1]`: the tokens a row is expected to commit in one step at each width W = 0..K, with conditional
+    acceptance `accept[i]` for draft i+1 and at most `usable` drafts allowed by its budget (the bonus token
+    always comes). One running sum: O(K)."""
+    out, total, survive = [1.0], 1.0, 1.0
+    for i in range(k):
+        if i < usable:
+            survive *= accept[i]
+            total += survive
+        out.append(total)
+    return out
+
+
 def expected_tokens(accept: Sequence[float], width: int, usable: int) -> float:
-    """Expected tokens a row commits in one step at `width`, with conditional acceptance `accept[i]` for
-    draft i+1 and at most `usable` drafts allowed by its budget (the bonus token always comes)."""
-    total = survive = 1.0
-    for p in accept[:max(0, min(width, usable))]:
-        survive *= p
-        total += survive
-    return total
+    """`expected_tokens_by_width` at one width."""
+    return expected_tokens_by_width(accept, usable, width)[width]
 
 
 def width_rates(costs: Mapping[int, float], accept_rows: Sequence[Sequence[float]],
                 usable: Sequence[int]) -> dict[int, float]:
     """Expected committed tokens per second at each width in `costs` (W -> seconds per step for this row
-    bucket), summed over the rows (`accept_rows[r]`, `usable[r]` as in `expected_tokens`). O(rows x K):
-    each row's expected tokens for every W come from one running sum."""
+    bucket), summed over the rows (`accept_rows[r]`, `usable[r]` as in `expected_tokens_by_width`)."""
     k = max(costs)
-    gain = [0.0] * (k + 1)  # gain[W] = sum over rows of expected_tokens(row, W)
+    gain = [0.0] * (k + 1)  # gain[W] = the rows' expected tokens at W
     for accept, cap in zip(accept_rows, usable):
-        total = survive = 1.0
-        gain[0] += 1.0
-        for i in range(k):
-            if i < cap:
-                survive *= accept[i]
-                total += survive
-            gain[i + 1] += total
+        for w, tokens in enumerate(expected_tokens_by_width(accept, cap, k)):
+            gain[w] += tokens
     return {w: gain[w] / c for w, c in costs.items()}
 
 
