@@ -2,6 +2,7 @@
 
     python benchmarks/bench_demo_pair.py --threads 1 --prompts 32 --max-new-tokens 128 --repeats 3
     python benchmarks/bench_demo_pair.py --pair smollm2 --threads 1 --prompts 16 --batch-sizes 1,4,16
+    python benchmarks/bench_demo_pair.py --pair smollm2 --prompts 0 --batch-sizes 16 --acceptance-only
 
 `--pair demo` (default): the small stdlib-trained pair of domino_ray/assets/demo, plain prompts.
 `--pair smollm2`: SmolLM2-135M-Instruct (converted by `make smollm2`) with the draft and held-out chat
