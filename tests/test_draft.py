@@ -59,4 +59,7 @@ def test_fused_context_keys_values_equal_each_layers_own():
                                        draft.config.head_dim, cos, sin)  # [L, b, Hkv, q, D]
     for i, layer in enumerate(draft.layers):
         k, v = layer.self_attn.key_value(context, cos, sin)
-        assert torch.allclose(keys[i], k, atol=1e-12) and torch.equal(values[i], v)
+        # One fused GEMM vs each layer's own: different shapes may take different BLAS kernels (summation
+        # order), so equal up to float64 rounding (eps 2.2e-16 over sums of ~C terms), not bitwise.
+        assert torch.allclose(keys[i], k, rtol=1e-12, atol=1e-12)
+        assert torch.allclose(values[i], v, rtol=1e-12, atol=1e-12)
