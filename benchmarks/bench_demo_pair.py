@@ -30,6 +30,7 @@ import torch
 from domino_ray.checkpoint import load_draft
 from domino_ray.config import DEMO_ASSETS
 from domino_ray.engine import Request, SpecEngine
+from domino_ray.draft import resolve_num_spec_tokens
 from domino_ray.proposer import DominoProposer
 from domino_ray.sampling import SamplingParams
 from domino_ray.stats import per_position_acceptance, total_stats
@@ -40,15 +41,19 @@ SMOLLM2_ASSETS = Path(__file__).resolve().parents[1] / "domino_ray" / "assets" /
 
 
 def run(target, draft, prompts, *, rows, max_new_tokens, eos, num_draft_tokens=None, max_model_len=None):
-    proposer = DominoProposer(draft, target, num_draft_tokens) if draft is not None else None
-    engine = SpecEngine(target, proposer, max_rows=rows, eos_token_ids=eos, max_model_len=max_model_len)
+    proposer, adaptive = None, False
+    if draft is not None:
+        k, adaptive = resolve_num_spec_tokens(num_draft_tokens, draft.config)
+        proposer = DominoProposer(draft, target, k)
+    engine = SpecEngine(target, proposer, max_rows=rows, eos_token_ids=eos, max_model_len=max_model_len,
+                        adaptive=adaptive)
     params = SamplingParams(max_new_tokens=max_new_tokens)
     start = time.perf_counter()
     out = engine.generate([Request(i, p, params) for i, p in enumerate(prompts)])
     seconds = time.perf_counter() - start
     total = total_stats(c.stats for c in out)
     return {"seconds": seconds, "tokens": sum(len(c.token_ids) for c in out),
-            "token_ids": [c.token_ids for c in out], "num_spec_tokens": engine.num_draft_tokens,
+            "token_ids": [c.token_ids for c in out], "num_spec_tokens": engine.num_spec_tokens,
             "mean_acceptance_length": total.mean_acceptance_length if proposer else None,
             "histogram": total.acceptance_histogram if proposer else None}
 

@@ -65,10 +65,10 @@ class Forced:
 
     def __init__(self, inner, max_rows: int, max_len: int, device):
         self.inner = inner
-        self.num_draft_tokens, self.block_size = inner.num_draft_tokens, inner.block_size
+        self.num_spec_tokens, self.block_size = inner.num_spec_tokens, inner.block_size
         self.target_layer_ids = inner.target_layer_ids
         self.refs = torch.zeros(max_rows, max_len, dtype=torch.long, device=device)  # [R, L]
-        self.ahead = torch.arange(1, self.num_draft_tokens + 1, device=device)        # [K]
+        self.ahead = torch.arange(1, self.num_spec_tokens + 1, device=device)        # [K]
 
     def allocate(self, *a):
         self.inner.allocate(*a)

@@ -21,6 +21,7 @@ import torch
 from domino_ray.config import DEMO_ASSETS
 from domino_ray.draft import DominoDraft
 from domino_ray.engine import Request, SpecEngine
+from domino_ray.draft import resolve_num_spec_tokens
 from domino_ray.proposer import DominoProposer
 from domino_ray.sampling import SamplingParams
 from common import demo_pair, write_results
@@ -30,8 +31,11 @@ from domino_ray.train_draft import backbone_only
 def run(target, draft, k, prompts, rows, max_new_tokens):
     """(tokens/s, completions, engine start seconds); k None = target-only, "auto" = adaptive."""
     start = time.perf_counter()
-    proposer = DominoProposer(draft, target, k) if k is not None else None
-    engine = SpecEngine(target, proposer, max_rows=rows)
+    proposer, adaptive = None, False
+    if k is not None:
+        k, adaptive = resolve_num_spec_tokens(k, draft.config)
+        proposer = DominoProposer(draft, target, k)
+    engine = SpecEngine(target, proposer, max_rows=rows, adaptive=adaptive)
     started = time.perf_counter() - start
     params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
     t0 = time.perf_counter()

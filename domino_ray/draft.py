@@ -59,6 +59,17 @@ class DraftConfig:
         return self.draft_vocab_size or self.vocab_size
 
 
+def resolve_num_spec_tokens(setting, config: DraftConfig) -> tuple[int, bool]:
+    """`draft.num_draft_tokens` -> (K, adaptive), the one place it is read. "auto": the verify width adapts per
+    step over 0..K with K the most this checkpoint proposes; null: fixed at that most; an int: fixed K.
+    Raises ValueError for a K this draft cannot propose."""
+    k = config.max_draft_tokens if setting in (None, "auto") else setting
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= config.max_draft_tokens:
+        raise ValueError(f"num_draft_tokens={k} is out of range: this draft (block_size={config.block_size}, "
+                         f"shift_label={config.shift_label}) proposes 1..{config.max_draft_tokens} tokens per step")
+    return k, setting == "auto"
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()

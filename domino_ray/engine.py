@@ -11,8 +11,8 @@ Speculative-decoding words (draft tokens, accepted, bonus, step) are defined in 
 A row's committed tokens are prompt + generated. Its last committed token, the *anchor*, has not been
 through the target yet: the target KV holds positions `[0, lens)` with `lens = committed - 1`, and so
 does the draft's context. One step, for all active rows at once:
-  0. width:  the verify width W (0..K) for this step: K, or with `num_draft_tokens="auto"` the
-             policy's choice from measured costs and acceptance estimates (`verify_width.py`)
+  0. width:  the verify width W (0..K) for this step: K, or for an adaptive engine the width
+             controller's choice from measured costs and acceptance estimates (`verify_width.py`)
   1. draft:  the proposer turns each anchor into W draft tokens (none when W = 0)      -> [n, W]
   2. verify: one target forward over `[anchor, d_1..d_W]` at positions `lens + 0..W`  -> [n, W+1, V]
   3. accept: `verify.py` picks a (accepted) and the bonus; `lens += a + 1`; the hidden states of the
@@ -38,13 +38,11 @@ from typing import Callable, Hashable, Iterable
 import torch
 
 from domino_ray.kv_cache import KVBuffers, visible_keys
-from domino_ray.rng import counter_uniforms
-from domino_ray.sampling import SamplingParams, sampling_probs
+from domino_ray.sampling import RowSampling, SamplingParams, sampling_mode
 from domino_ray.stats import RowStats
 from domino_ray.step_graphs import StepGraphs, use_cuda_graphs
 from domino_ray.target_forward import RowAttention, install, run_decoder
-from domino_ray.verify import greedy_accept, rejection_accept, sample_from_probs
-from domino_ray.verify_width import AcceptanceEstimates, StepCosts, best_width, candidate_widths, width_rates
+from domino_ray.verify_width import StepCosts, WidthController, candidate_widths, measure_step_costs
 
 
 @dataclass
@@ -82,8 +80,6 @@ class _Row:
     arrival: float
     tokens: list[int] = field(default_factory=list)
     first_token_time: float = 0.0
-    tried: list[float] = field(default_factory=list)     # [K] per draft position: steps it was verified
-    succeeded: list[float] = field(default_factory=list)  # [K] ... and accepted
     finish_reason: str | None = None
 
     @property
@@ -97,19 +93,20 @@ class SpecEngine:
     `kv_chunk`: the attended key length is padded to a multiple of it (the key bucket); default 256 with
     CUDA graphs (fewer graphs to capture), 32 without (less attention over padding).
     `cuda_graphs`: "auto" (on for CUDA), "on" or "off".
-    `width_costs`: seconds per step by row bucket and verify width, for an adaptive proposer
-    (`num_draft_tokens="auto"`), as `{bucket: {W: seconds}}` or a `StepCosts`; None = measure them now.
+    `adaptive`: pick the verify width 0..K every step (`verify_width.py`; the config's
+    `num_draft_tokens: auto`, resolved by `draft.resolve_num_spec_tokens`); otherwise every step verifies K.
+    `width_costs`: seconds per step by row bucket and verify width for the adaptive width, as
+    `{bucket: {W: seconds}}` or a `StepCosts`; None = measure them now.
     """
 
     def __init__(self, target, proposer=None, *, max_rows: int = 16, max_model_len: int | None = None,
                  eos_token_ids: Iterable[int] = (), seed: int = 0, max_prefill_tokens: int = 8192,
-                 kv_chunk: int | None = None, cuda_graphs: str = "auto",
+                 kv_chunk: int | None = None, cuda_graphs: str = "auto", adaptive: bool = False,
                  width_costs: dict | StepCosts | None = None):
         cfg = target.config
         self.target, self.decoder, self.lm_head = target, target.get_decoder(), target.get_output_embeddings()
         self.proposer = proposer
-        k = self.num_draft_tokens = proposer.num_draft_tokens if proposer is not None else 0
-        self.adaptive = bool(k) and getattr(proposer, "adaptive", False)  # num_draft_tokens="auto"
+        k = self.num_spec_tokens = proposer.num_spec_tokens if proposer is not None else 0  # K, per step at most
         limits = [x for x in (max_model_len, getattr(cfg, "max_position_embeddings", None)) if x]
         if not limits:
             raise ValueError("max_model_len is required: the target config has no max_position_embeddings")
@@ -145,10 +142,7 @@ class SpecEngine:
         self.lens = torch.zeros(r, dtype=torch.long, device=dev)       # [R] committed positions in the KV
         self.anchor = torch.zeros(r, dtype=torch.long, device=dev)     # [R] last committed token
         self.remaining = torch.zeros(r, dtype=torch.long, device=dev)  # [R] tokens the row may still emit; 0 = free
-        self.temperature = torch.zeros(r, device=dev)                 # [R]
-        self.top_p = torch.ones(r, device=dev)                        # [R]
-        self.top_k = torch.zeros(r, dtype=torch.long, device=dev)     # [R]
-        self.seeds = torch.zeros(r, dtype=torch.long, device=dev)     # [R] sampled rows' seeds
+        self.sampling = RowSampling(r, dev)
         self.drafts = torch.zeros(r, k, dtype=torch.long, device=dev)  # [R, K] the draft step's output
         self.packed = torch.zeros(r, k + 2, dtype=torch.long, device=dev)  # [R, 1 + K+1] accepted, tokens
         self.packed_host = torch.zeros(r, k + 2, dtype=torch.long, pin_memory=dev.type == "cuda")
@@ -159,17 +153,16 @@ class SpecEngine:
         self._running_ids: set = set()  # request ids of pending and active rows
         self.rng = torch.Generator().manual_seed(seed)
         self.graphs = StepGraphs(self.device) if graphs else None
-        self.widths = candidate_widths(k, graphs) if self.adaptive else [k]
-        self.estimates = AcceptanceEstimates(k)
-        self.costs: StepCosts | None = None
-        if self.adaptive:
-            self.costs = (width_costs if isinstance(width_costs, StepCosts) else StepCosts(width_costs) if width_costs
-                          else self.measure_costs())
+        self.width: WidthController | None = None  # None: every step verifies K
+        if adaptive and k:
+            costs = (width_costs if isinstance(width_costs, StepCosts) else StepCosts(width_costs) if width_costs
+                     else self.measure_costs(candidate_widths(k, graphs)))
+            self.width = WidthController(k, max_rows, costs)
 
     def memory_plan(self) -> dict[str, int]:
         """Bytes the engine preallocates or peaks at beyond the weights (README "Memory"), from the shapes."""
         cfg, elt = self.target.config, self.dtype.itemsize
-        r, q, t = self.max_rows, self.num_draft_tokens + 1, self.capacity
+        r, q, t = self.max_rows, self.num_spec_tokens + 1, self.capacity
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         draft = getattr(self.proposer, "config", None)  # a DominoProposer's DraftConfig
         draft_kv = 2 * draft.num_hidden_layers * r * draft.num_key_value_heads * t * draft.head_dim * elt if draft else 0
@@ -205,8 +198,7 @@ class SpecEngine:
         self.pending.append(_Row(request=Request(request.request_id, list(ids), params),
                                  max_new=min(params.max_new_tokens, self.max_model_len - len(ids)),
                                  stop_ids=frozenset(stop), seed=int(seed),
-                                 stats=RowStats(self.num_draft_tokens), arrival=time.perf_counter(),
-                                 tried=[0.0] * self.num_draft_tokens, succeeded=[0.0] * self.num_draft_tokens))
+                                 stats=RowStats(self.num_spec_tokens), arrival=time.perf_counter()))
 
     def abort(self, request_id: Hashable) -> bool:
         """Drop a pending request or end an active one at the next step (its slot is freed then)."""
@@ -282,19 +274,21 @@ class SpecEngine:
         ids = torch.zeros(k, longest, dtype=torch.long)
         for i, row in enumerate(batch):
             ids[i, :len(row.request.prompt_token_ids)] = torch.tensor(row.request.prompt_token_ids)
-        # Per-row settings in two host->device copies: [length, remaining, top_k, seed], [temperature, top_p].
-        ints = torch.tensor([[len(r.request.prompt_token_ids), r.max_new - 1, r.request.params.top_k, r.seed]
-                             for r in batch], dtype=torch.long).to(self.device)
-        floats = torch.tensor([[r.request.params.temperature, r.request.params.top_p] for r in batch]
-                              ).to(self.device, self.temperature.dtype)
+        ints = torch.tensor([[len(r.request.prompt_token_ids), r.max_new - 1] for r in batch]).to(self.device)
         lengths = ints[:, 0]
-        self.top_k[rows], self.seeds[rows] = ints[:, 2], ints[:, 3]
-        self.temperature[rows], self.top_p[rows] = floats[:, 0], floats[:, 1]
+        self.sampling.load(rows, [r.request.params for r in batch], [r.seed for r in batch])
+        if self.width is not None:
+            for slot in range(rows.start, rows.stop):
+                self.width.reset_slot(slot)
         positions = self.key_positions[:longest].expand(k, longest)  # [k, m]: every prompt starts at 0
         hidden, taps = run_decoder(self.decoder, ids.to(self.device), positions,
                                    RowAttention(self.kv, write_index=positions, prefill_rows=rows), self.tap_layers)
         last = hidden[torch.arange(k, device=self.device), lengths - 1]  # [k, C]
-        first = self._choose_first(self.lm_head(last)[:, None], rows, batch, lengths)  # [k]
+        # The first token is an acceptance step with zero drafts at the prompt's last position.
+        no_drafts = torch.zeros(k, 0, dtype=torch.long, device=self.device)
+        _, first = self.sampling.accept(rows, self.lm_head(last)[:, None], no_drafts, torch.zeros_like(lengths),
+                                        (lengths - 1)[:, None], *sampling_mode(r.request.params for r in batch))
+        first = first[:, 0]  # [k]
         if taps is not None:
             self.proposer.append_context(rows, taps, torch.zeros_like(lengths))
         self.lens[rows] = lengths
@@ -307,70 +301,41 @@ class SpecEngine:
         r = next(b for b in self.row_buckets if b >= n)
         longest = max(row.committed for row in self.rows)  # committed - 1 positions are in the KV
         t = min(_round_up(longest - 1 + self.span, self.kv_chunk), self.capacity)
-        sampled = any(not row.request.params.greedy for row in self.rows)
-        filtered = sampled and any(row.request.params.top_k > 0 or row.request.params.top_p < 1.0
-                                   for row in self.rows)
+        sampled, filtered = sampling_mode(row.request.params for row in self.rows)
         usable = [row.max_new - len(row.tokens) - 1 for row in self.rows]  # drafts each budget allows
-        w, context = self._choose_width(r, t, usable) if self.adaptive else (self.num_draft_tokens, True)
-        started = time.perf_counter()  # the device step, timed as measure_costs times it
-        if w:
-            self._draft(r, t, w)
-        self._run(("verify", r, t, w, sampled, filtered, context),
-                  lambda: self._verify_step(r, t, w, sampled, filtered, context))
+        w, context = self.width.choose(r, t, usable) if self.width else (self.num_spec_tokens, True)
+        started = time.perf_counter()
+        self._device_step(r, t, w, sampled, filtered, context)
         packed = self._read_packed(n, w)  # the step's one host sync
         now = time.perf_counter()
-        if self.adaptive:
-            self._learn(r, t, w, now - started, packed, usable)
+        if self.width is not None:
+            self.width.learn(r, t, w, now - started, [a for a, *_ in packed], usable)
         for row, (a, *row_tokens), u in zip(self.rows, packed, usable):
             self._commit(row, row_tokens[:a + 1], events, now, drafted=min(w, u), width=w)
 
-    def _choose_width(self, r: int, t: int, usable: list[int]) -> tuple[int, bool]:
-        """(W, whether the step keeps the draft's context current: always unless the draft is useless)."""
-        pooled = self.estimates.pooled()
-        accept = [self.estimates.for_row(row.succeeded, row.tried, pooled) for row in self.rows]
-        rates = width_rates(self.costs.at(r, t), accept, usable)
-        w = best_width(rates)
-        return w, w > 0 or not self.estimates.draft_is_useless()
-
-    def _learn(self, r: int, t: int, w: int, seconds: float, packed: list[list[int]], usable: list[int]):
-        """Fold one step into the acceptance estimates and the cost table (a decaying average)."""
-        self.estimates.start_step()
-        for row, (a, *_), u in zip(self.rows, packed, usable):
-            self.estimates.observe(min(w, u), a, row.succeeded, row.tried)
-        self.costs.observe(r, w, t, seconds)
+    def _device_step(self, r: int, t: int, w: int, sampled: bool, filtered: bool, context: bool):
+        """Draft `w` tokens (none when 0), then verify and accept them, for slots `0..r` over `t` keys."""
+        if w:
+            if getattr(self.proposer, "graph_safe", False):
+                self._run(("draft", r, t, w), lambda: self._draft_step(r, t, w))
+            else:  # host-side drafts (test proposers): they need the rows' ids
+                self._draft_step(r, t, w, [row.committed for row in self.rows],
+                                 [row.request.request_id for row in self.rows])
+        self._run(("verify", r, t, w, sampled, filtered, context),
+                  lambda: self._verify_step(r, t, w, sampled, filtered, context))
 
     @torch.inference_mode()
-    def measure_costs(self, repeats: int = 3) -> StepCosts:
-        """Seconds per step for every row bucket and candidate width at the shortest and the longest key
-        length, timed on the device while every slot is free (padding rows: the steps change nothing):
-        the fastest of `repeats` runs after a warm-up run, which also captures the step's graphs."""
-        lengths = (min(_round_up(self.span, self.kv_chunk), self.capacity), self.capacity)
-        tables = []
-        for t in lengths:
-            table: dict[int, dict[int, float]] = {}
-            for r in self.row_buckets:
-                times: dict[int, list[float]] = {w: [] for w in self.widths}
-                for _ in range(repeats + 1):  # widths interleaved: each sees the same machine state
-                    for w in self.widths:
-                        start = time.perf_counter()
-                        if w:
-                            self._draft(r, t, w)
-                        self._run(("verify", r, t, w, False, False, True),
-                                  lambda: self._verify_step(r, t, w, False, False, True))
-                        self._read_packed(0, w)
-                        if self.device.type == "cuda":
-                            torch.cuda.synchronize(self.device)
-                        times[w].append(time.perf_counter() - start)
-                table[r] = {w: min(ts[1:]) for w, ts in times.items()}
-            tables.append(table)
-        return StepCosts.from_two_lengths(tables[0], tables[1], *lengths)
+    def measure_costs(self, widths: list[int], repeats: int = 3) -> StepCosts:
+        """Step costs for the adaptive width, timed on `_device_step` (what real steps run) while every slot is
+        free: padding rows, which the steps leave unchanged."""
+        def run_step(r: int, t: int, w: int):
+            self._device_step(r, t, w, False, False, True)
+            self._read_packed(0, w)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
 
-    def _draft(self, r: int, t: int, w: int):
-        if getattr(self.proposer, "graph_safe", False):
-            self._run(("draft", r, t, w), lambda: self._draft_step(r, t, w))
-        else:  # host-side drafts (test proposers): they need the rows' ids
-            self._draft_step(r, t, w, [row.committed for row in self.rows],
-                             [row.request.request_id for row in self.rows])
+        lengths = (min(_round_up(self.span, self.kv_chunk), self.capacity), self.capacity)
+        return measure_step_costs(run_step, self.row_buckets, widths, lengths, repeats)
 
     def _run(self, key: tuple, step: Callable[[], None]):
         if self.graphs is None:
@@ -396,15 +361,8 @@ class SpecEngine:
                                    self.tap_layers if context else ())
         logits = self.lm_head(hidden)  # [r, W+1, V]
         limit = remaining - 1          # drafts that fit the row's budget beside the bonus
-        accepted, tokens = greedy_accept(target_logits=logits, drafts=verify_ids[:, 1:], limit=limit)
-        if sampled:
-            probs = sampling_probs(logits, self.temperature[:r], self.top_k[:r], self.top_p[:r], filtered=filtered)
-            uniforms = counter_uniforms(self.seeds[:r], positions + 1)  # per token position: see rejection_accept
-            s_accepted, s_tokens = rejection_accept(target_probs=probs, drafts=verify_ids[:, 1:], limit=limit,
-                                                    uniforms=uniforms)
-            is_sampled = self.temperature[:r] > 0
-            accepted = torch.where(is_sampled, s_accepted, accepted)
-            tokens = torch.where(is_sampled[:, None], s_tokens, tokens)
+        accepted, tokens = self.sampling.accept(slice(0, r), logits, verify_ids[:, 1:], limit, positions, sampled,
+                                                filtered)
         if taps is not None:
             self.proposer.append_context(slice(0, r), taps, lens)
         advance = torch.where(remaining > 0, accepted + 1, 0)  # padding slots (remaining 0) stay put
@@ -467,21 +425,12 @@ class SpecEngine:
         self.kv.move_row(src, dst, length)
         if self.proposer is not None:
             self.proposer.move_row(src, dst, length)
-        for t in (self.lens, self.anchor, self.remaining, self.temperature, self.top_p, self.top_k, self.seeds):
+        for t in (self.lens, self.anchor, self.remaining):
             t[dst] = t[src]
+        self.sampling.move(src, dst)
+        if self.width is not None:
+            self.width.move_slot(src, dst)
         self.rows[dst] = self.rows[src]
-
-    def _choose_first(self, logits: torch.Tensor, rows: slice, batch: list[_Row], lengths: torch.Tensor
-                      ) -> torch.Tensor:
-        """First token per admitted row from the prompt's last logits `[k, 1, V]` -> `[k]`."""
-        first = logits[:, 0].argmax(-1)
-        if any(not r.request.params.greedy for r in batch):
-            probs = sampling_probs(logits, self.temperature[rows], self.top_k[rows], self.top_p[rows],
-                                   filtered=any(r.request.params.top_k > 0 or r.request.params.top_p < 1.0
-                                                for r in batch))
-            uniforms = counter_uniforms(self.seeds[rows], lengths[:, None])  # the token's position: the prompt length
-            first = torch.where(self.temperature[rows] > 0, sample_from_probs(probs[:, 0], uniforms[:, 0]), first)
-        return first
 
 
 def _round_up(x: int, multiple: int) -> int:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from domino_ray.checkpoint import load_draft
+from domino_ray.draft import resolve_num_spec_tokens
 from domino_ray.engine import Request, SpecEngine
 from domino_ray.proposer import DominoProposer
 from domino_ray.sampling import SamplingParams
@@ -29,9 +30,12 @@ def build_engine(target, draft=None, tokenizer=None, *, num_draft_tokens: int | 
     both call it. `draft` is a DominoDraft or None (target only); `tokenizer` None means token ids only,
     and only a real tokenizer's EOS id joins the model's stop ids. `engine_settings` go to SpecEngine
     as they are (max_model_len, seed, max_prefill_tokens, ...)."""
-    proposer = DominoProposer(draft, target, num_draft_tokens) if draft is not None else None
+    proposer, adaptive = None, False
+    if draft is not None:
+        k, adaptive = resolve_num_spec_tokens(num_draft_tokens, draft.config)
+        proposer = DominoProposer(draft, target, k)
     return SpecEngine(target, proposer, max_rows=max_batch_size, eos_token_ids=stop_token_ids(target, tokenizer),
-                      **engine_settings)
+                      adaptive=adaptive, **engine_settings)
 
 
 def engine_settings(model, draft, generation, runtime=None) -> dict:

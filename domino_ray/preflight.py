@@ -19,6 +19,7 @@ import torch
 from domino_ray.checkpoint import (CheckpointError, check_against_target, check_tensors, detect_layout,
                                    normalize_keys, parse_draft_config)
 from domino_ray.config import ConfigError, InputConfig, JobConfig, to_dict
+from domino_ray.draft import resolve_num_spec_tokens
 from domino_ray.io import Location, list_parquet_files, overlap, resolve
 from domino_ray.schema import GENERATED_NAMES, OVERRIDE_KEYS
 
@@ -219,12 +220,10 @@ def check_models(cfg: JobConfig) -> int:
         check_against_target(draft_config, target_config)
     except (CheckpointError, OSError, ValueError, KeyError) as exc:
         raise ConfigError(f"config key draft.source={cfg.draft.source!r}: {exc}") from None
-    k = cfg.draft.num_draft_tokens
-    k = draft_config.max_draft_tokens if k in (None, "auto") else k  # auto: widths 0..K, K the checkpoint's most
-    if not 1 <= k <= draft_config.max_draft_tokens:
-        raise ConfigError(f"config key draft.num_draft_tokens={k} is invalid: this draft proposes "
-                          f"1..{draft_config.max_draft_tokens} tokens per step")
-    return k
+    try:
+        return resolve_num_spec_tokens(cfg.draft.num_draft_tokens, draft_config)[0]
+    except ValueError as exc:
+        raise ConfigError(f"config key draft.{exc}") from None
 
 
 def _draft_header(source: str) -> tuple[dict, dict[str, torch.Tensor]]:

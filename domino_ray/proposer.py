@@ -1,8 +1,8 @@
 """Proposers: what the engine asks for draft tokens each step.
 
 A proposer is any object with these members (duck-typed; the engine needs nothing else):
-- `num_draft_tokens`: K, drafts per step at most; `block_size`: positions its block writes past a row's
-  context; `adaptive`: the engine picks the verify width 0..K each step (`num_draft_tokens="auto"`).
+- `num_spec_tokens`: K, drafts per step at most (the engine may verify fewer: `verify_width.py`);
+  `block_size`: positions its block writes past a row's context.
 - `target_layer_ids`: target layers whose outputs it needs as context (empty: none).
 - `graph_safe`: its `propose` is device work on fixed shapes (CUDA-graph capturable).
 - `allocate(max_rows, max_len)`: reserve per-row state once.
@@ -22,22 +22,21 @@ from __future__ import annotations
 
 import torch
 
-from domino_ray.draft import DominoDraft, context_key_value_weights, context_keys_values
+from domino_ray.draft import DominoDraft, context_key_value_weights, context_keys_values, resolve_num_spec_tokens
 from domino_ray.kv_cache import KVBuffers, row_attention, visible_keys
 
 
 class DominoProposer:
     graph_safe = True
 
-    def __init__(self, draft: DominoDraft, target, num_draft_tokens: int | str | None = None):
-        """`num_draft_tokens`: K per step; None = the most the checkpoint supports; "auto" = adaptive up to it."""
+    def __init__(self, draft: DominoDraft, target, num_spec_tokens: int | None = None):
+        """`num_spec_tokens`: K, drafts per step at most; None = the most the checkpoint proposes."""
         cfg = draft.config
-        self.adaptive = num_draft_tokens == "auto"
-        k = cfg.max_draft_tokens if num_draft_tokens in (None, "auto") else num_draft_tokens
-        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= cfg.max_draft_tokens:
-            raise ValueError(f"num_draft_tokens={k} is out of range: this draft (block_size={cfg.block_size}, "
-                             f"shift_label={cfg.shift_label}) proposes 1..{cfg.max_draft_tokens} tokens per step")
-        self.draft, self.config, self.num_draft_tokens = draft, cfg, k
+        if isinstance(num_spec_tokens, str):
+            raise TypeError("num_spec_tokens is an int; resolve 'auto' with draft.resolve_num_spec_tokens and pass "
+                            "adaptive=True to the engine")
+        k, _ = resolve_num_spec_tokens(num_spec_tokens, cfg)
+        self.draft, self.config, self.num_spec_tokens = draft, cfg, k
         self.block_size = cfg.block_size
         self.target_layer_ids = cfg.target_layer_ids
         self.embed = target.get_input_embeddings()

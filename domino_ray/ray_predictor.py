@@ -55,7 +55,7 @@ class DominoPredictor:
         if engine.device.type == "cpu":
             torch.set_num_threads(max(1, int(cfg.runtime.cpus_per_actor)))  # the CPUs Ray reserved for us
         self.loop = EngineLoop(engine)
-        self.num_spec_tokens, self.eos_ids = engine.num_draft_tokens, engine.eos_token_ids
+        self.num_spec_tokens, self.eos_ids = engine.num_spec_tokens, engine.eos_token_ids
         self.cfg, self.schema, self.base = cfg, schema, base_params(cfg.generation)
         self.request_ids = itertools.count()  # engine ids: input ids may repeat across concurrent batches
         self.stats_sink = stats_sink

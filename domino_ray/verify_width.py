@@ -24,7 +24,8 @@ decay is slow).
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+import time
+from typing import Callable, Mapping, Sequence
 
 
 def expected_tokens_by_width(accept: Sequence[float], usable: int, k: int) -> list[float]:
@@ -162,8 +163,63 @@ class StepCosts:
         self.base[r][w] += rate * (base - self.base[r][w])
 
 
-def candidate_widths(num_draft_tokens: int, graphs: bool) -> list[int]:
+def candidate_widths(num_spec_tokens: int, graphs: bool) -> list[int]:
     """Every width 0..K eagerly; with CUDA graphs a few (each width is its own set of graphs)."""
     if not graphs:
-        return list(range(num_draft_tokens + 1))
-    return sorted({0, num_draft_tokens} | {1 << i for i in range(num_draft_tokens.bit_length()) if 1 << i < num_draft_tokens})
+        return list(range(num_spec_tokens + 1))
+    return sorted({0, num_spec_tokens} | {1 << i for i in range(num_spec_tokens.bit_length()) if 1 << i < num_spec_tokens})
+
+
+def measure_step_costs(run_step: Callable[[int, int, int], None], row_buckets: Sequence[int], widths: Sequence[int],
+                       key_lengths: tuple[int, int], repeats: int = 3) -> StepCosts:
+    """Seconds per step for every row bucket and width at the shortest and the longest key length.
+
+    `run_step(r, t, w)` is the engine's own device step (the one a real step runs) for `r` padding rows over
+    `t` keys at width `w`, returning once the device is done. The fastest of `repeats` runs after a warm-up
+    run (which also captures the step's graphs); widths interleaved so each sees the same machine state."""
+    tables = []
+    for t in key_lengths:
+        table: dict[int, dict[int, float]] = {}
+        for r in row_buckets:
+            times: dict[int, list[float]] = {w: [] for w in widths}
+            for _ in range(repeats + 1):
+                for w in widths:
+                    start = time.perf_counter()
+                    run_step(r, t, w)
+                    times[w].append(time.perf_counter() - start)
+            table[r] = {w: min(ts[1:]) for w, ts in times.items()}
+        tables.append(table)
+    return StepCosts.from_two_lengths(tables[0], tables[1], *key_lengths)
+
+
+class WidthController:
+    """The adaptive width's state and policy in one place: acceptance estimates (pooled, and per slot), the
+    step-cost table, the candidate widths. The engine asks `choose` before a step and calls `learn` after it;
+    `reset_slot` / `move_slot` follow its slot bookkeeping (a slot's counts belong to the row in it)."""
+
+    def __init__(self, num_spec_tokens: int, max_rows: int, costs: StepCosts):
+        self.k, self.costs = num_spec_tokens, costs
+        self.estimates = AcceptanceEstimates(num_spec_tokens)
+        self.tried = [[0.0] * num_spec_tokens for _ in range(max_rows)]      # [R][K] steps position i was verified
+        self.succeeded = [[0.0] * num_spec_tokens for _ in range(max_rows)]  # [R][K] ... and accepted
+
+    def choose(self, r: int, t: int, usable: Sequence[int]) -> tuple[int, bool]:
+        """(W, whether the step keeps the draft's context current: always unless the draft is useless) for the
+        active rows in slots `0..len(usable)` (`usable[i]`: drafts row i's budget allows), bucket `r`, `t` keys."""
+        pooled = self.estimates.pooled()
+        accept = [self.estimates.for_row(self.succeeded[i], self.tried[i], pooled) for i in range(len(usable))]
+        w = best_width(width_rates(self.costs.at(r, t), accept, usable))
+        return w, w > 0 or not self.estimates.draft_is_useless()
+
+    def learn(self, r: int, t: int, w: int, seconds: float, accepted: Sequence[int], usable: Sequence[int]):
+        """Fold one step into the acceptance estimates and the cost table (a decaying average)."""
+        self.estimates.start_step()
+        for i, (a, u) in enumerate(zip(accepted, usable)):
+            self.estimates.observe(min(w, u), a, self.succeeded[i], self.tried[i])
+        self.costs.observe(r, w, t, seconds)
+
+    def reset_slot(self, slot: int):
+        self.tried[slot], self.succeeded[slot] = [0.0] * self.k, [0.0] * self.k
+
+    def move_slot(self, src: int, dst: int):
+        self.tried[dst], self.succeeded[dst] = self.tried[src], self.succeeded[src]

@@ -21,12 +21,12 @@ class OracleProposer:
 
     graph_safe = False  # drafts come from host-side references
 
-    def __init__(self, references: dict, num_draft_tokens: int, vocab_size: int, wrong_at: dict | None = None,
-                 shadow=None, adaptive: bool = False):
+    def __init__(self, references: dict, num_spec_tokens: int, vocab_size: int, wrong_at: dict | None = None,
+                 shadow=None):
         self.references = {k: list(v) for k, v in references.items()}
-        self.num_draft_tokens, self.vocab_size = num_draft_tokens, vocab_size
+        self.num_spec_tokens, self.vocab_size = num_spec_tokens, vocab_size
         self.wrong_at = wrong_at or {}
-        self.shadow, self.adaptive = shadow, adaptive
+        self.shadow = shadow
         self.target_layer_ids = shadow.target_layer_ids if shadow else ()
         self.block_size = shadow.block_size if shadow else 1
         self.calls: dict = {}
@@ -49,7 +49,7 @@ class OracleProposer:
             step = self.calls.get(rid, 0)
             self.calls[rid] = step + 1
             schedule = self.wrong_at.get(rid)
-            wrong = schedule[step % len(schedule)] if schedule else self.num_draft_tokens
+            wrong = schedule[step % len(schedule)] if schedule else self.num_spec_tokens
             row = (ref[done:done + k] + [0] * k)[:k]
             drafts[i] = [t if j < wrong else (t + 1) % self.vocab_size for j, t in enumerate(row)]
         return torch.tensor(drafts, dtype=torch.long, device=anchor.device).reshape(r, k)

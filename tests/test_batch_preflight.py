@@ -35,7 +35,7 @@ def test_bad_models_fail_naming_the_key(tiny_pair, prompts, tmp_path):
         check_models(job_config(tiny_pair, prompts, tmp_path, **{"model.source": "/nonexistent"}))
     with pytest.raises(ConfigError, match="draft.source=.*not a directory"):
         check_models(job_config(tiny_pair, prompts, tmp_path, **{"draft.source": "/nonexistent"}))
-    with pytest.raises(ConfigError, match="draft.num_draft_tokens=9 is invalid.*1..4"):
+    with pytest.raises(ConfigError, match="draft.num_draft_tokens=9 is out of range.*1..4"):
         check_models(job_config(tiny_pair, prompts, tmp_path, **{"draft.num_draft_tokens": 9}))
     # A draft trained for another target (bigger vocabulary): caught from the safetensors headers alone.
     other = tiny_target("qwen3", vocab=128, dtype=torch.float32)

@@ -69,7 +69,7 @@ def test_llama_target(prompts):
 
 def test_fewer_draft_tokens_than_the_block(qwen3, prompts, reference):
     draft = tiny_draft(qwen3, block_size=8)
-    out = run(qwen3, DominoProposer(draft, qwen3, num_draft_tokens=3), prompts)
+    out = run(qwen3, DominoProposer(draft, qwen3, num_spec_tokens=3), prompts)
     assert [c.token_ids for c in out] == reference
     assert out[0].stats.num_spec_tokens == 3
 

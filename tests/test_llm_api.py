@@ -107,7 +107,7 @@ def test_python_api_and_job_engine_get_every_setting(pair):
     llm = DominoLLM.from_pretrained(pair[0], draft=pair[1], dtype="float32", max_prefill_tokens=7, max_batch_size=3,
                                     seed=11, max_model_len=64, num_draft_tokens=2)
     for engine in (job_engine, llm.engine):
-        assert (engine.max_prefill_tokens, engine.max_rows, engine.max_model_len, engine.num_draft_tokens) == \
+        assert (engine.max_prefill_tokens, engine.max_rows, engine.max_model_len, engine.num_spec_tokens) == \
             (7, 3, 64, 2)
     assert job_engine.eos_token_ids == llm.engine.eos_token_ids
     # One seed: sampled requests without their own seed draw the same tokens from both engines.

@@ -155,7 +155,7 @@ def test_sampling_at_temperature_07_matches_the_target(pair):
     for prompt_messages in prompts:
         prompt = encode_prompt(tokenizer, messages=prompt_messages)
         p2, p3 = exact_marginals(target, prompt, SamplingParams(**params))
-        engine = SpecEngine(target, DominoProposer(draft, target, num_draft_tokens=2), max_rows=128,
+        engine = SpecEngine(target, DominoProposer(draft, target, num_spec_tokens=2), max_rows=128,
                             max_model_len=128)
         out = engine.generate([Request(i, prompt, SamplingParams(**params, seed=7000 + i)) for i in range(n)])
         histogram += torch.tensor([c.stats.acceptance_histogram for c in out]).sum(0)

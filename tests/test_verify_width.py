@@ -103,8 +103,8 @@ def test_adaptive_greedy_equals_target_only(target):
     base = SpecEngine(target, None, max_rows=3).generate([Request(i, p, sp) for i, (p, sp) in
                                                           enumerate(zip(prompts, params))])
     for costs in (None, {r: {w: 1.0 + 0.01 * w for w in range(K + 1)} for r in (1, 2, 3)}):  # measured; cheap drafts
-        engine = SpecEngine(target, DominoProposer(tiny_draft(target, block_size=K), target, "auto"), max_rows=3,
-                            width_costs=costs)
+        engine = SpecEngine(target, DominoProposer(tiny_draft(target, block_size=K), target), max_rows=3,
+                            adaptive=True, width_costs=costs)
         out = engine.generate([Request(i, p, sp) for i, (p, sp) in enumerate(zip(prompts, params))])
         assert [c.token_ids for c in out] == [c.token_ids for c in base]
         for c in out:
@@ -123,8 +123,8 @@ class CountingProposer(DominoProposer):
 def test_random_draft_settles_on_plain_decoding_at_no_cost(target):
     """A useless draft: W = 0 almost always, and those steps skip the draft's context too."""
     costs = {r: {w: 1.0 + 0.3 * w for w in range(K + 1)} for r in (1, 2, 4)}
-    proposer = CountingProposer(tiny_draft(target, block_size=K, seed=9), target, "auto")
-    engine = SpecEngine(target, proposer, max_rows=4, width_costs=costs)
+    proposer = CountingProposer(tiny_draft(target, block_size=K, seed=9), target)
+    engine = SpecEngine(target, proposer, max_rows=4, adaptive=True, width_costs=costs)
     out = engine.generate([Request(i, p, SamplingParams(max_new_tokens=120, ignore_eos=True))
                            for i, p in enumerate(ragged_prompts(4, seed=1))])
     widths = [sum(c.stats.verify_width_histogram[w] for c in out) for w in range(K + 1)]
@@ -138,8 +138,8 @@ def test_random_draft_settles_on_plain_decoding_at_no_cost(target):
 def test_oracle_at_full_acceptance_verifies_the_full_block_at_batch_one(target):
     prompt = ragged_prompts(1, seed=8)[0]
     (ref,) = SpecEngine(target, None, max_rows=1).generate([Request(0, prompt, SamplingParams(max_new_tokens=60))])
-    oracle = OracleProposer({0: prompt + ref.token_ids}, K, target.config.vocab_size, adaptive=True)
-    engine = SpecEngine(target, oracle, max_rows=1)  # costs measured on this machine
+    oracle = OracleProposer({0: prompt + ref.token_ids}, K, target.config.vocab_size)
+    engine = SpecEngine(target, oracle, max_rows=1, adaptive=True)  # costs measured on this machine
     (c,) = engine.generate([Request(0, prompt, SamplingParams(max_new_tokens=60))])
     assert c.token_ids == ref.token_ids
     widths = c.stats.verify_width_histogram
@@ -154,8 +154,8 @@ def test_adaptive_sampling_is_reproducible_per_seed(target):
     costs = {r: {w: 1.0 + 0.01 * w for w in range(K + 1)} for r in (1, 2, 4)}
 
     def run(rows, ps):
-        engine = SpecEngine(target, DominoProposer(tiny_draft(target, block_size=K), target, "auto"), max_rows=rows,
-                            width_costs=costs)
+        engine = SpecEngine(target, DominoProposer(tiny_draft(target, block_size=K), target), max_rows=rows,
+                            adaptive=True, width_costs=costs)
         return [c.token_ids for c in engine.generate([Request(i, p, params) for i, p in enumerate(ps)])]
 
     together = run(4, prompts)
@@ -172,10 +172,11 @@ def test_sampled_text_is_the_target_only_sample_for_the_same_seed(target, top_p)
     base = [c.token_ids for c in SpecEngine(target, None, max_rows=5).generate(requests())]
     refs = {i: p + b for i, (p, b) in enumerate(zip(prompts, base))}
     costs = {r: {w: 1.0 + 0.01 * w for w in range(K + 1)} for r in (1, 2)}
-    for proposer, rows in ((DominoProposer(tiny_draft(target, block_size=K), target), 2),
-                           (DominoProposer(tiny_draft(target, block_size=K), target, "auto"), 2),
-                           (OracleProposer(refs, K, target.config.vocab_size, wrong_at={i: [2, 4, 0] for i in refs}), 2)):
-        engine = SpecEngine(target, proposer, max_rows=rows, width_costs=costs)
+    for proposer, adaptive in ((DominoProposer(tiny_draft(target, block_size=K), target), False),
+                               (DominoProposer(tiny_draft(target, block_size=K), target), True),
+                               (OracleProposer(refs, K, target.config.vocab_size, wrong_at={i: [2, 4, 0] for i in refs}),
+                                False)):
+        engine = SpecEngine(target, proposer, max_rows=2, adaptive=adaptive, width_costs=costs)
         out = engine.generate(requests())
         assert [c.token_ids for c in out] == base
     assert sum(c.stats.num_accepted_draft_tokens for c in out) > 0  # the oracle's drafts were accepted, not replaced

@@ -126,7 +126,7 @@ class Recorder:
 
     def __init__(self, inner):
         self.inner, self.records = inner, []
-        self.num_draft_tokens, self.target_layer_ids = inner.num_draft_tokens, inner.target_layer_ids
+        self.num_spec_tokens, self.target_layer_ids = inner.num_spec_tokens, inner.target_layer_ids
         self.block_size = inner.block_size
 
     def allocate(self, *a):
