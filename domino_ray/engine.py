@@ -38,6 +38,7 @@ from typing import Callable, Hashable, Iterable
 import torch
 
 from domino_ray.kv_cache import KVBuffers, visible_keys
+from domino_ray.memory import check_memory_fits, memory_plan
 from domino_ray.sampling import RowSampling, SamplingParams, sampling_mode
 from domino_ray.stats import RowStats
 from domino_ray.step_graphs import StepGraphs, use_cuda_graphs
@@ -160,20 +161,10 @@ class SpecEngine:
             self.width = WidthController(k, max_rows, costs)
 
     def memory_plan(self) -> dict[str, int]:
-        """Bytes the engine preallocates or peaks at beyond the weights (README "Memory"), from the shapes."""
-        cfg, elt = self.target.config, self.dtype.itemsize
-        r, q, t = self.max_rows, self.num_spec_tokens + 1, self.capacity
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        draft = getattr(self.proposer, "config", None)  # a DominoProposer's DraftConfig
-        draft_kv = 2 * draft.num_hidden_layers * r * draft.num_key_value_heads * t * draft.head_dim * elt if draft else 0
-        # The largest decode bucket's intermediates: logits (+ float32 probabilities and float64 CDF when
-        # sampling), the widest activations, one layer's attention scores and the key mask. CUDA graphs share
-        # one pool, so this is also about what the captured graphs hold.
-        step = r * q * (cfg.vocab_size * (elt + 4 + 8) + 4 * cfg.intermediate_size * elt) \
-            + r * cfg.num_attention_heads * q * t * 4 + r * self.groups * q * t
-        prefill = self.max_prefill_tokens * (6 * cfg.hidden_size + 3 * cfg.intermediate_size) * elt
-        return {"target_kv": 2 * cfg.num_hidden_layers * r * cfg.num_key_value_heads * t * head_dim * elt,
-                "draft_kv": draft_kv, "decode_step": step, "prefill_peak": prefill}
+        """Bytes beyond the weights for this engine's sizes (`memory.memory_plan`)."""
+        return memory_plan(self.target.config, getattr(self.proposer, "config", None), max_rows=self.max_rows,
+                           num_spec_tokens=self.num_spec_tokens, capacity=self.capacity,
+                           max_prefill_tokens=self.max_prefill_tokens, itemsize=self.dtype.itemsize)
 
     # ---- requests ---------------------------------------------------------------------------------
 
@@ -451,13 +442,3 @@ def _length_groups(rows: list[_Row], slack: float = 1.25) -> list[list[_Row]]:
             groups.append([row])
             real = m
     return groups
-
-
-def check_memory_fits(plan: dict[str, int], free_bytes: int, device) -> None:
-    """Fail with advice instead of an opaque out-of-memory error: buffers are static per slot."""
-    need = sum(plan.values())
-    if need > 0.9 * free_bytes:
-        parts = ", ".join(f"{k} {v / 2**30:.2f}" for k, v in plan.items())
-        raise ValueError(f"the engine needs {need / 2**30:.1f} GiB beyond the weights ({parts} GiB) but "
-                         f"{free_bytes / 2**30:.1f} GiB are free on {device}: lower generation.max_batch_size, "
-                         "model.max_model_len or generation.max_prefill_tokens")
