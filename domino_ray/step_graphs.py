@@ -1,14 +1,20 @@
-"""CUDA graphs for the engine's fixed-shape steps: captured once per bucket, replayed every step.
+"""CUDA graphs for the engine's fixed-shape steps: captured once per key, replayed every step.
 
 A step (`SpecEngine._draft_step`, `_verify_step`) reads and writes only the engine's preallocated
-buffers, with shapes fixed by its bucket key, and makes no host sync, so its kernels can be recorded
-once and replayed. The first call of a key runs eagerly: it is the real step and the warm-up the
-capture needs (lazy kernels, cuBLAS workspaces, allocator state). The capture that follows only
-records (kernels do not run while capturing), so it changes no state. All graphs share one memory
-pool; a capture that fails is logged once and its key runs eagerly from then on.
+buffers, with shapes fixed by its key, and makes no host sync, so its kernels can be recorded once and
+replayed. The keys (`SpecEngine._device_step`):
+  ("draft", r, t, W)                                 the draft block + correction loop for W tokens
+  ("verify", r, t, W, sampled, filtered, context)    target forward over W+1 positions and acceptance
+with r the row bucket, t the key bucket (a multiple of `kv_chunk`), W the verify width (0, 1, 2, 4, ...,
+K with an adaptive width; K otherwise), `sampled`/`filtered` the rows' sampling mode
+(`sampling.sampling_mode`) and `context` whether the step feeds the draft's context (off only while the
+adaptive width has written the draft off). The first call of a key runs eagerly: it is the real step
+and the warm-up the capture needs (lazy kernels, cuBLAS workspaces, allocator state). The capture that
+follows only records (kernels do not run while capturing), so it changes no state. All graphs share one
+memory pool; a capture that fails is logged once and its key runs eagerly from then on.
 
-Capturing lazily bounds the graphs to the buckets a workload meets: row buckets x key buckets
-(max_model_len / kv_chunk of them) x {greedy, sampled, sampled+filtered} would be thousands ahead of time.
+Capturing lazily bounds the graphs to the keys a workload meets: all of them ahead of time would be
+thousands (row buckets x key buckets x widths x modes).
 """
 
 from __future__ import annotations

@@ -1,17 +1,20 @@
 """Verification: which draft tokens the target keeps, and the token it adds.
 
 Vocabulary (used in code, output columns and logs alike):
-- **draft tokens**: the K tokens the draft proposes per step, d_1..d_K.
-- **step**: one target verify pass over `[anchor, d_1..d_K]`; the anchor is the last committed token.
-- **accepted**: draft tokens the target keeps, a prefix d_1..d_a (0 <= a <= K); excludes the bonus.
+- **K** (`num_spec_tokens`): the most draft tokens a step may verify, fixed per engine.
+- **verify width** W (0..K): the draft tokens this step verifies; K every step, or chosen per step by the
+  adaptive width (`verify_width.py`). W = 0 is a plain target decode step (no drafting).
+- **draft tokens**: the W tokens the draft proposes for the step, d_1..d_W.
+- **step**: one target verify pass over `[anchor, d_1..d_W]`; the anchor is the last committed token.
+- **accepted**: draft tokens the target keeps, a prefix d_1..d_a (0 <= a <= W); excludes the bonus.
 - **bonus**: the one token the target adds after the accepted prefix (its own choice at position a:
-  a correction when d_{a+1} was rejected, a free extra token when all K were accepted).
+  a correction when d_{a+1} was rejected, a free extra token when all W were accepted).
 - Every step commits a + 1 tokens; `mean_acceptance_length = 1 + accepted / steps` (includes the bonus).
 
 Greedy: accept the longest prefix where d_i == argmax of the target at the previous position.
 Sampled (temperature > 0): the draft proposal is one-hot, so speculative sampling reduces to: accept
 d_i with probability p_i(d_i); at the first rejection sample from p with d_i removed and renormalised;
-if all K are accepted, sample the bonus from p_K. The output is distributed exactly as the target's.
+if all W are accepted, sample the bonus from p_W. The output is distributed exactly as the target's.
 We realise it coupled to the target's own inverse-CDF sample at each position (`rejection_accept`), so
 with per-position uniforms the sampled text does not depend on the draft at all.
 
