@@ -14,6 +14,7 @@ p(t3 | t1, t2) over every prefix with mass >= 1e-4 (what is left out goes to the
 Skipped, saying why, when the converted target is absent; `make test` installs and converts it first.
 """
 
+import copy
 import json
 
 import pyarrow.parquet as pq
@@ -119,25 +120,38 @@ def counts_at(completions, position: int) -> dict[int, int]:
     return counts
 
 
+def next_token_probs(target, prompt, continuations, params, chunk=256):
+    """`[N, V]` float64: the sampling distribution after `prompt + c` for each continuation `c` (all of one
+    length). The prompt runs once; every continuation reuses its KV cache and only the last logits are
+    computed, so a thousand continuations cost about a thousand tokens, not a thousand prompts."""
+    with torch.no_grad():
+        prompt_cache = target(torch.tensor([prompt[:-1]]), use_cache=True).cache
+        out = []
+        for i in range(0, len(continuations), chunk):
+            part = continuations[i:i + chunk]
+            cache = copy.deepcopy(prompt_cache)
+            cache.batch_repeat_interleave(len(part))
+            logits = target(torch.tensor([[prompt[-1]] + list(c) for c in part]), cache=cache, use_cache=True,
+                            logits_to_keep=1).logits  # [n, 1, V]
+            m = len(part)
+            out.append(sampling_probs(logits, torch.full((m,), params.temperature), torch.full((m,), params.top_k),
+                                      torch.full((m,), params.top_p),
+                                      filtered=params.top_k > 0 or params.top_p < 1.0)[:, 0].double())
+    return torch.cat(out)
+
+
 def exact_marginals(target, prompt, params, floor=1e-4, depth=3):
     """The target's exact distributions of generated tokens 2 and 3 (dicts token -> probability; token 3
     only with depth=3, else None)."""
-    def dists(prefixes):
-        with torch.no_grad():
-            logits = target(torch.tensor(prefixes)).logits[:, -1:]
-        m = len(prefixes)
-        return sampling_probs(logits, torch.full((m,), params.temperature), torch.full((m,), params.top_k),
-                              torch.full((m,), params.top_p), filtered=True)[:, 0].double()
-
-    p1 = dists([prompt])[0]
+    p1 = next_token_probs(target, prompt, [[]], params)[0]
     firsts = (p1 >= floor).nonzero().flatten().tolist()
-    p2 = dists([prompt + [a] for a in firsts])                # [A, V]
-    joint12 = p1[firsts, None] * p2                           # [A, V]
+    p2 = next_token_probs(target, prompt, [[a] for a in firsts], params)   # [A, V]
+    joint12 = p1[firsts, None] * p2                                        # [A, V]
     as_dict = lambda p: {t: p[t].item() for t in (p >= floor / 10).nonzero().flatten().tolist()}
     if depth == 2:
         return as_dict(joint12.sum(0)), None
-    pairs = (joint12 >= floor).nonzero().tolist()             # (row in firsts, token)
-    p3 = dists([prompt + [firsts[i], b] for i, b in pairs])   # [P, V]
+    pairs = (joint12 >= floor).nonzero().tolist()                          # (row in firsts, token)
+    p3 = next_token_probs(target, prompt, [[firsts[i], b] for i, b in pairs], params)  # [P, V]
     marginal3 = (torch.stack([joint12[i, b] for i, b in pairs])[:, None] * p3).sum(0)
     return as_dict(joint12.sum(0)), as_dict(marginal3)
 
