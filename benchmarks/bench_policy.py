@@ -19,9 +19,8 @@ from pathlib import Path
 import torch
 
 from domino_ray.config import DEMO_ASSETS
-from domino_ray.draft import DominoDraft
+from domino_ray.draft import DominoDraft, resolve_num_spec_tokens
 from domino_ray.engine import Request, SpecEngine
-from domino_ray.draft import resolve_num_spec_tokens
 from domino_ray.proposer import DominoProposer
 from domino_ray.sampling import SamplingParams
 from common import demo_pair, write_results
