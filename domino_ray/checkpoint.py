@@ -16,18 +16,24 @@ Layouts (detected from `config.json`, every flag read from it):
 Each layout has its own small parser (`dflash_fields`, ...) into `LayoutFields`; `draft_config` does
 what they share. A new layout is a new parser in `LAYOUT_PARSERS` plus its case in `detect_layout`.
 
-Every mismatch (missing, unexpected or mis-shaped tensor; a draft that does not fit the target)
-raises `CheckpointError` naming the key, the expected and the found value.
+`check_draft` is the one ordered check, run on config.json and the safetensors headers (plus the
+small `d2t` map): pre-flight runs it alone, `load_draft` runs it and then reads the weights, so a bad
+checkpoint gives the same first error in both. Every mismatch (missing, unexpected or mis-shaped
+tensor; a draft that does not fit the target) raises `CheckpointError` naming the key, the expected
+and the found value.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save_file
 
 from domino_ray.draft import DominoDraft, DraftConfig, default_target_layer_ids
 
@@ -40,24 +46,62 @@ class CheckpointError(ValueError):
     pass
 
 
-# ---- locating files ------------------------------------------------------------------------------
+# ---- reading: config.json and the safetensors headers; tensor values only when asked -------------
 
-def resolve_checkpoint_dir(source: str | Path) -> Path:
-    """A local directory as is; anything else is a hub id, fetched (config + safetensors only)."""
+@dataclass(frozen=True)
+class DraftFiles:
+    """A draft checkpoint as `check_draft` sees it: config.json and the safetensors headers, no weights."""
+    config: dict                                          # config.json
+    header: dict[str, torch.Tensor]                       # checkpoint name -> empty meta tensor of its shape
+    read: Callable[[list[str]], dict[str, torch.Tensor]]  # checkpoint names -> their values
+
+
+def _local_dir(source: str | Path) -> Path | None:
+    """`source` as a local directory; None for a hub id. A path that is no directory is an error."""
     path = Path(source).expanduser()
     if path.is_dir():
         return path
     if path.exists() or str(source).startswith((".", "/", "~")):
         raise CheckpointError(f"draft checkpoint {source!r} is not a directory")
+    return None
+
+
+def resolve_checkpoint_dir(source: str | Path) -> Path:
+    """A local directory as is; anything else is a hub id, fetched (config + safetensors only)."""
+    path = _local_dir(source)
+    if path is not None:
+        return path
     from huggingface_hub import snapshot_download
+    return Path(_from_hub(source, lambda: snapshot_download(str(source), allow_patterns=["*.json", "*.safetensors"])))
+
+
+def _from_hub(repo_id, fetch):
+    """fetch(), its hub errors (of many types) as one CheckpointError saying what was asked for."""
     try:
-        return Path(snapshot_download(str(source), allow_patterns=["*.json", "*.safetensors"]))
-    except Exception as exc:  # hub errors come in many types; say what was asked for
-        raise CheckpointError(f"could not fetch draft checkpoint {source!r} from the hub: {exc}") from exc
+        return fetch()
+    except Exception as exc:
+        raise CheckpointError(f"could not fetch draft checkpoint {repo_id!r} from the hub: {exc}") from exc
 
 
-def read_tensors(directory: Path) -> dict[str, torch.Tensor]:
-    """All tensors of a safetensors checkpoint (single file or sharded with an index)."""
+def open_draft(source: str | Path) -> DraftFiles:
+    """Headers only: a local directory, or a hub id read by HTTP range requests (weights not downloaded)."""
+    path = _local_dir(source)
+    return local_files(path) if path is not None else hub_files(str(source))
+
+
+def _parse_config(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{path} is not valid JSON: {exc}") from exc
+
+
+def local_files(directory: Path) -> DraftFiles:
+    """config.json and every safetensors header of a local checkpoint (one file, or shards with an index)."""
+    config_path = directory / "config.json"
+    if not config_path.exists():
+        raise CheckpointError(f"{directory} has no config.json")
+    config = _parse_config(config_path)
     index = directory / "model.safetensors.index.json"
     if index.exists():
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -66,13 +110,64 @@ def read_tensors(directory: Path) -> dict[str, torch.Tensor]:
     if not files:
         found = sorted(p.name for p in directory.iterdir())
         raise CheckpointError(f"no *.safetensors weights in {directory} (found: {found}); only safetensors is read")
-    tensors: dict[str, torch.Tensor] = {}
+    header, file_of = {}, {}
     for name in files:
+        path = directory / name
         try:
-            tensors.update(load_file(str(directory / name)))
+            with safe_open(str(path), framework="pt") as f:
+                for key in f.keys():
+                    header[key] = torch.empty(f.get_slice(key).get_shape(), device="meta")
+                    file_of[key] = path
+        except Exception as exc:  # safetensors raises its own error types for a corrupt header
+            raise CheckpointError(f"cannot read {path}: {exc}") from exc
+    return DraftFiles(config, header, lambda keys: _local_values(file_of, keys))
+
+
+def _local_values(file_of: dict[str, Path], keys: list[str]) -> dict[str, torch.Tensor]:
+    values = {}
+    for path in sorted({file_of[k] for k in keys}):
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                values.update({k: f.get_tensor(k) for k in keys if file_of[k] == path})
         except Exception as exc:
-            raise CheckpointError(f"cannot read {directory / name}: {exc}") from exc
-    return tensors
+            raise CheckpointError(f"cannot read {path}: {exc}") from exc
+    return values
+
+
+def hub_files(repo_id: str) -> DraftFiles:
+    """config.json and the safetensors headers of a hub checkpoint; values come by HTTP range requests."""
+    from huggingface_hub import get_safetensors_metadata, hf_hub_download
+
+    config = _parse_config(Path(_from_hub(repo_id, lambda: hf_hub_download(repo_id, "config.json"))))
+    meta = _from_hub(repo_id, lambda: get_safetensors_metadata(repo_id))
+    header = {k: torch.empty(info.shape, device="meta")
+              for file in meta.files_metadata.values() for k, info in file.tensors.items()}
+    return DraftFiles(config, header,
+                      lambda keys: _from_hub(repo_id, lambda: {k: _hub_tensor(repo_id, meta, k) for k in keys}))
+
+
+def _hub_tensor(repo_id: str, meta, key: str) -> torch.Tensor:
+    """One tensor by two range requests: the header's length, then the tensor's bytes (its data offsets
+    count from the end of the header)."""
+    filename = meta.weight_map[key]
+    info = meta.files_metadata[filename].tensors[key]
+    data_start = 8 + int.from_bytes(_hub_range(repo_id, filename, 0, 8), "little")
+    begin, end = info.data_offsets
+    data = _hub_range(repo_id, filename, data_start + begin, data_start + end) if end > begin else b""
+    # A one-tensor safetensors buffer: the library, not us, turns dtype, shape and bytes into a tensor.
+    head = json.dumps({key: {"dtype": info.dtype, "shape": list(info.shape), "data_offsets": [0, len(data)]}}).encode()
+    return load_safetensors(len(head).to_bytes(8, "little") + head + data)[key]
+
+
+def _hub_range(repo_id: str, filename: str, start: int, end: int) -> bytes:
+    """Bytes [start, end) of a file in a hub repo."""
+    from huggingface_hub import hf_hub_url
+    from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
+
+    response = get_session().get(hf_hub_url(repo_id, filename), timeout=30,
+                                 headers={**build_hf_headers(), "range": f"bytes={start}-{end - 1}"})
+    hf_raise_for_status(response)
+    return response.content
 
 
 # ---- layouts ------------------------------------------------------------------------------------
@@ -92,19 +187,17 @@ def detect_layout(config: dict) -> str:
                           "nor a speculators draft (no 'speculators_model_type')")
 
 
-def normalize_keys(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Map every layout's names to ours: strip `model.` and the head prefixes, drop copies we ignore."""
-    out = {}
-    for key, value in tensors.items():
-        if key.startswith("model."):
-            key = key[len("model."):]
+def tensor_names(keys) -> dict[str, str]:
+    """Our name -> the checkpoint's, for every tensor we read: every layout's names without `model.` and
+    the head prefixes; the copies we ignore left out."""
+    names = {}
+    for key in keys:
+        ours = key.removeprefix("model.")
         for prefix in HEAD_PREFIXES:
-            if key.startswith(prefix):
-                key = key[len(prefix):]
-        if key in IGNORED_KEYS:
-            continue
-        out[key] = value
-    return out
+            ours = ours.removeprefix(prefix)
+        if ours not in IGNORED_KEYS:
+            names[ours] = key
+    return names
 
 
 def _get(cfg: dict, key: str, where: str, default=...):
@@ -196,7 +289,8 @@ LAYOUT_PARSERS = {"dflash": dflash_fields, "speculators": speculators_fields,
 
 def parse_draft_config(config: dict, tensors: dict[str, torch.Tensor], layout: str,
                        num_target_layers: int | None = None) -> DraftConfig:
-    """A `DraftConfig` from `config.json` and the (normalised) tensors of a checkpoint."""
+    """A `DraftConfig` from `config.json` and the (normalised) tensors of a checkpoint; only their
+    shapes are read, so the header's empty meta tensors do."""
     if layout not in LAYOUT_PARSERS:
         raise CheckpointError(f"unknown draft layout {layout!r} (expected one of {sorted(LAYOUT_PARSERS)})")
     return draft_config(LAYOUT_PARSERS[layout](config, num_target_layers), tensors)
@@ -246,12 +340,31 @@ def draft_config(f: LayoutFields, tensors: dict[str, torch.Tensor]) -> DraftConf
     )
 
 
-# ---- validation and loading ------------------------------------------------------------------------
+# ---- the checks and loading ---------------------------------------------------------------------
 
-def check_tensors(draft_config: DraftConfig, tensors: dict[str, torch.Tensor]):
+def check_draft(files: DraftFiles, target_config=None) -> tuple[DraftConfig, dict[str, str]]:
+    """The one ordered check of a draft checkpoint. Pre-flight and `load_draft` both run exactly this, so
+    a bad checkpoint fails with the same first error in both. Reads no tensor values but `d2t` ([Vd] ints).
+
+    Returns the DraftConfig and our tensor names -> the checkpoint's (what the loader reads).
+    """
+    layout = detect_layout(files.config)
+    names = tensor_names(files.header)
+    header = {ours: files.header[key] for ours, key in names.items()}
+    cfg = parse_draft_config(files.config, header, layout,
+                             num_target_layers=getattr(target_config, "num_hidden_layers", None))
+    if target_config is not None:  # before the shapes: "made for another target" explains most shape errors
+        check_against_target(cfg, target_config)
+    check_tensors(cfg, header)
+    if target_config is not None and cfg.has_d2t:  # last: the one check on values, read once the shape is right
+        check_d2t(files.read([names["d2t"]])[names["d2t"]], target_config.vocab_size)
+    return cfg, names
+
+
+def check_tensors(cfg: DraftConfig, tensors: dict[str, torch.Tensor]):
     """Every expected tensor present with its exact shape, nothing unexpected."""
     with torch.device("meta"):
-        expected = {k: tuple(v.shape) for k, v in DominoDraft(draft_config).state_dict().items()}
+        expected = {k: tuple(v.shape) for k, v in DominoDraft(cfg).state_dict().items()}
     missing = sorted(set(expected) - set(tensors))
     if missing:
         raise CheckpointError(f"draft checkpoint is missing tensors: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
@@ -265,28 +378,30 @@ def check_tensors(draft_config: DraftConfig, tensors: dict[str, torch.Tensor]):
             raise CheckpointError(f"draft tensor {key}: expected shape {list(shape)}, found {list(found)}")
 
 
-def check_against_target(draft_config: DraftConfig, target_config, tensors: dict[str, torch.Tensor] | None = None):
+def check_against_target(cfg: DraftConfig, target_config):
     """The draft must share the target's hidden size and vocabulary and read existing layers."""
     t_hidden, t_vocab, t_layers = target_config.hidden_size, target_config.vocab_size, target_config.num_hidden_layers
-    if draft_config.hidden_size != t_hidden:
-        raise CheckpointError(f"draft hidden_size: expected {t_hidden} (the target's), found {draft_config.hidden_size}")
-    if draft_config.vocab_size != t_vocab:
-        raise CheckpointError(f"draft vocab_size: expected {t_vocab} (the target's), found {draft_config.vocab_size}")
-    bad = [i for i in draft_config.target_layer_ids if not 0 <= i < t_layers]
+    if cfg.hidden_size != t_hidden:
+        raise CheckpointError(f"draft hidden_size: expected {t_hidden} (the target's), found {cfg.hidden_size}")
+    if cfg.vocab_size != t_vocab:
+        raise CheckpointError(f"draft vocab_size: expected {t_vocab} (the target's), found {cfg.vocab_size}")
+    bad = [i for i in cfg.target_layer_ids if not 0 <= i < t_layers]
     if bad:
-        raise CheckpointError(f"draft target_layer_ids {list(draft_config.target_layer_ids)}: expected ids in "
+        raise CheckpointError(f"draft target_layer_ids {list(cfg.target_layer_ids)}: expected ids in "
                               f"[0, {t_layers}) for a {t_layers}-layer target, found {bad}")
-    if not 0 <= draft_config.mask_token_id < t_vocab:
-        raise CheckpointError(f"draft mask_token_id: expected an id in [0, {t_vocab}), found {draft_config.mask_token_id}")
-    if draft_config.draft_vocab_size and draft_config.draft_vocab_size != t_vocab and not draft_config.has_d2t:
-        raise CheckpointError(f"draft lm_head has {draft_config.draft_vocab_size} rows but the target vocabulary has "
+    if not 0 <= cfg.mask_token_id < t_vocab:
+        raise CheckpointError(f"draft mask_token_id: expected an id in [0, {t_vocab}), found {cfg.mask_token_id}")
+    if cfg.draft_vocab_size and cfg.draft_vocab_size != t_vocab and not cfg.has_d2t:
+        raise CheckpointError(f"draft lm_head has {cfg.draft_vocab_size} rows but the target vocabulary has "
                               f"{t_vocab} and there is no d2t map")
-    if tensors is not None and "d2t" in tensors:
-        d2t = tensors["d2t"]
-        mapped = torch.arange(d2t.shape[0]) + d2t.long()
-        if int(mapped.min()) < 0 or int(mapped.max()) >= t_vocab:
-            raise CheckpointError(f"draft d2t maps ids outside the target vocabulary [0, {t_vocab}): "
-                                  f"range [{int(mapped.min())}, {int(mapped.max())}]")
+
+
+def check_d2t(d2t: torch.Tensor, vocab_size: int):
+    """Every draft id lands in the target vocabulary (target id = draft id + d2t[draft id])."""
+    mapped = torch.arange(d2t.shape[0]) + d2t.long()  # [Vd] target ids
+    if int(mapped.min()) < 0 or int(mapped.max()) >= vocab_size:
+        raise CheckpointError(f"draft d2t maps ids outside the target vocabulary [0, {vocab_size}): "
+                              f"range [{int(mapped.min())}, {int(mapped.max())}]")
 
 
 def load_draft(source: str | Path, *, target_config=None, device: str | torch.device = "cpu",
@@ -296,25 +411,14 @@ def load_draft(source: str | Path, *, target_config=None, device: str | torch.de
     With `target_config` (the target's HF config) the draft is checked against the target.
     `dtype=None` keeps the checkpoint's floating dtype.
     """
-    directory = resolve_checkpoint_dir(source)
-    config_path = directory / "config.json"
-    if not config_path.exists():
-        raise CheckpointError(f"{directory} has no config.json")
-    try:
-        config = json.loads(config_path.read_text())
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(f"{config_path} is not valid JSON: {exc}") from exc
-    tensors = normalize_keys(read_tensors(directory))
-    layout = detect_layout(config)
-    draft_config = parse_draft_config(config, tensors, layout,
-                                      num_target_layers=getattr(target_config, "num_hidden_layers", None))
-    if target_config is not None:  # first: "made for another target" explains most shape errors
-        check_against_target(draft_config, target_config, tensors)
-    check_tensors(draft_config, tensors)
+    files = local_files(resolve_checkpoint_dir(source))
+    cfg, names = check_draft(files, target_config)
+    values = files.read(list(names.values()))  # the ignored copies (embed_tokens, t2d) are not read
+    tensors = {ours: values[key] for ours, key in names.items()}
     if dtype is None:
         dtype = next(v.dtype for v in tensors.values() if v.is_floating_point())
     with torch.device("meta"):
-        draft = DominoDraft(draft_config)
+        draft = DominoDraft(cfg)
     draft.load_state_dict(tensors, strict=True, assign=True)
     return draft.to(device=device, dtype=dtype).eval()  # .to() also re-links the GRU's flat weights
 

@@ -1,23 +1,20 @@
 """Cheap driver-side checks before any Ray work: a job that cannot run fails at once, saying why.
 
-Model checks read configs, the tokenizer and the draft's safetensors *headers* (shapes only, from a
-local directory or the hub), never the weights. Every error names the config key it came from.
+Model checks read configs, the tokenizer and the draft checkpoint, through the same ordered checks as
+`load_draft` (`checkpoint.check_draft`: config.json, the safetensors headers and the small `d2t` map,
+from a local directory or the hub), never the weights. Every error names the config key it came from.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
-import torch
 
-from domino_ray.checkpoint import (CheckpointError, check_against_target, check_tensors, detect_layout,
-                                   normalize_keys, parse_draft_config)
+from domino_ray.checkpoint import CheckpointError, check_draft, open_draft
 from domino_ray.config import ConfigError, InputConfig, JobConfig, to_dict
 from domino_ray.draft import resolve_num_spec_tokens
 from domino_ray.io import Location, list_parquet_files, overlap, resolve
@@ -194,7 +191,8 @@ def check_settings(recorded: dict | None, current: dict, output_uri: str, allow_
 
 
 def check_models(cfg: JobConfig) -> int:
-    """Target config, tokenizer and draft shapes; returns K (draft tokens per step, 0 = target only)."""
+    """Target config, tokenizer and the draft checkpoint (`load_draft`'s checks, no weights read); returns K
+    (draft tokens per step, 0 = target only)."""
     from transformers import AutoConfig
 
     from domino_ray.target import load_tokenizer
@@ -212,40 +210,11 @@ def check_models(cfg: JobConfig) -> int:
     if cfg.draft.source is None:
         return 0
     try:
-        config, tensors = _draft_header(cfg.draft.source)
-        layout = detect_layout(config)
-        tensors = normalize_keys(tensors)
-        draft_config = parse_draft_config(config, tensors, layout, num_target_layers=target_config.num_hidden_layers)
-        check_tensors(draft_config, tensors)
-        check_against_target(draft_config, target_config)
+        draft_cfg, _ = check_draft(open_draft(cfg.draft.source), target_config)
     except (CheckpointError, OSError, ValueError, KeyError) as exc:
         raise ConfigError(f"config key draft.source={cfg.draft.source!r}: {exc}") from None
     try:
-        return resolve_num_spec_tokens(cfg.draft.num_draft_tokens, draft_config)[0]
+        return resolve_num_spec_tokens(cfg.draft.num_draft_tokens, draft_cfg)[0]
     except ValueError as exc:
         raise ConfigError(f"config key draft.{exc}") from None
 
-
-def _draft_header(source: str) -> tuple[dict, dict[str, torch.Tensor]]:
-    """config.json and every tensor as an empty `meta` tensor of the right shape (weights not read)."""
-    path = Path(source).expanduser()
-    shapes: dict[str, list[int]] = {}
-    if path.is_dir():
-        config = json.loads((path / "config.json").read_text())
-        from safetensors import safe_open
-
-        files = sorted(path.glob("*.safetensors"))
-        if not files:
-            raise CheckpointError(f"no *.safetensors weights in {path}")
-        for file in files:
-            with safe_open(str(file), framework="pt") as f:
-                shapes.update({k: f.get_slice(k).get_shape() for k in f.keys()})
-    elif path.exists() or source.startswith((".", "/", "~")):
-        raise CheckpointError(f"{source!r} is not a directory")
-    else:  # a hub id: config.json plus the safetensors headers (HTTP range requests), no weights
-        from huggingface_hub import get_safetensors_metadata, hf_hub_download
-
-        config = json.loads(Path(hf_hub_download(source, "config.json")).read_text())
-        for meta in get_safetensors_metadata(source).files_metadata.values():
-            shapes.update({k: info.shape for k, info in meta.tensors.items()})
-    return config, {k: torch.empty(shape, device="meta") for k, shape in shapes.items()}

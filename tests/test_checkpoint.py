@@ -6,9 +6,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from batch_fixtures import job_config, tiny_pair  # noqa: F401  (fixture)
 from checkpoint_layouts import write_dflash, write_hub_cache, write_speculators, write_speculators_domino
 from domino_ray.checkpoint import CheckpointError, load_draft, parse_draft_config
+from domino_ray.config import ConfigError
 from domino_ray.draft import DominoDraft, default_target_layer_ids
+from domino_ray.preflight import check_models
 from tiny_models import tiny_draft, tiny_target
 from oracles import corrected_logits_full_prefix
 
@@ -187,12 +190,17 @@ def test_bad_checkpoints_fail_naming_the_key(target, tmp_path, case):
         load_draft(tmp_path, target_config=target.config)
 
 
-def test_d2t_outside_the_target_vocabulary(target, tmp_path):
+def write_bad_d2t(target, directory):
+    """A speculators draft whose last draft id maps past the target vocabulary."""
     draft = tiny_draft(target, draft_vocab=40)
     with torch.no_grad():
         draft.d2t[-1] = 1000
-    write_speculators(draft, target, tmp_path)
-    edit_tensors(tmp_path, lambda t: t.pop("t2d"))
+    write_speculators(draft, target, directory)
+    edit_tensors(directory, lambda t: t.pop("t2d"))
+
+
+def test_d2t_outside_the_target_vocabulary(target, tmp_path):
+    write_bad_d2t(target, tmp_path)
     with pytest.raises(CheckpointError, match="d2t maps ids outside the target vocabulary"):
         load_draft(tmp_path, target_config=target.config)
 
@@ -226,3 +234,80 @@ def test_bad_speculators_configs_fail_naming_the_key(target, tmp_path, layout, c
 def test_unknown_layout_name_is_refused_naming_the_known_ones():
     with pytest.raises(CheckpointError, match=r"unknown draft layout 'medusa' \(expected one of \['dflash', "):
         parse_draft_config(HUANG2020_QWEN3_4B_CONFIG, {}, "medusa")
+
+
+# ---- pre-flight and load_draft: one ordered check, one first error (issue 19) ---------------------
+
+def _dflash_then(corrupt):
+    return lambda target, d: (write_dflash(tiny_draft(target), d), corrupt(d))
+
+
+D2T = r"d2t maps ids outside the target vocabulary \[0, 96\): range \[\d+, 1039\]"
+# Every BAD case, the d2t range (pre-flight used to skip it), and two faults at once (pre-flight used
+# to check the tensors before the target, so it named the other fault).
+SAME_FIRST_ERROR = {
+    **{case: (_dflash_then(corrupt), message) for case, (corrupt, message) in BAD.items()},
+    "d2t out of range": (write_bad_d2t, D2T),
+    "d2t out of range, mis-shaped tensor": (
+        lambda target, d: (write_bad_d2t(target, d), BAD["mis-shaped tensor"][0](d)), BAD["mis-shaped tensor"][1]),
+    "layer id out of range, missing tensor": (
+        _dflash_then(lambda d: (BAD["layer id out of range"][0](d), BAD["missing tensor"][0](d))),
+        BAD["layer id out of range"][1]),
+    "no config.json": (_dflash_then(lambda d: (d / "config.json").unlink()), r"has no config.json"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SAME_FIRST_ERROR))
+def test_preflight_and_load_draft_fail_with_the_same_first_error(target, tiny_pair, tmp_path, case):
+    """Both run `check_draft`; pre-flight's message is load_draft's behind the config key."""
+    from transformers import AutoConfig
+
+    target_config = AutoConfig.from_pretrained(tiny_pair[0])  # tiny_pair's target has `target`'s shapes
+    write, message = SAME_FIRST_ERROR[case]
+    write(target, tmp_path / "draft")
+    with pytest.raises(CheckpointError, match=message) as loading:
+        load_draft(tmp_path / "draft", target_config=target_config)
+    with pytest.raises(ConfigError) as preflight:
+        check_models(job_config(tiny_pair, tmp_path / "in.parquet", tmp_path / "out",
+                                **{"draft.source": tmp_path / "draft"}))
+    assert str(preflight.value) == f"config key draft.source={str(tmp_path / 'draft')!r}: {loading.value}"
+
+
+def fake_hub(monkeypatch, directory):
+    """Serve `directory` as a hub repo to `open_draft`: config.json, the safetensors header, and byte
+    ranges; returns the list of ranges read."""
+    import huggingface_hub
+    from huggingface_hub.utils import SafetensorsFileMetadata, SafetensorsRepoMetadata, TensorInfo
+
+    import domino_ray.checkpoint as checkpoint
+
+    raw = (directory / "model.safetensors").read_bytes()
+    header = json.loads(raw[8:8 + int.from_bytes(raw[:8], "little")])
+    header.pop("__metadata__", None)
+    tensors = {k: TensorInfo(dtype=v["dtype"], shape=v["shape"], data_offsets=tuple(v["data_offsets"]))
+               for k, v in header.items()}
+    meta = SafetensorsRepoMetadata(metadata=None, sharded=False, weight_map={k: "model.safetensors" for k in tensors},
+                                   files_metadata={"model.safetensors": SafetensorsFileMetadata({}, tensors)})
+    ranges = []
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", lambda repo, name: str(directory / name))
+    monkeypatch.setattr(huggingface_hub, "get_safetensors_metadata", lambda repo: meta)
+    monkeypatch.setattr(checkpoint, "_hub_range",
+                        lambda repo, name, start, end: ranges.append((start, end)) or raw[start:end])
+    return ranges
+
+
+def test_preflight_reads_a_hub_draft_without_its_weights(target, tiny_pair, tmp_path, monkeypatch):
+    """A hub id: config.json, the headers, then only d2t's bytes ([Vd] int64) by range requests; a bad
+    map gives load_draft's error."""
+    write_bad_d2t(target, tmp_path / "bad")
+    with pytest.raises(CheckpointError, match=D2T) as loading:
+        load_draft(tmp_path / "bad", target_config=target.config)
+    job = job_config(tiny_pair, tmp_path / "in.parquet", tmp_path / "out", **{"draft.source": "Eros483/Tiny-Domino"})
+    ranges = fake_hub(monkeypatch, tmp_path / "bad")
+    with pytest.raises(ConfigError) as preflight:
+        check_models(job)
+    assert str(preflight.value) == f"config key draft.source='Eros483/Tiny-Domino': {loading.value}"
+    assert [end - start for start, end in ranges] == [8, 40 * 8]  # the header's length, then d2t
+    write_speculators(tiny_draft(target, draft_vocab=40), target, tmp_path / "good")
+    fake_hub(monkeypatch, tmp_path / "good")
+    assert check_models(job) == 4
