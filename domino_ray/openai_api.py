@@ -20,7 +20,7 @@ from typing import Any, AsyncIterator
 
 from domino_ray.engine import Completion, Request
 from domino_ray.engine_loop import EngineDead, EngineLoop, QueueFull
-from domino_ray.sampling import SamplingParams
+from domino_ray.sampling_params import SAMPLING_CHECKS, SamplingParams, invalid_value, is_int
 from domino_ray.stats import RowStats
 from domino_ray.target import encode_prompt
 
@@ -144,7 +144,7 @@ def _completion_prompt(body: dict, model: ModelSpec) -> list[int]:
         # The completions API continues the text as it is: no chat template.
         return _encode(model, "prompt", prompt=prompt, chat_template=False,
                        parse_special_tokens=model.parse_special_tokens)
-    if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+    if isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt):
         if not all(0 <= t < model.vocab_size for t in prompt):
             raise APIError(400, f"prompt token ids must be in [0, {model.vocab_size})", "prompt")
         return list(prompt)
@@ -197,15 +197,15 @@ def _sampling(body: dict, model: ModelSpec, prompt_len: int, prompt_field: str, 
                             "after this prompt", max_tokens_field, code="context_length_exceeded")
     d = model.defaults
     stop_ids = body.get("stop_token_ids") or []
-    if not isinstance(stop_ids, list) or not all(_is_int(t) and 0 <= t < model.vocab_size for t in stop_ids):
+    if not isinstance(stop_ids, list) or not all(is_int(t) and 0 <= t < model.vocab_size for t in stop_ids):
         raise APIError(400, f"stop_token_ids must be a list of token ids in [0, {model.vocab_size})", "stop_token_ids")
     try:
         return SamplingParams(
             max_new_tokens=max_tokens if max_tokens is not None else min(d.max_new_tokens, room),
-            temperature=float(_number(body, "temperature", d.temperature, lo=0.0, hi=2.0)),
-            top_p=float(_number(body, "top_p", d.top_p, lo=0.0, hi=1.0, lo_open=True)),
+            temperature=float(_sampling_field(body, "temperature", d.temperature)),
+            top_p=float(_sampling_field(body, "top_p", d.top_p)),
             top_k=max(_int(body, "top_k", d.top_k, lo=-1), 0),  # -1 (vLLM's "off") == 0
-            seed=_int(body, "seed", None, lo=0, hi=2**63 - 1),
+            seed=_sampling_field(body, "seed", None),
             stop_token_ids=tuple(dict.fromkeys([*d.stop_token_ids, *stop_ids])),
             ignore_eos=_bool(body, "ignore_eos", d.ignore_eos))
     except ValueError as exc:  # SamplingParams.validate: a backstop, the checks above come first
@@ -222,27 +222,23 @@ def _stop_strings(body: dict) -> tuple[str, ...]:
     return tuple(stop)
 
 
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _int(body: dict, name: str, default, *, lo: int, hi: int | None = None):
+def _int(body: dict, name: str, default, *, lo: int):
     x = body.get(name)
     if x is None:
         return default
-    if not _is_int(x) or x < lo or (hi is not None and x > hi):
-        bound = f"an integer >= {lo}" if hi is None else f"an integer in [{lo}, {hi}]"
-        raise APIError(400, f"{name} must be {bound}, got {x!r}", name)
+    if not is_int(x) or x < lo:
+        raise APIError(400, f"{name} must be an integer >= {lo}, got {x!r}", name)
     return x
 
 
-def _number(body: dict, name: str, default: float, *, lo: float, hi: float, lo_open: bool = False) -> float:
+def _sampling_field(body: dict, name: str, default):
+    """A field whose rule is SamplingParams' own (sampling_params.SAMPLING_CHECKS), as in the config."""
     x = body.get(name)
     if x is None:
         return default
-    ok = isinstance(x, (int, float)) and not isinstance(x, bool) and (lo < x if lo_open else lo <= x) and x <= hi
-    if not ok:
-        raise APIError(400, f"{name} must be a number in {'(' if lo_open else '['}{lo}, {hi}], got {x!r}", name)
+    ok, expected = SAMPLING_CHECKS[name]
+    if not ok(x):
+        raise APIError(400, invalid_value(name, x, expected), name)
     return x
 
 

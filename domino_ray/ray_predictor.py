@@ -19,7 +19,8 @@ import ray
 from domino_ray.config import JobConfig
 from domino_ray.engine import Request
 from domino_ray.engine_loop import EngineDead
-from domino_ray.schema import RowError, base_params, error_row, ok_row, output_table, read_row, row_params
+from domino_ray.sampling_params import generation_defaults
+from domino_ray.schema import RowError, error_row, ok_row, output_table, read_row, row_params
 
 # Test-only fault injection: a JSON object read on the driver and handed to the actors, never set in
 # production. {"kill_actor_once": marker path}: the first actor to finish a row while the file does not
@@ -56,7 +57,7 @@ class DominoPredictor:
             torch.set_num_threads(max(1, int(cfg.runtime.cpus_per_actor)))  # the CPUs Ray reserved for us
         self.loop = EngineLoop(engine)
         self.num_spec_tokens, self.eos_ids = engine.num_draft_tokens, engine.eos_token_ids
-        self.cfg, self.schema, self.base = cfg, schema, base_params(cfg.generation)
+        self.cfg, self.schema, self.base = cfg, schema, generation_defaults(cfg.generation)
         self.request_ids = itertools.count()  # engine ids: input ids may repeat across concurrent batches
         self.stats_sink = stats_sink
         # Earlier engine crashes of this run (this actor may be a restart after one).

@@ -37,8 +37,8 @@ from domino_ray.config import JobConfig, load_config
 from domino_ray.engine_loop import EngineLoop
 from domino_ray.openai_api import (SSE_DONE, APIError, ModelSpec, Piece, chunk_body, generate, models_body,
                                    parse_request, response_body, sse, usage_chunk_body)
-from domino_ray.sampling import SamplingParams
 from domino_ray.llm import load_engine
+from domino_ray.sampling_params import generation_defaults
 
 logger = logging.getLogger("ray.serve")
 api = FastAPI(title="domino-ray", description="OpenAI-compatible speculative decoding (target + Domino draft)")
@@ -130,13 +130,10 @@ class DominoServer:
     def __init__(self, cfg: JobConfig):
         engine, self.tokenizer = load_engine(cfg.model, cfg.draft, cfg.generation, cfg.runtime)
         self.loop = EngineLoop(engine, max_waiting=cfg.serve.max_waiting_requests)
-        g = cfg.generation
         self.model = ModelSpec(
             name=cfg.serve.model_name, tokenizer=self.tokenizer, vocab_size=engine.vocab_size,
             max_model_len=engine.max_model_len, enable_thinking=cfg.model.enable_thinking,
-            parse_special_tokens=cfg.model.parse_special_tokens,
-            defaults=SamplingParams(max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p,
-                                    top_k=g.top_k, stop_token_ids=tuple(g.stop_token_ids), ignore_eos=g.ignore_eos))
+            parse_special_tokens=cfg.model.parse_special_tokens, defaults=generation_defaults(cfg.generation))
         self.created = int(time.time())
         self.metrics = Metrics(cfg.serve.model_name)
         self.max_request_bytes = cfg.serve.max_request_bytes

@@ -1,42 +1,9 @@
-"""Sampling parameters and the target distribution they define."""
+"""The target distribution that sampling parameters define (torch); the parameters themselves and their
+checks are in sampling_params.py."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
-
-from domino_ray.config import SAMPLING_CHECKS, invalid_value
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    max_new_tokens: int = 256                # generated tokens at most (the stop token counts)
-    temperature: float = 0.0                 # 0 = greedy
-    top_p: float = 1.0                       # nucleus mass kept, (0, 1]
-    top_k: int = 0                           # keep the k most likely tokens; 0 = all
-    seed: int | None = None                  # per-request seed (sampled decoding only)
-    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)  # besides the model's EOS ids
-    ignore_eos: bool = False                 # do not stop at the model's EOS ids
-
-    def __post_init__(self):
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        self.validate()
-
-    def validate(self):
-        """Raise ValueError naming the field for a bad value (the checks config.validate uses too)."""
-        for name, (ok, expected) in SAMPLING_CHECKS.items():
-            value = getattr(self, name)
-            if not ok(value):
-                raise ValueError("sampling parameter " + invalid_value(name, value, expected))
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-    def stop_ids(self, eos_token_ids) -> frozenset[int]:
-        """The ids that end this request: its own stop ids plus the model's EOS ids unless `ignore_eos`."""
-        return frozenset(self.stop_token_ids) | (frozenset() if self.ignore_eos else frozenset(eos_token_ids))
 
 
 def sampling_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,

@@ -13,7 +13,7 @@ from batch_fixtures import job_overrides, python, ray_cluster, REPO, tiny_pair  
 from domino_ray.engine import Request, SpecEngine
 from domino_ray.engine_loop import EngineLoop
 from domino_ray.ray_predictor import FAULT_ENV
-from domino_ray.sampling import SamplingParams
+from domino_ray.sampling_params import SamplingParams
 from tiny_models import tiny_target
 
 GENERATE = [python(), str(REPO / "jobs" / "generate.py")]
