@@ -9,9 +9,10 @@ import pytest
 
 from domino_ray.engine import SpecEngine
 from domino_ray.engine_loop import EngineLoop
-from domino_ray.openai_api import APIError, ModelSpec, TextStream, chunk_body, generate, parse_request, response_body
+from domino_ray.openai_api import APIError, ModelSpec, chunk_body, parse_request, response_body
 from domino_ray.sampling_params import SamplingParams
 from domino_ray.target import decode, encode_prompt
+from domino_ray.text_stream import TextStream, generate
 from tiny_models import tiny_target, tiny_tokenizer
 
 
@@ -266,7 +267,7 @@ def test_stop_string_usage_and_stats_count_the_returned_texts_tokens(engine_loop
 
 
 def test_stats_through_cuts_a_step_as_the_engine_cuts_at_a_stop_token():
-    from domino_ray.openai_api import stats_through
+    from domino_ray.text_stream import stats_through
     from domino_ray.stats import RowStats
 
     K, snapshots = 4, [RowStats(4), RowStats(4)]  # nothing yet; after the prefill's first token
