@@ -74,14 +74,14 @@ def direct(target_dir: str, draft_dir: str, prompts: list[str], args) -> dict:
     from domino_ray.config import load_config
     from domino_ray.engine import Request
     from domino_ray.llm import load_engine
-    from domino_ray.schema import base_params
+    from domino_ray.sampling_params import generation_defaults
     from domino_ray.target import encode_prompt
 
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
     cfg = load_config(None, shared_overrides(target_dir, draft_dir, args))
     engine, tokenizer = load_engine(cfg.model, cfg.draft, cfg.generation)  # as each job actor loads it
-    params = base_params(cfg.generation)  # the job's per-row parameters, no overrides
+    params = generation_defaults(cfg.generation)  # the job's per-row parameters, no overrides
     requests = [Request(i, encode_prompt(tokenizer, prompt=p, chat_template=False), params)
                 for i, p in enumerate(prompts)]
     gen_start = time.perf_counter()

@@ -32,7 +32,7 @@ from domino_ray.config import DEMO_ASSETS
 from domino_ray.draft import resolve_num_spec_tokens
 from domino_ray.engine import Request, SpecEngine
 from domino_ray.proposer import DominoProposer
-from domino_ray.sampling import SamplingParams
+from domino_ray.sampling_params import SamplingParams
 from domino_ray.stats import per_position_acceptance, total_stats
 from domino_ray.target import encode_prompt, load_target, load_tokenizer, stop_token_ids
 from domino_ray.train_draft import backbone_only

@@ -27,7 +27,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from domino_ray.draft import DominoDraft, DraftConfig
 from domino_ray.engine import Request, SpecEngine
 from domino_ray.proposer import DominoProposer
-from domino_ray.sampling import SamplingParams
+from domino_ray.sampling_params import SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from oracles import OracleProposer  # noqa: E402  (test support, kept out of the core)

@@ -59,7 +59,7 @@ def load_pair(assets: Path, num_prompts: int):
 def run_ours(target, draft, prompts, *, rows: int, max_new_tokens: int) -> dict:
     from domino_ray.engine import Request, SpecEngine
     from domino_ray.proposer import DominoProposer
-    from domino_ray.sampling import SamplingParams
+    from domino_ray.sampling_params import SamplingParams
     from domino_ray.stats import total_stats
 
     proposer = DominoProposer(draft, target) if draft is not None else None
@@ -82,7 +82,7 @@ def profile_ours_step(target, draft, prompts, *, rows: int, steps: int = 8, max_
 
     from domino_ray.engine import Request, SpecEngine
     from domino_ray.proposer import DominoProposer
-    from domino_ray.sampling import SamplingParams
+    from domino_ray.sampling_params import SamplingParams
 
     def started_engine():
         proposer = DominoProposer(draft, target) if draft is not None else None

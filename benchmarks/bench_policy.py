@@ -22,7 +22,7 @@ from domino_ray.config import DEMO_ASSETS
 from domino_ray.draft import DominoDraft, resolve_num_spec_tokens
 from domino_ray.engine import Request, SpecEngine
 from domino_ray.proposer import DominoProposer
-from domino_ray.sampling import SamplingParams
+from domino_ray.sampling_params import SamplingParams
 from common import demo_pair, write_results
 from domino_ray.train_draft import backbone_only
 

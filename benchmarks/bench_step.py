@@ -31,7 +31,7 @@ from domino_ray.config import DEMO_ASSETS
 from domino_ray.draft import DominoDraft
 from domino_ray.engine import Request, SpecEngine
 from domino_ray.proposer import DominoProposer
-from domino_ray.sampling import SamplingParams
+from domino_ray.sampling_params import SamplingParams
 from common import demo_pair, write_results
 
 
@@ -65,7 +65,7 @@ def baseline_engine(ref: str) -> dict:
     engine = importlib.import_module("domino_ray_baseline.engine")
     return {"SpecEngine": engine.SpecEngine, "Request": engine.Request,
             "DominoProposer": importlib.import_module("domino_ray_baseline.proposer").DominoProposer,
-            "SamplingParams": importlib.import_module("domino_ray_baseline.sampling").SamplingParams}
+            "SamplingParams": engine.SamplingParams}  # wherever that commit defines it, its engine imports it
 
 
 def run(target, draft, prompts, rows, max_new_tokens, count_calls=False, api=CURRENT):

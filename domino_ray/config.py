@@ -14,40 +14,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from domino_ray.sampling_params import SAMPLING_CHECKS, invalid_value, is_int
+
 DEMO_ASSETS = Path(__file__).parent / "assets" / "demo"
 
 
 class ConfigError(ValueError):
     pass
-
-
-# ---- value checks shared by the config and SamplingParams ------------------------------------------
-
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)  # a bool is an int in Python, never a valid one here
-
-
-def _is_number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x  # x == x: not NaN
-
-
-# The sampling fields' one set of checks: `SamplingParams.validate` reads them as `max_new_tokens`, the
-# config as `generation.max_new_tokens`; both report them with `invalid_value`.
-SAMPLING_CHECKS: dict[str, tuple[Any, str]] = {
-    "max_new_tokens": (lambda v: _is_int(v) and v >= 1, "an int >= 1"),
-    "temperature": (lambda v: _is_number(v) and 0.0 <= v <= 100.0, "a number in [0, 100]"),
-    "top_p": (lambda v: _is_number(v) and 0.0 < v <= 1.0, "a number in (0, 1]"),
-    "top_k": (lambda v: _is_int(v) and v >= 0, "an int >= 0"),
-    "seed": (lambda v: v is None or (_is_int(v) and 0 <= v < 2**63), "null or an int in [0, 2**63)"),
-    "stop_token_ids": (lambda v: isinstance(v, (list, tuple)) and all(_is_int(t) and t >= 0 for t in v),
-                       "a list of ints >= 0"),
-    "ignore_eos": (lambda v: isinstance(v, bool), "true or false"),
-}
-
-
-def invalid_value(name: str, value, expected: str) -> str:
-    """The one message format for a bad value: `<name>=<value> is invalid: expected <what>`."""
-    return f"{name}={value!r} is invalid: expected {expected}"
 
 
 @dataclass
@@ -75,7 +48,7 @@ class DraftSection:
 @dataclass
 class GenerationConfig:
     max_new_tokens: int = 128         # per row, unless a row overrides it
-    temperature: float = 0.0          # 0 = greedy
+    temperature: float = 0.0          # 0 = greedy; at most 2 (sampling_params.MAX_TEMPERATURE)
     top_p: float = 1.0
     top_k: int = 0                    # 0 = off
     seed: int = 0                     # the one seed, for sampled rows without their own: a batch row gets one
@@ -240,16 +213,16 @@ def validate(cfg: JobConfig):
         ("model.dtype", cfg.model.dtype, cfg.model.dtype in ("auto", "float32", "bfloat16", "float16", "float64"),
          "auto, float32, bfloat16, float16 or float64"),
         ("model.max_model_len", cfg.model.max_model_len,
-         cfg.model.max_model_len is None or (_is_int(cfg.model.max_model_len) and cfg.model.max_model_len > 1),
+         cfg.model.max_model_len is None or (is_int(cfg.model.max_model_len) and cfg.model.max_model_len > 1),
          "null or an int > 1"),
         ("draft.num_draft_tokens", cfg.draft.num_draft_tokens,
          cfg.draft.num_draft_tokens in (None, "auto")
-         or (_is_int(cfg.draft.num_draft_tokens) and cfg.draft.num_draft_tokens >= 1),
+         or (is_int(cfg.draft.num_draft_tokens) and cfg.draft.num_draft_tokens >= 1),
          "auto, null or an int >= 1"),
-        ("generation.max_batch_size", g.max_batch_size, _is_int(g.max_batch_size) and g.max_batch_size >= 1,
+        ("generation.max_batch_size", g.max_batch_size, is_int(g.max_batch_size) and g.max_batch_size >= 1,
          "an int >= 1"),
         ("generation.max_prefill_tokens", g.max_prefill_tokens,
-         _is_int(g.max_prefill_tokens) and g.max_prefill_tokens >= 1, "an int >= 1"),
+         is_int(g.max_prefill_tokens) and g.max_prefill_tokens >= 1, "an int >= 1"),
         ("runtime.min_actors", r.min_actors, r.min_actors >= 1, "an int >= 1"),
         ("runtime.max_actors", r.max_actors, r.max_actors >= r.min_actors, "an int >= runtime.min_actors"),
         ("runtime.cpus_per_actor", r.cpus_per_actor, r.cpus_per_actor > 0, "a number > 0"),

@@ -39,7 +39,8 @@ import torch
 
 from domino_ray.kv_cache import KVBuffers, visible_keys
 from domino_ray.memory import check_memory_fits, memory_plan
-from domino_ray.sampling import RowSampling, SamplingParams, sampling_mode
+from domino_ray.sampling import RowSampling, sampling_mode
+from domino_ray.sampling_params import SamplingParams
 from domino_ray.stats import RowStats
 from domino_ray.step_graphs import StepGraphs, use_cuda_graphs
 from domino_ray.target_forward import RowAttention, install, run_decoder

@@ -1,7 +1,7 @@
 """The offline Python API: load a target and a draft, generate for a list of prompts.
 
     from domino_ray.llm import DominoLLM
-    from domino_ray.sampling import SamplingParams
+    from domino_ray.sampling_params import SamplingParams
 
     llm = DominoLLM.from_pretrained("Qwen/Qwen3-4B", draft="Huang2020/Qwen3-4B-Domino-b16", dtype="bfloat16")
     for out in llm.generate(["Explain KV caches."], SamplingParams(max_new_tokens=128)):
@@ -20,7 +20,7 @@ from domino_ray.checkpoint import load_draft
 from domino_ray.draft import resolve_num_spec_tokens
 from domino_ray.engine import Request, SpecEngine
 from domino_ray.proposer import DominoProposer
-from domino_ray.sampling import SamplingParams
+from domino_ray.sampling_params import SamplingParams
 from domino_ray.target import decode, encode_prompt, load_target, load_tokenizer, stop_token_ids
 
 

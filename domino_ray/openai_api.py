@@ -1,27 +1,22 @@
-"""The OpenAI-compatible API, Ray-free: request parsing, one request's text stream, response bodies.
+"""The OpenAI-compatible API, Ray-free: request parsing and response bodies (one request's text
+stream, between the two, is text_stream.py).
 
 - `parse_request` turns the JSON body of `POST /v1/completions` or `/v1/chat/completions` into token
   ids, `SamplingParams` and stop strings, or raises `APIError` (a 4xx with an OpenAI-style body whose
   `param` names the field). Fields we do not implement are refused unless they hold their neutral
   value, so nothing a client asks for is silently ignored.
-- `generate` submits the request to an `EngineLoop` and yields text `Piece`s as the engine commits
-  tokens: incremental detokenization, stop strings matched on the text (the engine only knows stop
-  token ids), and an engine abort when the text stops early or the consumer goes away.
 - `response_body` / `chunk_body` build responses and stream chunks; both carry `usage` and the
   request's acceptance statistics in `speculative_decoding_stats` (DESIGN.md §5 names).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any
 
-from domino_ray.engine import Completion, Request
-from domino_ray.engine_loop import EngineDead, EngineLoop, QueueFull
-from domino_ray.sampling import SamplingParams
-from domino_ray.stats import RowStats
+from domino_ray.engine import Completion
+from domino_ray.sampling_params import SAMPLING_CHECKS, SamplingParams, invalid_value, is_int
 from domino_ray.target import encode_prompt
 
 MAX_STOP_STRINGS = 16
@@ -72,15 +67,6 @@ class ParsedRequest:
     stop: tuple[str, ...]      # stop strings, matched on the generated text
     stream: bool
     include_usage: bool = False  # stream_options.include_usage: usage in a last chunk with no choices
-
-
-@dataclass
-class Piece:
-    text: str                  # new text for the client ('' while a stop string may be forming)
-    finish_reason: str | None  # set on the last piece: "stop" | "length"
-    completion: Completion | None  # set on the last piece; cut after a stop string (tokens and stats)
-    num_tokens: int            # completion tokens so far, as usage counts them (the returned text's tokens)
-    stats: RowStats            # the request's statistics for those tokens
 
 
 # ---- parsing ---------------------------------------------------------------------------------------
@@ -144,7 +130,7 @@ def _completion_prompt(body: dict, model: ModelSpec) -> list[int]:
         # The completions API continues the text as it is: no chat template.
         return _encode(model, "prompt", prompt=prompt, chat_template=False,
                        parse_special_tokens=model.parse_special_tokens)
-    if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+    if isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt):
         if not all(0 <= t < model.vocab_size for t in prompt):
             raise APIError(400, f"prompt token ids must be in [0, {model.vocab_size})", "prompt")
         return list(prompt)
@@ -197,15 +183,15 @@ def _sampling(body: dict, model: ModelSpec, prompt_len: int, prompt_field: str, 
                             "after this prompt", max_tokens_field, code="context_length_exceeded")
     d = model.defaults
     stop_ids = body.get("stop_token_ids") or []
-    if not isinstance(stop_ids, list) or not all(_is_int(t) and 0 <= t < model.vocab_size for t in stop_ids):
+    if not isinstance(stop_ids, list) or not all(is_int(t) and 0 <= t < model.vocab_size for t in stop_ids):
         raise APIError(400, f"stop_token_ids must be a list of token ids in [0, {model.vocab_size})", "stop_token_ids")
     try:
         return SamplingParams(
             max_new_tokens=max_tokens if max_tokens is not None else min(d.max_new_tokens, room),
-            temperature=float(_number(body, "temperature", d.temperature, lo=0.0, hi=2.0)),
-            top_p=float(_number(body, "top_p", d.top_p, lo=0.0, hi=1.0, lo_open=True)),
+            temperature=float(_sampling_field(body, "temperature", d.temperature)),
+            top_p=float(_sampling_field(body, "top_p", d.top_p)),
             top_k=max(_int(body, "top_k", d.top_k, lo=-1), 0),  # -1 (vLLM's "off") == 0
-            seed=_int(body, "seed", None, lo=0, hi=2**63 - 1),
+            seed=_sampling_field(body, "seed", None),
             stop_token_ids=tuple(dict.fromkeys([*d.stop_token_ids, *stop_ids])),
             ignore_eos=_bool(body, "ignore_eos", d.ignore_eos))
     except ValueError as exc:  # SamplingParams.validate: a backstop, the checks above come first
@@ -222,27 +208,23 @@ def _stop_strings(body: dict) -> tuple[str, ...]:
     return tuple(stop)
 
 
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _int(body: dict, name: str, default, *, lo: int, hi: int | None = None):
+def _int(body: dict, name: str, default, *, lo: int):
     x = body.get(name)
     if x is None:
         return default
-    if not _is_int(x) or x < lo or (hi is not None and x > hi):
-        bound = f"an integer >= {lo}" if hi is None else f"an integer in [{lo}, {hi}]"
-        raise APIError(400, f"{name} must be {bound}, got {x!r}", name)
+    if not is_int(x) or x < lo:
+        raise APIError(400, f"{name} must be an integer >= {lo}, got {x!r}", name)
     return x
 
 
-def _number(body: dict, name: str, default: float, *, lo: float, hi: float, lo_open: bool = False) -> float:
+def _sampling_field(body: dict, name: str, default):
+    """A field whose rule is SamplingParams' own (sampling_params.SAMPLING_CHECKS), as in the config."""
     x = body.get(name)
     if x is None:
         return default
-    ok = isinstance(x, (int, float)) and not isinstance(x, bool) and (lo < x if lo_open else lo <= x) and x <= hi
-    if not ok:
-        raise APIError(400, f"{name} must be a number in {'(' if lo_open else '['}{lo}, {hi}], got {x!r}", name)
+    ok, expected = SAMPLING_CHECKS[name]
+    if not ok(x):
+        raise APIError(400, invalid_value(name, x, expected), name)
     return x
 
 
@@ -253,151 +235,6 @@ def _bool(body: dict, name: str, default: bool, param: str | None = None) -> boo
     if not isinstance(x, bool):
         raise APIError(400, f"{param or name} must be true or false, got {x!r}", param or name)
     return x
-
-
-# ---- one request's text ----------------------------------------------------------------------------
-
-class TextStream:
-    """Incremental detokenization with stop strings.
-
-    The concatenated output equals `tokenizer.decode(all_ids, skip_special_tokens=True)` cut before the
-    first stop string. Each push decodes only a short window (vLLM's prefix/read offsets), so the cost
-    per step does not grow with the output. Text that could be the start of a stop string is held back
-    until it cannot be.
-    """
-
-    def __init__(self, tokenizer, stop: tuple[str, ...] = ()):
-        self.tokenizer, self.stop = tokenizer, stop
-        self.ids: list[int] = []
-        self.prefix_offset = self.read_offset = 0  # ids[prefix:read] decoded last time; ids[read:] are new
-        self.text = ""
-        self.sent = 0              # chars of `text` already returned
-        self.stopped = False       # a stop string matched; `text` ends before it
-        self.num_kept_ids = 0      # once stopped: the ids up to the one that completed the stop string
-
-    def push(self, token_ids: list[int], final: bool = False) -> str:
-        """Add tokens; return the text that can now be released (all of it when `final`)."""
-        if self.stopped:
-            return ""
-        decoded_before = self.prefix_offset  # ids before this one are already part of `text`
-        self.ids.extend(token_ids)
-        new = self._decode_new(final)
-        if new:
-            start = max(0, len(self.text) - max(map(len, self.stop), default=0) + 1)
-            self.text += new
-            hits = [(i, s) for i, s in ((self.text.find(s, start), s) for s in self.stop) if i >= 0]
-            if hits:
-                at, stop = min(hits)
-                self.num_kept_ids = self._ids_through(self.text[:at + len(stop)], decoded_before)
-                self.text, self.stopped = self.text[:at], True
-                return self._release(len(self.text))
-        return self._release(len(self.text) - (0 if final else self._held()))
-
-    def finish(self) -> str:
-        """No more tokens: release what was held back (a trailing partial character included)."""
-        return self.push([], final=True)
-
-    def _decode_new(self, final: bool) -> str:
-        decode = self.tokenizer.decode
-        before = decode(self.ids[self.prefix_offset:self.read_offset], skip_special_tokens=True)
-        after = decode(self.ids[self.prefix_offset:], skip_special_tokens=True)
-        if len(after) <= len(before) or (after.endswith("\ufffd") and not final):  # maybe a partial UTF-8 char
-            return ""
-        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-        return after[len(before):]
-
-    def _ids_through(self, text: str, lo: int) -> int:
-        """The fewest ids whose decode starts with `text` (at least `lo + 1`): the stop string's last token."""
-        for n in range(lo + 1, len(self.ids) + 1):
-            if self.tokenizer.decode(self.ids[:n], skip_special_tokens=True).startswith(text):
-                return n
-        return len(self.ids)
-
-    def _held(self) -> int:
-        """Length of the longest end of `text` that is a proper prefix of a stop string."""
-        return max((h for s in self.stop for h in range(min(len(s) - 1, len(self.text)), 0, -1)
-                    if self.text.endswith(s[:h])), default=0)
-
-    def _release(self, upto: int) -> str:
-        upto = max(upto, self.sent)
-        out, self.sent = self.text[self.sent:upto], upto
-        return out
-
-
-async def generate(loop: EngineLoop, request_id: str, parsed: ParsedRequest, tokenizer) -> AsyncIterator[Piece]:
-    """Run one request on the engine loop, yielding a Piece per engine event; the last one finishes.
-
-    Raises APIError: 429 when the loop's queue is full, 503 when the engine is dead. If the consumer
-    stops early (client disconnect, cancellation) the request is aborted, which frees its slot.
-    """
-    try:
-        stream = loop.submit(Request(request_id, parsed.prompt_token_ids, parsed.params))
-    except QueueFull as exc:
-        raise APIError(429, f"server is at capacity ({exc}); retry later", type="rate_limit_error",
-                       code="queue_full") from None
-    except EngineDead as exc:
-        raise APIError(503, str(exc), type="server_error", code="engine_unavailable") from None
-    text, finished = TextStream(tokenizer, parsed.stop), False
-    counts, snapshots = [0], []  # after each engine event: tokens committed, statistics (one step per event)
-    kept: tuple[int, RowStats] | None = None  # once a stop string matched: the tokens and stats usage counts
-    try:
-        async for update in stream.events():
-            done = update.completion
-            if kept is not None:  # the text already ended at a stop string; wait for the abort to land
-                if done is not None:
-                    finished = True
-                    yield Piece("", "stop", _cut(done, *kept), *kept)
-                    return
-                continue
-            if not snapshots:
-                snapshots.append(RowStats(update.stats.num_spec_tokens))
-            counts.append(counts[-1] + len(update.new_token_ids))
-            snapshots.append(update.stats)
-            ids = update.new_token_ids
-            if done is not None and done.finish_reason == "stop":
-                ids = ids[:-1]  # the stop token ends the row but is not text
-            delta = text.push(ids, final=done is not None)
-            if text.stopped:
-                kept = text.num_kept_ids, stats_through(text.num_kept_ids, counts, snapshots)
-                if done is None:
-                    loop.abort(request_id)
-                    yield Piece(delta, None, None, *kept)
-                    continue
-                done = _cut(done, *kept)
-            if done is not None:
-                finished = True
-                yield Piece(delta, "stop" if text.stopped else done.finish_reason, done, len(done.token_ids),
-                            done.stats)
-                return
-            yield Piece(delta, None, None, counts[-1], update.stats)
-    except ValueError as exc:  # the engine refused the request (checks it makes beyond ours)
-        raise APIError(400, str(exc)) from None
-    except EngineDead as exc:
-        raise APIError(503, str(exc), type="server_error", code="engine_unavailable") from None
-    finally:
-        if not finished:
-            loop.abort(request_id)
-
-
-def stats_through(num_tokens: int, counts: list[int], snapshots: list[RowStats]) -> RowStats:
-    """The statistics of a request's first `num_tokens` tokens, from the running statistics after each
-    engine event (`counts[i]` tokens, `snapshots[i]`; index 0 = nothing yet). The cut step counts as the
-    engine counts a stop token inside an accepted block: the drafts before the cut are accepted, the cut
-    token is the step's last, and the step's drafted count stays."""
-    event = next(i for i in range(1, len(counts)) if counts[i] >= num_tokens)
-    before, after = snapshots[event - 1], snapshots[event]
-    stats = before.copy()
-    if after.num_spec_steps > before.num_spec_steps:  # a verify step (the prefill's first token is not one)
-        width = next(w for w, (a, b) in enumerate(zip(after.verify_width_histogram, before.verify_width_histogram))
-                     if a > b)
-        stats.observe_step(after.num_draft_tokens - before.num_draft_tokens, num_tokens - counts[event - 1] - 1,
-                           width)
-    return stats
-
-
-def _cut(completion: Completion, num_tokens: int, stats: RowStats) -> Completion:
-    return dataclasses.replace(completion, token_ids=completion.token_ids[:num_tokens], finish_reason="stop",
-                               stats=stats)
 
 
 # ---- responses -------------------------------------------------------------------------------------

@@ -11,9 +11,7 @@ continuous batching across batches. Resume: the output directory is the checkpoi
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import time
 
 import pyarrow as pa
@@ -26,7 +24,7 @@ from domino_ray.io import (SETTINGS_NAME, SUMMARY_NAME, Location, delete_if_exis
                            scan_output, write_json_atomic)
 from domino_ray.preflight import (InputPlan, check_input, check_models, check_output, check_settings,
                                   output_settings)
-from domino_ray.ray_predictor import FAULT_ENV, DominoPredictor, RowCrashesEngine, RunStats
+from domino_ray.ray_predictor import DominoPredictor, RowCrashesEngine, RunStats
 from domino_ray.schema import generated_ids, output_schema
 from domino_ray.summary import STATS_COLUMNS, human_summary, run_stats, summarize
 
@@ -53,16 +51,17 @@ def read_inputs(cfg: JobConfig, plan: InputPlan, done_ids_ref) -> ray.data.Datas
 
 
 def build_dataset(cfg: JobConfig, plan: InputPlan, schema: pa.Schema, done_ids_ref, *, use_draft: bool = True,
-                  stats_sink=None, fault: dict | None = None) -> ray.data.Dataset:
+                  stats_sink=None, predictor: type = DominoPredictor) -> ray.data.Dataset:
+    """Input rows -> `predictor` actors (DominoPredictor, or a subclass of it: the fault tests pass one)."""
     r = cfg.runtime
     gpus = r.gpus_per_actor if r.gpus_per_actor is not None else (1 if ray.cluster_resources().get("GPU") else 0)
     return read_inputs(cfg, plan, done_ids_ref).map_batches(
-        DominoPredictor, batch_size=r.batch_size, batch_format="pyarrow",
+        predictor, batch_size=r.batch_size, batch_format="pyarrow",
         compute=ray.data.ActorPoolStrategy(min_size=r.min_actors, max_size=r.max_actors,
                                            max_concurrent_calls_per_actor=r.max_concurrent_batches),
         num_cpus=r.cpus_per_actor, num_gpus=gpus or None,
         fn_constructor_args=(cfg, schema),
-        fn_constructor_kwargs={"use_draft": use_draft, "stats_sink": stats_sink, "fault": fault})
+        fn_constructor_kwargs={"use_draft": use_draft, "stats_sink": stats_sink})
 
 
 def _not_the_stale_cpu_warning(record: logging.LogRecord) -> bool:
@@ -114,8 +113,9 @@ def rows_to_do(plan: InputPlan, done_ids: pa.Array, previous_summary: dict | Non
     return max(0, plan.num_rows - len(done_ids)) if same_files else None
 
 
-def run_job(cfg: JobConfig, log=print) -> dict:
-    """Run (or resume, or confirm finished) the batch job; returns the summary."""
+def run_job(cfg: JobConfig, log=print, *, predictor: type = DominoPredictor) -> dict:
+    """Run (or resume, or confirm finished) the batch job; returns the summary. `predictor`: the actor
+    class that generates the rows (see build_dataset)."""
     plan, out, _ = check_input(cfg), check_output(cfg), check_models(cfg)
     for warning in plan.warnings:
         log(warning)
@@ -147,7 +147,7 @@ def run_job(cfg: JobConfig, log=print) -> dict:
         log(f"resuming: {done_rows} of {input_rows} rows are already in {cfg.output.path}")
     run = run_stats(0.0, done_rows, [])
     if todo != 0:  # else every row was written before the summary: only the summary is missing
-        run = generate_missing(cfg, plan, out, scan, done_rows)
+        run = generate_missing(cfg, plan, out, scan, done_rows, predictor)
     rows = read_output(out, [id_column, *STATS_COLUMNS])
     if plan.generated_id:
         missing = input_rows - rows.num_rows
@@ -162,16 +162,16 @@ def run_job(cfg: JobConfig, log=print) -> dict:
     return summary
 
 
-def generate_missing(cfg: JobConfig, plan: InputPlan, out: Location, scan, done_rows: int) -> dict:
+def generate_missing(cfg: JobConfig, plan: InputPlan, out: Location, scan, done_rows: int,
+                     predictor: type = DominoPredictor) -> dict:
     """Run the rows not yet in the output through the engine actors and write them; returns run stats."""
     init_ray(cfg)
     schema = output_schema(plan.schema, cfg.input.id_column, plan.generated_id)
     done_ref = ray.put(scan.done_ids)
     sink = RunStats.remote()
     start = time.perf_counter()
-    fault = json.loads(os.environ[FAULT_ENV]) if os.environ.get(FAULT_ENV) else None
     try:
-        build_dataset(cfg, plan, schema, done_ref, stats_sink=sink, fault=fault).write_parquet(
+        build_dataset(cfg, plan, schema, done_ref, stats_sink=sink, predictor=predictor).write_parquet(
             out.path, filesystem=out.fs, min_rows_per_file=cfg.output.min_rows_per_file,
             max_rows_per_file=cfg.output.max_rows_per_file, schema=schema, mode="append")
     except Exception as exc:
@@ -189,17 +189,17 @@ def generate_missing(cfg: JobConfig, plan: InputPlan, out: Location, scan, done_
     run = run_stats(time.perf_counter() - start, done_rows, ray.get(sink.snapshot.remote()),
                     written=(len(written), int(pc.sum(written).as_py() or 0)))
     if cfg.runtime.compare_baseline and run["rows"]:
-        run["baseline"] = compare_baseline(cfg, plan, schema, done_ref, out, new_files, run)
+        run["baseline"] = compare_baseline(cfg, plan, schema, done_ref, out, new_files, run, predictor)
     return run
 
 
 def compare_baseline(cfg: JobConfig, plan: InputPlan, schema: pa.Schema, done_ref, out: Location,
-                     new_files: list[str], run: dict) -> dict:
+                     new_files: list[str], run: dict, predictor: type = DominoPredictor) -> dict:
     """The same rows through the same engine without the draft: throughput ratio and greedy equality."""
     id_column = cfg.input.id_column
     sink = RunStats.remote()
     start = time.perf_counter()
-    ds = build_dataset(cfg, plan, schema, done_ref, use_draft=False, stats_sink=sink)
+    ds = build_dataset(cfg, plan, schema, done_ref, use_draft=False, stats_sink=sink, predictor=predictor)
     base = ds.select_columns([id_column, "generated_tokens", "finish_reason"]).to_arrow_refs()
     base = pa.concat_tables(ray.get(base)).to_pydict() if base else {id_column: [], "generated_tokens": [],
                                                                        "finish_reason": []}

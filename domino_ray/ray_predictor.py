@@ -19,14 +19,8 @@ import ray
 from domino_ray.config import JobConfig
 from domino_ray.engine import Request
 from domino_ray.engine_loop import EngineDead
-from domino_ray.schema import RowError, base_params, error_row, ok_row, output_table, read_row, row_params
-
-# Test-only fault injection: a JSON object read on the driver and handed to the actors, never set in
-# production. {"kill_actor_once": marker path}: the first actor to finish a row while the file does not
-# exist creates it and dies mid-batch (Ray must redo the batch, losing and doubling nothing).
-# {"crash_engine_on_row": id}: the engine thread raises whenever that row is waiting to be admitted.
-FAULT_ENV = "DOMINO_RAY_TEST_FAULT"
-
+from domino_ray.sampling_params import generation_defaults
+from domino_ray.schema import RowError, error_row, ok_row, output_table, read_row, row_params
 
 class RowCrashesEngine(RuntimeError):
     """A row that crashed an engine while it ran alone: the job stops instead of restarting actors forever."""
@@ -42,8 +36,7 @@ class DominoPredictor:
     job (RowCrashesEngine) rather than looping through actor restarts.
     """
 
-    def __init__(self, cfg: JobConfig, schema: pa.Schema, *, use_draft: bool = True, stats_sink=None,
-                 fault: dict | None = None):
+    def __init__(self, cfg: JobConfig, schema: pa.Schema, *, use_draft: bool = True, stats_sink=None):
         started = time.time()
         import torch
 
@@ -56,7 +49,7 @@ class DominoPredictor:
             torch.set_num_threads(max(1, int(cfg.runtime.cpus_per_actor)))  # the CPUs Ray reserved for us
         self.loop = EngineLoop(engine)
         self.num_spec_tokens, self.eos_ids = engine.num_spec_tokens, engine.eos_token_ids
-        self.cfg, self.schema, self.base = cfg, schema, base_params(cfg.generation)
+        self.cfg, self.schema, self.base = cfg, schema, generation_defaults(cfg.generation)
         self.request_ids = itertools.count()  # engine ids: input ids may repeat across concurrent batches
         self.stats_sink = stats_sink
         # Earlier engine crashes of this run (this actor may be a restart after one).
@@ -72,8 +65,6 @@ class DominoPredictor:
         self._peak_in_flight = 0  # > 1 means batches overlapped in the engine (continuous batching across them)
         self._times = {"started_at": started, "load_s": time.time() - started, "first_batch_at": None,
                        "last_batch_done_at": None}
-        if fault:
-            self._install_test_fault(fault)
 
     async def __call__(self, batch: pa.Table):
         # Ray may run several batches of one task at once besides several tasks: admit exactly
@@ -174,32 +165,6 @@ class DominoPredictor:
             except Exception:  # noqa: BLE001 (exiting regardless: a lost report only costs another crash)
                 pass
         os._exit(1)
-
-    def _install_test_fault(self, fault: dict):
-        """Test-only faults (FAULT_ENV), installed once here so that production rows run none of this."""
-        if "kill_actor_once" in fault:
-            marker, run = fault["kill_actor_once"], self._run
-
-            async def run_then_die_once(row_id, request):
-                completion = await run(row_id, request)
-                if not os.path.exists(marker):
-                    open(marker, "w").close()
-                    os._exit(1)  # die mid-batch, like a crashed node
-                return completion
-            self._run = run_then_die_once
-        if "crash_engine_on_row" in fault:
-            engine, step, run, poisoned = self.loop.engine, self.loop.engine.step, self._run, set()
-
-            async def run_marking_poison(row_id, request):
-                if row_id == fault["crash_engine_on_row"]:
-                    poisoned.add(request.request_id)
-                return await run(row_id, request)
-
-            def step_that_crashes():
-                if any(r.request.request_id in poisoned for r in engine.pending):
-                    raise RuntimeError("test fault: the engine crashed admitting a row")
-                return step()
-            self._run, engine.step = run_marking_poison, step_that_crashes
 
     def _busy(self, delta: int, rows: int = 0, tokens: int = 0):
         """Track the union of intervals with a batch in flight (throughput while busy)."""

@@ -6,7 +6,8 @@ Each replica loads the target (+ Domino draft) once and runs it on an `EngineLoo
 request submits one engine request and awaits its stream, so concurrent requests share the running
 batch (continuous batching) and tokens stream back as they are committed. A client that goes away
 cancels its handler, which aborts the engine request and frees its slot. Request parsing and response
-building live in the Ray-free `openai_api`; this module is FastAPI + Serve + metrics.
+building live in the Ray-free `openai_api`, the request's text stream in `text_stream`; this module is
+FastAPI + Serve + metrics.
 
 Overload is answered at once, never by unbounded waiting: beyond `serve.max_waiting_requests` waiting
 for an engine slot the replica answers 429 (EngineLoop QueueFull); beyond `serve.max_ongoing_requests`
@@ -35,10 +36,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from domino_ray.config import JobConfig, load_config
 from domino_ray.engine_loop import EngineLoop
-from domino_ray.openai_api import (SSE_DONE, APIError, ModelSpec, Piece, chunk_body, generate, models_body,
-                                   parse_request, response_body, sse, usage_chunk_body)
-from domino_ray.sampling import SamplingParams
 from domino_ray.llm import load_engine
+from domino_ray.openai_api import (SSE_DONE, APIError, ModelSpec, chunk_body, models_body, parse_request,
+                                   response_body, sse, usage_chunk_body)
+from domino_ray.sampling_params import generation_defaults
+from domino_ray.text_stream import Piece, generate
 
 logger = logging.getLogger("ray.serve")
 api = FastAPI(title="domino-ray", description="OpenAI-compatible speculative decoding (target + Domino draft)")
@@ -130,13 +132,10 @@ class DominoServer:
     def __init__(self, cfg: JobConfig):
         engine, self.tokenizer = load_engine(cfg.model, cfg.draft, cfg.generation, cfg.runtime)
         self.loop = EngineLoop(engine, max_waiting=cfg.serve.max_waiting_requests)
-        g = cfg.generation
         self.model = ModelSpec(
             name=cfg.serve.model_name, tokenizer=self.tokenizer, vocab_size=engine.vocab_size,
             max_model_len=engine.max_model_len, enable_thinking=cfg.model.enable_thinking,
-            parse_special_tokens=cfg.model.parse_special_tokens,
-            defaults=SamplingParams(max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p,
-                                    top_k=g.top_k, stop_token_ids=tuple(g.stop_token_ids), ignore_eos=g.ignore_eos))
+            parse_special_tokens=cfg.model.parse_special_tokens, defaults=generation_defaults(cfg.generation))
         self.created = int(time.time())
         self.metrics = Metrics(cfg.serve.model_name)
         self.max_request_bytes = cfg.serve.max_request_bytes

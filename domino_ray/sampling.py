@@ -1,45 +1,16 @@
-"""Sampling parameters and the target distribution they define."""
+"""Sampling on the device (torch): the target distribution that sampling parameters define, the per-slot
+sampling settings and the one acceptance call every step makes. The parameters themselves and their checks
+are in sampling_params.py (torch-free)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
 import torch
 
-from domino_ray.config import SAMPLING_CHECKS, invalid_value
 from domino_ray.rng import counter_uniforms
+from domino_ray.sampling_params import SamplingParams
 from domino_ray.verify import greedy_accept, rejection_accept
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    max_new_tokens: int = 256                # generated tokens at most (the stop token counts)
-    temperature: float = 0.0                 # 0 = greedy
-    top_p: float = 1.0                       # nucleus mass kept, (0, 1]
-    top_k: int = 0                           # keep the k most likely tokens; 0 = all
-    seed: int | None = None                  # per-request seed (sampled decoding only)
-    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)  # besides the model's EOS ids
-    ignore_eos: bool = False                 # do not stop at the model's EOS ids
-
-    def __post_init__(self):
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        self.validate()
-
-    def validate(self):
-        """Raise ValueError naming the field for a bad value (the checks config.validate uses too)."""
-        for name, (ok, expected) in SAMPLING_CHECKS.items():
-            value = getattr(self, name)
-            if not ok(value):
-                raise ValueError("sampling parameter " + invalid_value(name, value, expected))
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-    def stop_ids(self, eos_token_ids) -> frozenset[int]:
-        """The ids that end this request: its own stop ids plus the model's EOS ids unless `ignore_eos`."""
-        return frozenset(self.stop_token_ids) | (frozenset() if self.ignore_eos else frozenset(eos_token_ids))
 
 
 def sampling_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,

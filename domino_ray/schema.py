@@ -14,8 +14,8 @@ from dataclasses import dataclass, fields, replace
 
 import pyarrow as pa
 
-from domino_ray.config import GenerationConfig, InputConfig
-from domino_ray.sampling import SamplingParams
+from domino_ray.config import InputConfig
+from domino_ray.sampling_params import SamplingParams
 from domino_ray.target import check_messages
 
 GENERATED_FIELDS = [
@@ -103,11 +103,6 @@ def _plain_messages(messages):
     if isinstance(messages, list):  # Arrow structs carry every field; absent ones come back as None
         return [{k: v for k, v in m.items() if v is not None} if isinstance(m, dict) else m for m in messages]
     return messages
-
-
-def base_params(g: GenerationConfig) -> SamplingParams:
-    return SamplingParams(max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p,
-                          top_k=g.top_k, stop_token_ids=tuple(g.stop_token_ids), ignore_eos=g.ignore_eos)
 
 
 def row_params(overrides, base: SamplingParams, base_seed: int | None, row_id) -> SamplingParams:

@@ -2,18 +2,19 @@
 crashes the engine itself fails the job naming the row instead of restarting actors forever."""
 
 import asyncio
-import json
 import subprocess
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from batch_fixtures import job_overrides, python, ray_cluster, REPO, tiny_pair  # noqa: F401
+from batch_fixtures import job_config, job_overrides, python, ray_cluster, REPO, tiny_pair  # noqa: F401
 from domino_ray.engine import Request, SpecEngine
 from domino_ray.engine_loop import EngineLoop
-from domino_ray.ray_predictor import FAULT_ENV
-from domino_ray.sampling import SamplingParams
+from domino_ray.ray_batch import run_job
+from domino_ray.ray_predictor import RowCrashesEngine
+from domino_ray.sampling_params import SamplingParams
+from faulty_predictor import faulty_predictor
 from tiny_models import tiny_target
 
 GENERATE = [python(), str(REPO / "jobs" / "generate.py")]
@@ -36,11 +37,14 @@ def test_any_error_adding_a_request_fails_only_that_request():
         loop.stop()
 
 
-def _run_job(tiny_pair, ray_cluster, tmp_path, rows: dict, env=None, timeout=150):
+JOB = {"generation.max_new_tokens": 4, "runtime.batch_size": 2}
+
+
+def _run_job(tiny_pair, ray_cluster, tmp_path, rows: dict, timeout=150):
     pq.write_table(pa.table(rows), tmp_path / "in.parquet")
     command = [*GENERATE, *job_overrides(tiny_pair, tmp_path / "in.parquet", tmp_path / "out", **{
-        "runtime.ray_address": ray_cluster, "generation.max_new_tokens": 4, "runtime.batch_size": 2})]
-    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
+        "runtime.ray_address": ray_cluster, **JOB})]
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.mark.ray
@@ -60,13 +64,28 @@ def test_seed_torch_refuses_is_an_error_row_and_the_job_finishes(ray_cluster, ti
 def test_row_that_crashes_the_engine_fails_the_job_naming_it(ray_cluster, tiny_pair, tmp_path):
     """A fatal engine error on one row (test fault: the engine thread raises admitting it): the first
     crash makes its rows suspects, a restarted actor runs them alone, the poison row crashes alone, and
-    the job exits 1 naming it; it does not loop through actor restarts."""
-    import os
-
+    the job fails naming it; it does not loop through actor restarts. (The job runs in this process:
+    the faulty actor class is an argument of run_job, which the CLI does not take.)"""
     ids = [f"r{i}" for i in range(6)]
-    env = {**os.environ, FAULT_ENV: json.dumps({"crash_engine_on_row": "r3"})}
-    run = _run_job(tiny_pair, ray_cluster, tmp_path, {"id": ids, "prompt": ["the quick brown fox"] * 6}, env=env,
-                   timeout=240)
-    assert run.returncode == 1, run.stdout + run.stderr
-    assert "input row id='r3' crashes the engine" in run.stderr and "test fault" in run.stderr, run.stderr
+    pq.write_table(pa.table({"id": ids, "prompt": ["the quick brown fox"] * 6}), tmp_path / "in.parquet")
+    cfg = job_config(tiny_pair, str(tmp_path / "in.parquet"), str(tmp_path / "out"), **JOB)
+    with pytest.raises(RowCrashesEngine) as failure:
+        run_job(cfg, log=lambda *_: None, predictor=faulty_predictor(crash_engine_on_row="r3"))
+    assert "input row id='r3' crashes the engine" in str(failure.value) and "test fault" in str(failure.value)
     assert not (tmp_path / "out" / "_summary.json").exists()
+
+
+def test_cli_exits_1_naming_a_row_that_crashes_the_engine(monkeypatch, capsys):
+    """jobs/generate.py turns RowCrashesEngine into exit status 1 and a one-line error (the job above
+    runs through run_job itself)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("generate_job", REPO / "jobs" / "generate.py")
+    generate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(generate)
+
+    def crashes(cfg):
+        raise RowCrashesEngine("input row id='r3' crashes the engine (engine loop failed: test fault)")
+    monkeypatch.setattr("domino_ray.ray_batch.run_job", crashes)
+    assert generate.main([]) == 1
+    assert "error: input row id='r3' crashes the engine" in capsys.readouterr().err

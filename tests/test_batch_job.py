@@ -1,12 +1,11 @@
 """The batch job end to end on a local Ray cluster with tiny models: local Parquet in and out.
 
 One job run (module fixture) feeds most tests: good plain and chat prompts, per-row overrides and a
-fuzz set of bad rows, with an actor killed once mid-job by the test-only fault hook, and the
+fuzz set of bad rows, with an actor killed once mid-job (tests/faulty_predictor.py), and the
 target-only comparison on. Its output is read back with pyarrow, pandas, DuckDB and Spark.
 """
 
 import json
-import os
 import re
 import shutil
 import time
@@ -22,8 +21,8 @@ from batch_fixtures import (check_output_invariants, job_config, make_prompts, r
 from domino_ray.config import ConfigError, load_config
 from domino_ray.preflight import check_input
 from domino_ray.ray_batch import init_ray, read_inputs, run_job
-from domino_ray.ray_predictor import FAULT_ENV
 from domino_ray.target import encode_prompt, load_target, load_tokenizer
+from faulty_predictor import faulty_predictor
 
 pytestmark = pytest.mark.ray
 
@@ -68,13 +67,9 @@ def job(ray_cluster, tiny_pair, tmp_path_factory):
                "sampling_params": [r[2] for r in rows], "topic": [f"t{i % 3}" for i in range(len(rows))]}
     write_shards(tmp / "in", columns, shards=2, schema=SCHEMA)
     marker = tmp / "actor_killed"
-    os.environ[FAULT_ENV] = json.dumps({"kill_actor_once": str(marker)})
-    try:
-        cfg = job_config(tiny_pair, str(tmp / "in"), str(tmp / "out"),
-                         **{"generation.max_new_tokens": MAX_NEW, "runtime.compare_baseline": "true"})
-        summary = run_job(cfg, log=lambda *_: None)
-    finally:
-        del os.environ[FAULT_ENV]
+    cfg = job_config(tiny_pair, str(tmp / "in"), str(tmp / "out"),
+                     **{"generation.max_new_tokens": MAX_NEW, "runtime.compare_baseline": "true"})
+    summary = run_job(cfg, log=lambda *_: None, predictor=faulty_predictor(kill_actor_once=str(marker)))
     return {"out": tmp / "out", "summary": summary, "rows": rows, "good": good, "ids": ids, "marker": marker, "cfg": cfg}
 
 

@@ -1,7 +1,10 @@
+import json
+import re
+
 import pytest
 
 from domino_ray.config import ConfigError, JobConfig, load_config, validate
-from domino_ray.sampling import SamplingParams
+from domino_ray.sampling_params import MAX_TEMPERATURE, SamplingParams
 
 
 def test_defaults_yaml_and_overrides(tmp_path):
@@ -62,6 +65,31 @@ def test_sampling_params_and_config_reject_the_same_values_alike(name, value):
     # The same expectation, except that the job's seed is never null (a request's may be).
     expected = sampling_message.split(" is invalid: expected ", 1)[1]
     assert config_message.split(" is invalid: expected ", 1)[1] == expected.removeprefix("null or ")
+
+
+@pytest.mark.parametrize("temperature,accepted", [(MAX_TEMPERATURE, True), (0.0, True), (2.01, False),
+                                                   (100.0, False), (-0.5, False)])
+def test_one_temperature_range_for_config_sampling_params_and_serve(temperature, accepted):
+    """The config, SamplingParams and a Serve request accept and refuse the same temperatures."""
+    from domino_ray.openai_api import APIError, ModelSpec, parse_request
+
+    cfg = JobConfig()
+    cfg.generation.temperature = temperature
+    model = ModelSpec(name="m", tokenizer=None, vocab_size=10, max_model_len=8)  # token-id prompts: no tokenizer
+    request = json.dumps({"prompt": [1, 2], "temperature": temperature}).encode()
+    if accepted:
+        validate(cfg)
+        assert SamplingParams(temperature=temperature).temperature == temperature
+        assert parse_request("completion", request, model).params.temperature == temperature
+        return
+    expected = f"temperature={temperature!r} is invalid: expected a number in [0, 2]"
+    with pytest.raises(ConfigError, match=re.escape("generation." + expected)):
+        validate(cfg)
+    with pytest.raises(ValueError, match=re.escape(expected)):
+        SamplingParams(temperature=temperature)
+    with pytest.raises(APIError) as refused:
+        parse_request("completion", request, model)
+    assert (refused.value.status, refused.value.param, refused.value.message) == (400, "temperature", expected)
 
 
 def test_one_seed_runtime_seed_is_a_deprecated_alias():

@@ -12,7 +12,7 @@ from domino_ray.checkpoint import load_draft
 from domino_ray.config import DEMO_ASSETS, load_config
 from domino_ray.engine import Request, SpecEngine
 from domino_ray.proposer import DominoProposer
-from domino_ray.sampling import SamplingParams
+from domino_ray.sampling_params import SamplingParams
 from domino_ray.stats import total_stats
 from domino_ray.target import decode, encode_prompt, load_target, load_tokenizer, stop_token_ids
 from oracles import corrected_logits_full_prefix

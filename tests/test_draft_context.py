@@ -7,7 +7,7 @@ import torch
 from domino_ray.engine import Request, SpecEngine
 from domino_ray.proposer import DominoProposer
 from oracles import OracleProposer
-from domino_ray.sampling import SamplingParams
+from domino_ray.sampling_params import SamplingParams
 from tiny_models import Recorder, ragged_prompts, tiny_draft, tiny_target
 
 

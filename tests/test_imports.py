@@ -1,4 +1,5 @@
-"""The core is Ray-free: every domino_ray module except the Ray edge (ray_*.py) imports with Ray blocked."""
+"""The core is Ray-free: every domino_ray module except the Ray edge (ray_*.py) imports with Ray blocked;
+the sampling rules and the config are torch-free too."""
 
 import pkgutil
 import subprocess
@@ -21,3 +22,12 @@ def test_package_import_is_light():
     result = subprocess.run([sys.executable, "-c", "import sys, domino_ray; print('torch' in sys.modules)"],
                             capture_output=True, text=True, timeout=60)
     assert result.stdout.strip() == "False", result.stderr
+
+
+def test_sampling_rules_and_config_import_without_torch():
+    code = ("import sys; sys.modules['torch'] = None\n"  # any `import torch` now raises ImportError
+            "import domino_ray.sampling_params, domino_ray.config\n"
+            "domino_ray.config.load_config()\n"  # the checks run (generation.* via sampling_params)
+            "assert not any(m == 'torch' or m.startswith('torch.') for m in sys.modules if sys.modules[m])\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr

@@ -11,7 +11,7 @@ from checkpoint_layouts import write_dflash, write_speculators, write_speculator
 from domino_ray.checkpoint import load_draft
 from domino_ray.engine import Request, SpecEngine
 from domino_ray.proposer import DominoProposer
-from domino_ray.sampling import SamplingParams
+from domino_ray.sampling_params import SamplingParams
 from domino_ray.stats import total_stats
 from tiny_models import ragged_prompts, successor_draft, successor_target
 

@@ -9,9 +9,10 @@ import pytest
 
 from domino_ray.engine import SpecEngine
 from domino_ray.engine_loop import EngineLoop
-from domino_ray.openai_api import APIError, ModelSpec, TextStream, chunk_body, generate, parse_request, response_body
-from domino_ray.sampling import SamplingParams
+from domino_ray.openai_api import APIError, ModelSpec, chunk_body, parse_request, response_body
+from domino_ray.sampling_params import SamplingParams
 from domino_ray.target import decode, encode_prompt
+from domino_ray.text_stream import TextStream, generate
 from tiny_models import tiny_target, tiny_tokenizer
 
 
@@ -95,11 +96,11 @@ BAD = [  # (kind, body, status, param, words in the message)
     ("completion", {"prompt": "a", "max_tokens": 0}, 400, "max_tokens", ">= 1"),
     ("completion", {"prompt": "a", "max_tokens": True}, 400, "max_tokens", "integer"),
     ("completion", {"prompt": "a", "temperature": "hot"}, 400, "temperature", "number"),
-    ("completion", {"prompt": "a", "temperature": 2.5}, 400, "temperature", "[0.0, 2.0]"),
-    ("completion", {"prompt": "a", "temperature": -0.1}, 400, "temperature", "[0.0, 2.0]"),
-    ("completion", {"prompt": "a", "top_p": 0}, 400, "top_p", "(0.0, 1.0]"),
+    ("completion", {"prompt": "a", "temperature": 2.5}, 400, "temperature", "[0, 2]"),
+    ("completion", {"prompt": "a", "temperature": -0.1}, 400, "temperature", "[0, 2]"),
+    ("completion", {"prompt": "a", "top_p": 0}, 400, "top_p", "(0, 1]"),
     ("completion", {"prompt": "a", "top_k": -2}, 400, "top_k", ">= -1"),
-    ("completion", {"prompt": "a", "seed": -1}, 400, "seed", "integer"),
+    ("completion", {"prompt": "a", "seed": -1}, 400, "seed", "an int in"),
     ("completion", {"prompt": "a", "n": 2}, 400, "n", "n=1"),
     ("completion", {"prompt": "a", "stop": 5}, 400, "stop", "string"),
     ("completion", {"prompt": "a", "stop": [""]}, 400, "stop", "non-empty"),
@@ -266,7 +267,7 @@ def test_stop_string_usage_and_stats_count_the_returned_texts_tokens(engine_loop
 
 
 def test_stats_through_cuts_a_step_as_the_engine_cuts_at_a_stop_token():
-    from domino_ray.openai_api import stats_through
+    from domino_ray.text_stream import stats_through
     from domino_ray.stats import RowStats
 
     K, snapshots = 4, [RowStats(4), RowStats(4)]  # nothing yet; after the prefill's first token

@@ -13,7 +13,8 @@ import torch
 
 from domino_ray.engine import Request, SpecEngine
 from oracles import OracleProposer
-from domino_ray.sampling import SamplingParams, sampling_probs
+from domino_ray.sampling import sampling_probs
+from domino_ray.sampling_params import SamplingParams
 from domino_ray.verify import rejection_accept, sample_from_probs
 from tiny_models import tiny_target
 

@@ -22,7 +22,7 @@ import torch
 
 from domino_ray.config import load_config
 from domino_ray.llm import DominoLLM
-from domino_ray.sampling import SamplingParams
+from domino_ray.sampling_params import SamplingParams
 from domino_ray.target import encode_prompt
 from tiny_models import CORPUS, save_tiny_pair
 

@@ -5,7 +5,8 @@ import torch
 
 from domino_ray.engine import Request, SpecEngine
 from domino_ray.proposer import DominoProposer
-from domino_ray.sampling import SamplingParams, sampling_probs
+from domino_ray.sampling import sampling_probs
+from domino_ray.sampling_params import SamplingParams
 from tiny_models import tiny_draft, tiny_target
 
 

@@ -24,7 +24,8 @@ import torch
 from domino_ray.checkpoint import detect_layout, load_draft
 from domino_ray.engine import Request, SpecEngine
 from domino_ray.proposer import DominoProposer
-from domino_ray.sampling import SamplingParams, sampling_probs
+from domino_ray.sampling import sampling_probs
+from domino_ray.sampling_params import SamplingParams
 from domino_ray.smollm2 import cache_dir, is_converted
 from domino_ray.stats import total_stats
 from domino_ray.target import encode_prompt, load_target, load_tokenizer, stop_token_ids

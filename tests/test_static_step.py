@@ -11,7 +11,7 @@ from domino_ray.draft import gru_cell
 from domino_ray.engine import Request, SpecEngine
 from domino_ray.memory import check_memory_fits
 from domino_ray.proposer import DominoProposer
-from domino_ray.sampling import SamplingParams
+from domino_ray.sampling_params import SamplingParams
 from oracles import OracleProposer
 from tiny_models import ragged_prompts, tiny_draft, tiny_target
 

@@ -9,7 +9,7 @@ import torch
 from domino_ray.draft import DominoDraft
 from domino_ray.engine import Request, SpecEngine
 from domino_ray.proposer import DominoProposer
-from domino_ray.sampling import SamplingParams
+from domino_ray.sampling_params import SamplingParams
 from domino_ray.train_draft import (TrainConfig, backbone_only, block_labels, block_logits, collate,
                                     context_features, draft_config_for, engine_acceptance, evaluate_blocks,
                                     generate_sequences, lambda_base, position_weights, sample_anchors,

@@ -3,7 +3,9 @@
 import pytest
 import torch
 
-from domino_ray.sampling import SamplingParams, sampling_probs
+from domino_ray.sampling import sampling_probs
+
+from domino_ray.sampling_params import SamplingParams
 from domino_ray.verify import greedy_accept, rejection_accept, sample_from_probs
 
 V = 10

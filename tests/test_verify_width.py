@@ -7,7 +7,7 @@ import pytest
 
 from domino_ray.engine import Request, SpecEngine
 from domino_ray.proposer import DominoProposer
-from domino_ray.sampling import SamplingParams
+from domino_ray.sampling_params import SamplingParams
 from domino_ray.verify_width import (AcceptanceEstimates, candidate_widths, choose_width, expected_tokens,
                                      smooth_costs)
 from oracles import OracleProposer

@@ -1,0 +1,50 @@
+"""Test faults for the batch job: a DominoPredictor subclass that the tests pass to
+`run_job(cfg, predictor=faulty_predictor(...))`, so the production actor carries no fault code.
+
+Ray workers do not have tests/ on their path: `faulty_predictor` registers this module with Ray's
+cloudpickle to be sent by value, and the workers import only its base class, from domino_ray.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import ray.cloudpickle
+
+from domino_ray.ray_predictor import DominoPredictor
+
+
+def faulty_predictor(*, kill_actor_once: str | None = None, crash_engine_on_row=None) -> type:
+    """A DominoPredictor with these faults:
+
+    - `kill_actor_once` (a marker path): the first actor to finish a row while the file does not exist
+      creates it and dies mid-batch (Ray must redo the batch, losing and doubling nothing);
+    - `crash_engine_on_row` (a row id): the engine thread raises whenever that row is waiting to be
+      admitted (a fatal engine error caused by one row).
+    """
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+    class FaultyPredictor(DominoPredictor):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.poisoned = set()  # engine request ids of the crash_engine_on_row row
+            if crash_engine_on_row is not None:
+                engine, step = self.loop.engine, self.loop.engine.step
+
+                def step_that_crashes():
+                    if any(r.request.request_id in self.poisoned for r in engine.pending):
+                        raise RuntimeError("test fault: the engine crashed admitting a row")
+                    return step()
+                engine.step = step_that_crashes
+
+        async def _run(self, row_id, request):
+            if row_id == crash_engine_on_row:
+                self.poisoned.add(request.request_id)
+            completion = await super()._run(row_id, request)
+            if kill_actor_once is not None and not os.path.exists(kill_actor_once):
+                open(kill_actor_once, "w").close()
+                os._exit(1)  # die mid-batch, like a crashed node
+            return completion
+
+    return FaultyPredictor
