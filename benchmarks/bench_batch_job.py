@@ -72,7 +72,7 @@ def direct(target_dir: str, draft_dir: str, prompts: list[str], args) -> dict:
     import torch
 
     from domino_ray.config import load_config
-    from domino_ray.engine import Request
+    from domino_ray.request import Request
     from domino_ray.llm import load_engine
     from domino_ray.sampling_params import generation_defaults
     from domino_ray.target import encode_prompt

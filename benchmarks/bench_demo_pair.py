@@ -30,7 +30,8 @@ import torch
 from domino_ray.checkpoint import load_draft
 from domino_ray.config import DEMO_ASSETS
 from domino_ray.draft import resolve_num_spec_tokens
-from domino_ray.engine import Request, SpecEngine
+from domino_ray.engine import SpecEngine
+from domino_ray.request import Request
 from domino_ray.proposer import DominoProposer
 from domino_ray.sampling_params import SamplingParams
 from domino_ray.stats import per_position_acceptance, total_stats

@@ -25,7 +25,8 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from domino_ray.draft import DominoDraft, DraftConfig
-from domino_ray.engine import Request, SpecEngine
+from domino_ray.engine import SpecEngine
+from domino_ray.request import Request
 from domino_ray.proposer import DominoProposer
 from domino_ray.sampling_params import SamplingParams
 

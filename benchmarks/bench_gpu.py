@@ -33,7 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # runs from a p
 from bench_engine_cpu import prompts_for  # noqa: E402
 from domino_ray.checkpoint import parse_draft_config
 from domino_ray.draft import DominoDraft
-from domino_ray.engine import Request, SpecEngine
+from domino_ray.engine import SpecEngine
+from domino_ray.request import Request
 from domino_ray.proposer import DominoProposer
 from domino_ray.sampling_params import SamplingParams
 

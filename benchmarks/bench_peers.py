@@ -57,7 +57,8 @@ def load_pair(assets: Path, num_prompts: int):
 
 
 def run_ours(target, draft, prompts, *, rows: int, max_new_tokens: int) -> dict:
-    from domino_ray.engine import Request, SpecEngine
+    from domino_ray.engine import SpecEngine
+    from domino_ray.request import Request
     from domino_ray.proposer import DominoProposer
     from domino_ray.sampling_params import SamplingParams
     from domino_ray.stats import total_stats
@@ -80,7 +81,8 @@ def profile_ours_step(target, draft, prompts, *, rows: int, steps: int = 8, max_
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from domino_ray.engine import Request, SpecEngine
+    from domino_ray.engine import SpecEngine
+    from domino_ray.request import Request
     from domino_ray.proposer import DominoProposer
     from domino_ray.sampling_params import SamplingParams
 

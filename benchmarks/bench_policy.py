@@ -20,7 +20,8 @@ import torch
 
 from domino_ray.config import DEMO_ASSETS
 from domino_ray.draft import DominoDraft, resolve_num_spec_tokens
-from domino_ray.engine import Request, SpecEngine
+from domino_ray.engine import SpecEngine
+from domino_ray.request import Request
 from domino_ray.proposer import DominoProposer
 from domino_ray.sampling_params import SamplingParams
 from common import demo_pair, write_results

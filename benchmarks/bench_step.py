@@ -29,7 +29,8 @@ from torch.overrides import TorchFunctionMode
 
 from domino_ray.config import DEMO_ASSETS
 from domino_ray.draft import DominoDraft
-from domino_ray.engine import Request, SpecEngine
+from domino_ray.engine import SpecEngine
+from domino_ray.request import Request
 from domino_ray.proposer import DominoProposer
 from domino_ray.sampling_params import SamplingParams
 from common import demo_pair, write_results
@@ -62,10 +63,18 @@ def baseline_engine(ref: str) -> dict:
                                   text=True).stdout
             (root / "domino_ray_baseline" / Path(name).name).write_text(text.replace("domino_ray.", "domino_ray_baseline."))
     sys.path.insert(0, str(root))
-    engine = importlib.import_module("domino_ray_baseline.engine")
-    return {"SpecEngine": engine.SpecEngine, "Request": engine.Request,
-            "DominoProposer": importlib.import_module("domino_ray_baseline.proposer").DominoProposer,
-            "SamplingParams": engine.SamplingParams}  # wherever that commit defines it, its engine imports it
+
+    def first(name: str, *modules: str):  # names moved between modules over the project's history
+        for module in modules:
+            found = getattr(importlib.import_module(f"domino_ray_baseline.{module}"), name, None) \
+                if (root / "domino_ray_baseline" / f"{module}.py").exists() else None
+            if found is not None:
+                return found
+        raise ImportError(f"{name} not found in {modules} at {ref}")
+
+    return {"SpecEngine": first("SpecEngine", "engine"), "Request": first("Request", "request", "engine"),
+            "DominoProposer": first("DominoProposer", "proposer"),
+            "SamplingParams": first("SamplingParams", "sampling_params", "engine", "sampling")}
 
 
 def run(target, draft, prompts, rows, max_new_tokens, count_calls=False, api=CURRENT):

@@ -39,37 +39,12 @@ import torch
 
 from domino_ray.kv_cache import KVBuffers, visible_keys
 from domino_ray.memory import check_memory_fits, memory_plan
+from domino_ray.request import Completion, Request, StepEvent
 from domino_ray.sampling import RowSampling, sampling_mode
-from domino_ray.sampling_params import SamplingParams
 from domino_ray.stats import RowStats
 from domino_ray.step_graphs import StepGraphs, use_cuda_graphs
 from domino_ray.target_forward import RowAttention, install, run_decoder
 from domino_ray.verify_width import StepCosts, WidthController, candidate_widths, measure_step_costs
-
-
-@dataclass
-class Request:
-    request_id: Hashable
-    prompt_token_ids: list[int]
-    params: SamplingParams = field(default_factory=SamplingParams)
-
-
-@dataclass
-class Completion:
-    request_id: Hashable
-    prompt_token_ids: list[int]
-    token_ids: list[int]             # generated tokens, the stop token included when one ended the row
-    finish_reason: str               # "stop" | "length" | "abort"
-    stats: RowStats
-    time_to_first_token_s: float     # from add_request to the first token on the host
-    time_taken_s: float              # from add_request to the last token
-
-
-@dataclass
-class StepEvent:
-    request_id: Hashable
-    new_token_ids: list[int]         # tokens committed for this request in this step (for streaming)
-    completion: Completion | None    # set when the request finished in this step
 
 
 @dataclass

@@ -14,7 +14,8 @@ import threading
 from dataclasses import dataclass
 from typing import AsyncIterator, Hashable
 
-from domino_ray.engine import Completion, Request, SpecEngine, StepEvent
+from domino_ray.engine import SpecEngine
+from domino_ray.request import Completion, Request, StepEvent
 from domino_ray.stats import RowStats
 
 

@@ -18,7 +18,8 @@ from typing import Sequence
 
 from domino_ray.checkpoint import load_draft
 from domino_ray.draft import resolve_num_spec_tokens
-from domino_ray.engine import Request, SpecEngine
+from domino_ray.engine import SpecEngine
+from domino_ray.request import Request
 from domino_ray.proposer import DominoProposer
 from domino_ray.sampling_params import SamplingParams
 from domino_ray.target import decode, encode_prompt, load_target, load_tokenizer, stop_token_ids

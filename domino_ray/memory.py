@@ -1,37 +1,70 @@
-"""The engine's memory plan: bytes beyond the weights, from the shapes alone (README "Memory").
+"""The engine's memory plan and its slot count: bytes beyond the weights, from the shapes alone (README "Memory").
 
-A pure function of the model configs and the engine's sizes, so a plan can be computed (and tested) for a
-device this machine does not have. The engine checks it against free device memory before allocating.
+Pure functions of the model configs and the engine's sizes, so a plan can be computed (and tested) for a
+device this machine does not have. The engine checks the plan against free device memory before
+allocating, and with `max_batch_size: auto` sizes its slots from it (`plan_slots`).
 """
 
 from __future__ import annotations
 
+from typing import Callable
+
+# Slot counts `auto` may choose: vLLM resolves max_num_seqs to 1024 on an H100, and row buckets are powers of two.
+MAX_AUTO_SLOTS = 1024
+
 
 def memory_plan(target_config, draft_config, *, max_rows: int, num_spec_tokens: int, capacity: int,
-                max_prefill_tokens: int, itemsize: int) -> dict[str, int]:
+                max_prefill_tokens: int, itemsize: int, cuda_graphs: bool = False) -> dict[str, int]:
     """Bytes the engine preallocates or peaks at beyond the weights. `draft_config`: a DraftConfig or None
-    (target only); `capacity`: KV positions per slot; `itemsize`: bytes per element of the model dtype."""
+    (target only); `capacity`: KV positions per slot; `itemsize`: bytes per element of the model dtype;
+    `cuda_graphs`: the captured steps keep their own pool (about one decode step) beside the eager cache."""
     cfg, elt = target_config, itemsize
     r, q, t = max_rows, num_spec_tokens + 1, capacity
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     groups = cfg.num_attention_heads // cfg.num_key_value_heads
     draft = draft_config
     draft_kv = 2 * draft.num_hidden_layers * r * draft.num_key_value_heads * t * draft.head_dim * elt if draft else 0
-    # The largest decode bucket's intermediates: logits (+ float32 probabilities and float64 CDF when
-    # sampling), the widest activations, one layer's attention scores and the key mask. CUDA graphs share
-    # one pool, so this is also about what the captured graphs hold.
-    step = r * q * (cfg.vocab_size * (elt + 4 + 8) + 4 * cfg.intermediate_size * elt) \
-        + r * cfg.num_attention_heads * q * t * 4 + r * groups * q * t
+    # The largest decode bucket's intermediates. Logits, and when sampling fp32 probabilities + a float64
+    # CDF (12 bytes); with top-k/top-p also the sort (fp32 values + int64 indices) and two fp32 masked
+    # copies (20 bytes). The widest activations, one layer's attention scores and the bool key mask.
+    logits = r * q * cfg.vocab_size * (elt + 12 + 20)
+    step = logits + r * q * 4 * cfg.intermediate_size * elt + r * cfg.num_attention_heads * q * t * 4 + r * groups * q * t
+    if draft:  # the draft block's base logits (fp32 for the correction loop) and its attention scores
+        vocab = draft.draft_vocab_size or draft.vocab_size
+        step += r * draft.block_size * (vocab * (elt + 4) + draft.num_attention_heads * t * 4)
+    # Prefill: the widest activations of `max_prefill_tokens` positions, plus the draft's context inputs
+    # (the tapped hidden states, their projection and every draft layer's keys and values).
     prefill = max_prefill_tokens * (6 * cfg.hidden_size + 3 * cfg.intermediate_size) * elt
-    return {"target_kv": 2 * cfg.num_hidden_layers * r * cfg.num_key_value_heads * t * head_dim * elt,
+    if draft:
+        taps = len(draft.target_layer_ids) * cfg.hidden_size
+        prefill += max_prefill_tokens * (taps + cfg.hidden_size
+                                         + 2 * draft.num_hidden_layers * draft.num_key_value_heads * draft.head_dim) * elt
+    plan = {"target_kv": 2 * cfg.num_hidden_layers * r * cfg.num_key_value_heads * t * head_dim * elt,
             "draft_kv": draft_kv, "decode_step": step, "prefill_peak": prefill}
+    if cuda_graphs:
+        plan["graph_pool"] = step
+    return plan
 
 
-def check_memory_fits(plan: dict[str, int], free_bytes: int, device) -> None:
+def plan_slots(budget_bytes: int, plan_for: Callable[[int], dict[str, int]], most: int = MAX_AUTO_SLOTS) -> int:
+    """The most slots (1..`most`) whose plan fits `budget_bytes`; 0 when not even one does. `plan_for(rows)`
+    is a memory plan, which grows with the rows: a bisection."""
+    fits = lambda rows: sum(plan_for(rows).values()) <= budget_bytes  # noqa: E731
+    if not fits(1):
+        return 0
+    lo, hi = 1, most
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    return lo
+
+
+def check_memory_fits(plan: dict[str, int], free_bytes: int, device, utilization: float = 0.9) -> None:
     """Fail with advice instead of an opaque out-of-memory error: buffers are static per slot."""
     need = sum(plan.values())
-    if need > 0.9 * free_bytes:
+    if need > utilization * free_bytes:
         parts = ", ".join(f"{k} {v / 2**30:.2f}" for k, v in plan.items())
         raise ValueError(f"the engine needs {need / 2**30:.1f} GiB beyond the weights ({parts} GiB) but "
-                         f"{free_bytes / 2**30:.1f} GiB are free on {device}: lower generation.max_batch_size, "
-                         "model.max_model_len or generation.max_prefill_tokens")
+                         f"{free_bytes / 2**30:.1f} GiB are free on {device} (runtime.gpu_memory_utilization="
+                         f"{utilization}): lower generation.max_batch_size, model.max_model_len or "
+                         "generation.max_prefill_tokens")

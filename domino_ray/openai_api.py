@@ -15,7 +15,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from domino_ray.engine import Completion
+from domino_ray.request import Completion
 from domino_ray.sampling_params import SAMPLING_CHECKS, SamplingParams, invalid_value, is_int
 from domino_ray.target import encode_prompt
 

@@ -17,7 +17,7 @@ import pyarrow as pa
 import ray
 
 from domino_ray.config import JobConfig
-from domino_ray.engine import Request
+from domino_ray.request import Request
 from domino_ray.engine_loop import EngineDead
 from domino_ray.sampling_params import generation_defaults
 from domino_ray.schema import RowError, error_row, ok_row, output_table, read_row, row_params

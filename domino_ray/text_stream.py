@@ -10,7 +10,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import AsyncIterator
 
-from domino_ray.engine import Completion, Request
+from domino_ray.request import Completion, Request
 from domino_ray.engine_loop import EngineDead, EngineLoop, QueueFull
 from domino_ray.openai_api import APIError, ParsedRequest
 from domino_ray.stats import RowStats

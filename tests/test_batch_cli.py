@@ -50,13 +50,13 @@ def test_bad_config_fails_naming_the_key():
 @pytest.mark.ray
 @pytest.mark.slow
 def test_resume_after_killing_the_driver(ray_cluster, tiny_pair, tmp_path):
-    n = 24
+    n = 12
     ids = [f"row-{i:03d}" for i in range(n)]
     write_shards(tmp_path / "in", {"id": ids, "prompt": make_prompts(n, seed=5)}, shards=1)
     out = tmp_path / "out"
     command = [*GENERATE, *job_overrides(tiny_pair, tmp_path / "in", out, **{
         "runtime.ray_address": ray_cluster, "runtime.batch_size": 1, "runtime.max_concurrent_batches": 1,
-        "generation.max_new_tokens": 32, "generation.max_batch_size": 1})]
+        "generation.max_new_tokens": 16, "generation.max_batch_size": 1})]
     driver = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + 180
     while len(_complete_files(out)) < 3 and time.time() < deadline and driver.poll() is None:

@@ -9,7 +9,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from batch_fixtures import job_config, job_overrides, python, ray_cluster, REPO, tiny_pair  # noqa: F401
-from domino_ray.engine import Request, SpecEngine
+from domino_ray.engine import SpecEngine
+from domino_ray.request import Request
 from domino_ray.engine_loop import EngineLoop
 from domino_ray.ray_batch import run_job
 from domino_ray.ray_predictor import RowCrashesEngine

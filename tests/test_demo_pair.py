@@ -10,7 +10,8 @@ import torch
 
 from domino_ray.checkpoint import load_draft
 from domino_ray.config import DEMO_ASSETS, load_config
-from domino_ray.engine import Request, SpecEngine
+from domino_ray.engine import SpecEngine
+from domino_ray.request import Request
 from domino_ray.proposer import DominoProposer
 from domino_ray.sampling_params import SamplingParams
 from domino_ray.stats import total_stats

@@ -4,7 +4,8 @@ same drafts as recomputing the draft from scratch on the committed prefix (the D
 import pytest
 import torch
 
-from domino_ray.engine import Request, SpecEngine
+from domino_ray.engine import SpecEngine
+from domino_ray.request import Request
 from domino_ray.proposer import DominoProposer
 from oracles import OracleProposer
 from domino_ray.sampling_params import SamplingParams

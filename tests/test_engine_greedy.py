@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from domino_ray.engine import Request, SpecEngine
+from domino_ray.engine import SpecEngine
+from domino_ray.request import Request
 from domino_ray.proposer import DominoProposer
 from domino_ray.sampling_params import SamplingParams
 from tiny_models import hf_greedy, ragged_prompts, tiny_draft, tiny_target

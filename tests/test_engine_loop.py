@@ -4,7 +4,8 @@ import asyncio
 
 import pytest
 
-from domino_ray.engine import Request, SpecEngine
+from domino_ray.engine import SpecEngine
+from domino_ray.request import Request
 from domino_ray.engine_loop import EngineLoop, QueueFull
 from domino_ray.proposer import DominoProposer
 from domino_ray.sampling_params import SamplingParams

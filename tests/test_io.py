@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from domino_ray.config import ConfigError, InputConfig, S3Config, load_config
-from domino_ray.engine import Completion
+from domino_ray.request import Completion
 from domino_ray.io import list_parquet_files, read_json, resolve, scan_output, write_json_atomic
 from domino_ray.sampling_params import SamplingParams
 from domino_ray.schema import (GENERATED_FIELDS, RowError, error_row, ok_row, output_schema, output_table, read_row,

@@ -9,7 +9,8 @@ import pytest
 
 from checkpoint_layouts import write_dflash, write_speculators, write_speculators_domino
 from domino_ray.checkpoint import load_draft
-from domino_ray.engine import Request, SpecEngine
+from domino_ray.engine import SpecEngine
+from domino_ray.request import Request
 from domino_ray.proposer import DominoProposer
 from domino_ray.sampling_params import SamplingParams
 from domino_ray.stats import total_stats

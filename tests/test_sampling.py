@@ -11,7 +11,8 @@ import itertools
 
 import torch
 
-from domino_ray.engine import Request, SpecEngine
+from domino_ray.engine import SpecEngine
+from domino_ray.request import Request
 from oracles import OracleProposer
 from domino_ray.sampling import sampling_probs
 from domino_ray.sampling_params import SamplingParams

@@ -3,7 +3,8 @@ it used to crash the engine loop (an in-place broadcast of a [n, 1, V] mask agai
 
 import torch
 
-from domino_ray.engine import Request, SpecEngine
+from domino_ray.engine import SpecEngine
+from domino_ray.request import Request
 from domino_ray.proposer import DominoProposer
 from domino_ray.sampling import sampling_probs
 from domino_ray.sampling_params import SamplingParams

@@ -8,7 +8,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from domino_ray.draft import gru_cell
-from domino_ray.engine import Request, SpecEngine
+from domino_ray.engine import SpecEngine
+from domino_ray.request import Request
 from domino_ray.memory import check_memory_fits
 from domino_ray.proposer import DominoProposer
 from domino_ray.sampling_params import SamplingParams

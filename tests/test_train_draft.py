@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from domino_ray.draft import DominoDraft
-from domino_ray.engine import Request, SpecEngine
+from domino_ray.engine import SpecEngine
+from domino_ray.request import Request
 from domino_ray.proposer import DominoProposer
 from domino_ray.sampling_params import SamplingParams
 from domino_ray.train_draft import (TrainConfig, backbone_only, block_labels, block_logits, collate,

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from domino_ray.engine import Request, SpecEngine
+from domino_ray.engine import SpecEngine
+from domino_ray.request import Request
 from domino_ray.proposer import DominoProposer
 from domino_ray.sampling_params import SamplingParams
 from domino_ray.verify_width import (AcceptanceEstimates, candidate_widths, choose_width, expected_tokens,
