@@ -50,7 +50,7 @@ def test_bad_config_fails_naming_the_key():
 @pytest.mark.ray
 @pytest.mark.slow
 def test_resume_after_killing_the_driver(ray_cluster, tiny_pair, tmp_path):
-    n = 12
+    n = 18  # output files hold 3 rows here: the driver dies after 3 files, with half the rows to redo
     ids = [f"row-{i:03d}" for i in range(n)]
     write_shards(tmp_path / "in", {"id": ids, "prompt": make_prompts(n, seed=5)}, shards=1)
     out = tmp_path / "out"
