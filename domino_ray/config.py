@@ -55,7 +55,8 @@ class GenerationConfig:
                                       # from (seed, id) (independent of batching), the engine's generator this
     stop_token_ids: list[int] = field(default_factory=list)  # besides the model's EOS ids
     ignore_eos: bool = False
-    max_batch_size: int = 16          # engine slots: rows decoded together (continuous batching)
+    max_batch_size: Any = 16          # engine slots: rows decoded together (continuous batching); "auto" = as
+                                      # many as runtime.gpu_memory_utilization of the free memory holds
     max_prefill_tokens: int = 8192    # padded prompt tokens per prefill forward
 
 
@@ -99,6 +100,7 @@ class RuntimeConfig:
     seed: int | None = None           # deprecated alias of generation.seed (a warning; both given: an error)
     compare_baseline: bool = False    # also run the rows target-only and report the speed-up (small jobs)
     cuda_graphs: str = "auto"         # auto (on for CUDA devices) | on | off: capture the engine's steps
+    gpu_memory_utilization: float = 0.9  # share of the device memory free after the weights the engine may take
 
 
 @dataclass
@@ -219,8 +221,8 @@ def validate(cfg: JobConfig):
          cfg.draft.num_draft_tokens in (None, "auto")
          or (is_int(cfg.draft.num_draft_tokens) and cfg.draft.num_draft_tokens >= 1),
          "auto, null or an int >= 1"),
-        ("generation.max_batch_size", g.max_batch_size, is_int(g.max_batch_size) and g.max_batch_size >= 1,
-         "an int >= 1"),
+        ("generation.max_batch_size", g.max_batch_size,
+         g.max_batch_size == "auto" or (is_int(g.max_batch_size) and g.max_batch_size >= 1), "auto or an int >= 1"),
         ("generation.max_prefill_tokens", g.max_prefill_tokens,
          is_int(g.max_prefill_tokens) and g.max_prefill_tokens >= 1, "an int >= 1"),
         ("runtime.min_actors", r.min_actors, r.min_actors >= 1, "an int >= 1"),
@@ -230,6 +232,9 @@ def validate(cfg: JobConfig):
          "null or a number >= 0"),
         ("runtime.batch_size", r.batch_size, r.batch_size >= 1, "an int >= 1"),
         ("runtime.cuda_graphs", r.cuda_graphs, r.cuda_graphs in ("auto", "on", "off"), "auto, on or off"),
+        ("runtime.gpu_memory_utilization", r.gpu_memory_utilization,
+         isinstance(r.gpu_memory_utilization, (int, float)) and not isinstance(r.gpu_memory_utilization, bool)
+         and 0 < r.gpu_memory_utilization <= 1, "a number in (0, 1]"),
         ("runtime.max_concurrent_batches", r.max_concurrent_batches, r.max_concurrent_batches >= 1, "an int >= 1"),
         ("output.min_rows_per_file", o.min_rows_per_file, o.min_rows_per_file is None or o.min_rows_per_file >= 1,
          "null or an int >= 1"),

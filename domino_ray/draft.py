@@ -259,7 +259,8 @@ class DominoDraft(nn.Module):
 
         Base logits for all K positions come from one GEMM; only the small GRU cell + MLP runs step by
         step, carrying the GRU state (O(K) GRU work, not O(K^2)). The cell is explicit math (no cuDNN
-        `nn.GRU` call), so the loop is capturable in a CUDA graph and runs in bf16.
+        `nn.GRU` call), so the loop is capturable in a CUDA graph. The GRU state and `base + delta` are
+        float32 whatever the model dtype: over up to 16 steps bf16 rounding would compound (it is cheap).
         """
         z = self.select_draft_hidden(hidden, num_draft)  # [b, K, C]
         base = self.base_logits(z, target_lm_head)       # [b, K, Vd]
@@ -267,9 +268,9 @@ class DominoDraft(nn.Module):
             return self.to_target_ids(base.argmax(-1))
         p = min(self.config.num_uncorrected, num_draft)
         tokens = [self.to_target_ids(base[:, :p].argmax(-1))]  # [b, P] uncorrected prefix
-        w_ih, w_hh = self.prefix_gru.weight_ih_l0, self.prefix_gru.weight_hh_l0
-        prefix = embed(torch.cat([anchor[:, None], tokens[0]], 1)).to(w_ih.dtype)  # [b, P+1, C]
-        state = prefix.new_zeros(prefix.shape[0], w_hh.shape[1])                  # [b, G]
+        w_ih, w_hh = self.prefix_gru.weight_ih_l0.float(), self.prefix_gru.weight_hh_l0.float()
+        prefix = embed(torch.cat([anchor[:, None], tokens[0]], 1)).float()  # [b, P+1, C]
+        state = prefix.new_zeros(prefix.shape[0], w_hh.shape[1])            # [b, G] float32
         for j in range(prefix.shape[1]):
             state = gru_cell(prefix[:, j], state, w_ih, w_hh)
         fc1, fc2 = self.embed_proj[0], self.embed_proj[2]
@@ -277,11 +278,11 @@ class DominoDraft(nn.Module):
         z_part = F.linear(z.to(fc1.weight.dtype), fc1.weight[:, :c])  # [b, K, E], batched over positions
         w_state = fc1.weight[:, c:]                                    # [E, G]
         for i in range(p, num_draft):
-            delta = fc2(F.silu(z_part[:, i] + F.linear(state, w_state)))  # [b, Vd]
-            tok = self.to_target_ids((base[:, i] + delta.to(base.dtype)).argmax(-1))  # [b]
+            delta = fc2(F.silu(z_part[:, i] + F.linear(state.to(w_state.dtype), w_state)))  # [b, Vd]
+            tok = self.to_target_ids((base[:, i].float() + delta.float()).argmax(-1))  # [b]
             tokens.append(tok[:, None])
             if i + 1 < num_draft:
-                state = gru_cell(embed(tok).to(w_ih.dtype), state, w_ih, w_hh)
+                state = gru_cell(embed(tok).float(), state, w_ih, w_hh)
         return torch.cat(tokens, 1)
 
 

@@ -38,7 +38,7 @@ from typing import Callable, Hashable, Iterable
 import torch
 
 from domino_ray.kv_cache import KVBuffers, visible_keys
-from domino_ray.memory import check_memory_fits, memory_plan
+from domino_ray.memory import auto_slots, check_memory_fits, free_device_memory, memory_plan
 from domino_ray.request import Completion, Request, StepEvent
 from domino_ray.sampling import RowSampling, sampling_mode
 from domino_ray.stats import RowStats
@@ -69,6 +69,8 @@ class SpecEngine:
 
     `kv_chunk`: the attended key length is padded to a multiple of it (the key bucket); default 256 with
     CUDA graphs (fewer graphs to capture), 32 without (less attention over padding).
+    `max_rows`: slots (rows decoded together), or "auto": as many as `gpu_memory_utilization` of the device
+    memory free after the weights holds (`memory.plan_slots`); on CPU a default from the cores and host memory.
     `cuda_graphs`: "auto" (on for CUDA), "on" or "off".
     `adaptive`: pick the verify width 0..K every step (`verify_width.py`; the config's
     `num_draft_tokens: auto`, resolved by `draft.resolve_num_spec_tokens`); otherwise every step verifies K.
@@ -76,10 +78,10 @@ class SpecEngine:
     `{bucket: {W: seconds}}` or a `StepCosts`; None = measure them now.
     """
 
-    def __init__(self, target, proposer=None, *, max_rows: int = 16, max_model_len: int | None = None,
+    def __init__(self, target, proposer=None, *, max_rows: int | str = 16, max_model_len: int | None = None,
                  eos_token_ids: Iterable[int] = (), seed: int = 0, max_prefill_tokens: int = 8192,
                  kv_chunk: int | None = None, cuda_graphs: str = "auto", adaptive: bool = False,
-                 width_costs: dict | StepCosts | None = None):
+                 width_costs: dict | StepCosts | None = None, gpu_memory_utilization: float = 0.9):
         cfg = target.config
         self.target, self.decoder, self.lm_head = target, target.get_decoder(), target.get_output_embeddings()
         self.proposer = proposer
@@ -89,7 +91,7 @@ class SpecEngine:
             raise ValueError("max_model_len is required: the target config has no max_position_embeddings")
         self.max_model_len = min(limits)
         self.vocab_size = cfg.vocab_size
-        self.max_rows, self.max_prefill_tokens = max_rows, max_prefill_tokens
+        self.max_prefill_tokens = max_prefill_tokens
         self.eos_token_ids = frozenset(eos_token_ids)
         weight = next(target.parameters())
         self.device, self.dtype = weight.device, weight.dtype
@@ -99,23 +101,42 @@ class SpecEngine:
         self.span = max(k + 1, proposer.block_size if proposer is not None else 1)
         self.kv_chunk = kv_chunk or (256 if graphs else 32)
         self.capacity = _round_up(self.max_model_len + self.span, self.kv_chunk)
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.groups = cfg.num_attention_heads // cfg.num_key_value_heads
+        self.cuda_graphs = graphs
+        self.slot_report: str | None = None  # how `max_rows="auto"` chose, for the edge to show
+        if max_rows == "auto":
+            max_rows, self.slot_report = auto_slots(self.device, gpu_memory_utilization, self.memory_plan)
+        self.max_rows = max_rows
         if self.device.type == "cuda":  # before allocating anything
-            check_memory_fits(self.memory_plan(), torch.cuda.mem_get_info(self.device)[0], self.device)
-        self.kv = KVBuffers(cfg.num_hidden_layers, max_rows, self.capacity, cfg.num_key_value_heads, head_dim,
-                            weight.dtype, self.device)
+            check_memory_fits(self.memory_plan(), free_device_memory(self.device), self.device, gpu_memory_utilization)
+        self._allocate(cfg, max_rows, k)
+        self.rows: list[_Row] = []      # active rows; rows[i] lives in slot i
+        self.pending: deque[_Row] = deque()
+        self._running_ids: set = set()  # request ids of pending and active rows
+        self.rng = torch.Generator().manual_seed(seed)
+        self.graphs = StepGraphs(self.device, required=cuda_graphs == "on") if graphs else None
+        self.width: WidthController | None = None  # None: every step verifies K
+        if adaptive and k:
+            costs = (width_costs if isinstance(width_costs, StepCosts) else StepCosts(width_costs) if width_costs
+                     else self.measure_costs(candidate_widths(k, graphs)))
+            self.width = WidthController(k, max_rows, costs)
+
+    def _allocate(self, cfg, r: int, k: int):
+        """The per-slot buffers, once: target KV, the proposer's state, row state, step outputs."""
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.kv = KVBuffers(cfg.num_hidden_layers, r, self.capacity, cfg.num_key_value_heads, head_dim,
+                            self.dtype, self.device)
         self.tap_layers: tuple[int, ...] = ()
-        if proposer is not None:
-            layer_ids = list(proposer.target_layer_ids)
+        if self.proposer is not None:
+            layer_ids = list(self.proposer.target_layer_ids)
             bad = [i for i in layer_ids if not 0 <= i < cfg.num_hidden_layers]
             if bad:
                 raise ValueError(f"draft target_layer_ids {layer_ids} out of range for a target with "
                                  f"{cfg.num_hidden_layers} layers: {bad}")
-            proposer.allocate(max_rows, self.capacity)
+            self.proposer.allocate(r, self.capacity)
             self.tap_layers = tuple(layer_ids)
-        self.row_buckets = sorted({min(1 << i, max_rows) for i in range(max_rows.bit_length() + 1)})
-        r, dev = max_rows, self.device
+        self.row_buckets = sorted({min(1 << i, r) for i in range(r.bit_length() + 1)})
+        dev = self.device
         self.lens = torch.zeros(r, dtype=torch.long, device=dev)       # [R] committed positions in the KV
         self.anchor = torch.zeros(r, dtype=torch.long, device=dev)     # [R] last committed token
         self.remaining = torch.zeros(r, dtype=torch.long, device=dev)  # [R] tokens the row may still emit; 0 = free
@@ -125,22 +146,13 @@ class SpecEngine:
         self.packed_host = torch.zeros(r, k + 2, dtype=torch.long, pin_memory=dev.type == "cuda")
         self.verify_offsets = torch.arange(k + 1, device=dev)        # [K+1]
         self.key_positions = torch.arange(self.capacity, device=dev)  # [T]
-        self.rows: list[_Row] = []      # active rows; rows[i] lives in slot i
-        self.pending: deque[_Row] = deque()
-        self._running_ids: set = set()  # request ids of pending and active rows
-        self.rng = torch.Generator().manual_seed(seed)
-        self.graphs = StepGraphs(self.device) if graphs else None
-        self.width: WidthController | None = None  # None: every step verifies K
-        if adaptive and k:
-            costs = (width_costs if isinstance(width_costs, StepCosts) else StepCosts(width_costs) if width_costs
-                     else self.measure_costs(candidate_widths(k, graphs)))
-            self.width = WidthController(k, max_rows, costs)
 
-    def memory_plan(self) -> dict[str, int]:
-        """Bytes beyond the weights for this engine's sizes (`memory.memory_plan`)."""
-        return memory_plan(self.target.config, getattr(self.proposer, "config", None), max_rows=self.max_rows,
-                           num_spec_tokens=self.num_spec_tokens, capacity=self.capacity,
-                           max_prefill_tokens=self.max_prefill_tokens, itemsize=self.dtype.itemsize)
+    def memory_plan(self, rows: int | None = None) -> dict[str, int]:
+        """Bytes beyond the weights for this engine's sizes with `rows` slots (default: its own), `memory.memory_plan`."""
+        return memory_plan(self.target.config, getattr(self.proposer, "config", None),
+                           max_rows=rows or self.max_rows, num_spec_tokens=self.num_spec_tokens,
+                           capacity=self.capacity, max_prefill_tokens=self.max_prefill_tokens,
+                           itemsize=self.dtype.itemsize, cuda_graphs=self.cuda_graphs)
 
     # ---- requests ---------------------------------------------------------------------------------
 
@@ -322,7 +334,7 @@ class SpecEngine:
         lens, remaining = self.lens[:r], self.remaining[:r]
         verify_ids = torch.cat([self.anchor[:r, None], self.drafts[:r, :w]], 1)  # [r, W+1]
         positions = lens[:, None] + self.verify_offsets[:w + 1]                  # [r, W+1]
-        visible = visible_keys(positions + 1, self.groups, self.key_positions[:t])  # causal after the prefix
+        visible = visible_keys(positions + 1, self.groups, self.key_positions[:t], self.dtype)  # causal after the prefix
         hidden, taps = run_decoder(self.decoder, verify_ids, positions,
                                    RowAttention(self.kv, write_index=positions, visible=visible, kv_len=t),
                                    self.tap_layers if context else ())

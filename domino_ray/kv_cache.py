@@ -59,20 +59,22 @@ class KVBuffers:
             buf[:, dst, :, :length] = buf[:, src, :, :length]
 
 
-def visible_keys(key_limit: torch.Tensor, groups: int, key_positions: torch.Tensor) -> torch.Tensor:
-    """Bool mask `[r, 1, G*q, T]` for `row_attention`: query i of a row sees key positions below
-    `key_limit [r, q]`; `groups` = query heads per K/V head; `key_positions` = `arange(T)`. Built once
-    per forward and shared by its layers."""
+def visible_keys(key_limit: torch.Tensor, groups: int, key_positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Additive mask `[r, 1, G*q, T]` in `dtype` for `row_attention` (0 where visible, -inf elsewhere): query i
+    of a row sees key positions below `key_limit [r, q]`; `groups` = query heads per K/V head; `key_positions`
+    = `arange(T)`. Built once per forward and shared by its layers: SDPA would turn a bool mask into this
+    in every layer's call."""
     r, q = key_limit.shape
     limit = key_limit[:, None, :].expand(r, groups, q).reshape(r, 1, groups * q, 1)
-    return key_positions < limit
+    hidden = key_positions >= limit  # [r, 1, G*q, T]
+    return torch.zeros(hidden.shape, dtype=dtype, device=hidden.device).masked_fill_(hidden, float("-inf"))
 
 
 def row_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor,
                   scale: float) -> torch.Tensor:
     """Attention of each row's queries over its own keys, GQA-native.
 
-    query `[r, H, q, D]`, keys/values `[r, Hkv, T, D]`, visible `[r, 1, G*q, T]` (see `visible_keys`)
+    query `[r, H, q, D]`, keys/values `[r, Hkv, T, D]`, visible `[r, 1, G*q, T]` (additive, `visible_keys`)
     -> `[r, q, H, D]` (the layout HF's attention functions return). The G query heads of a K/V group
     are folded into the query axis, so the keys are attended as stored: no per-head copies.
     """

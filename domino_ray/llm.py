@@ -26,7 +26,7 @@ from domino_ray.target import decode, encode_prompt, load_target, load_tokenizer
 
 
 def build_engine(target, draft=None, tokenizer=None, *, num_draft_tokens: int | str | None = "auto",
-                 max_batch_size: int = 16, **engine_settings) -> SpecEngine:
+                 max_batch_size: int | str = 16, **engine_settings) -> SpecEngine:
     """The one way to assemble a SpecEngine from loaded parts; `load_engine` (jobs, Serve) and `DominoLLM`
     both call it. `draft` is a DominoDraft or None (target only); `tokenizer` None means token ids only,
     and only a real tokenizer's EOS id joins the model's stop ids. `engine_settings` go to SpecEngine
@@ -45,7 +45,8 @@ def engine_settings(model, draft, generation, runtime=None) -> dict:
     return {"num_draft_tokens": draft.num_draft_tokens if draft is not None else None,
             "max_batch_size": generation.max_batch_size, "max_model_len": model.max_model_len,
             "seed": generation.seed, "max_prefill_tokens": generation.max_prefill_tokens,
-            "cuda_graphs": runtime.cuda_graphs if runtime is not None else "auto"}
+            "cuda_graphs": runtime.cuda_graphs if runtime is not None else "auto",
+            "gpu_memory_utilization": runtime.gpu_memory_utilization if runtime is not None else 0.9}
 
 
 def load_draft_for(target, source: str):

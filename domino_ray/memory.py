@@ -1,13 +1,19 @@
 """The engine's memory plan and its slot count: bytes beyond the weights, from the shapes alone (README "Memory").
 
-Pure functions of the model configs and the engine's sizes, so a plan can be computed (and tested) for a
-device this machine does not have. The engine checks the plan against free device memory before
+`memory_plan` and `plan_slots` are pure functions of the model configs and the engine's sizes, so a plan can
+be computed (and tested) for a device this machine does not have. The engine checks the plan against free device memory before
 allocating, and with `max_batch_size: auto` sizes its slots from it (`plan_slots`).
 """
 
 from __future__ import annotations
 
+import logging
+import os
 from typing import Callable
+
+import torch
+
+log = logging.getLogger(__name__)
 
 # Slot counts `auto` may choose: vLLM resolves max_num_seqs to 1024 on an H100, and row buckets are powers of two.
 MAX_AUTO_SLOTS = 1024
@@ -26,9 +32,10 @@ def memory_plan(target_config, draft_config, *, max_rows: int, num_spec_tokens: 
     draft_kv = 2 * draft.num_hidden_layers * r * draft.num_key_value_heads * t * draft.head_dim * elt if draft else 0
     # The largest decode bucket's intermediates. Logits, and when sampling fp32 probabilities + a float64
     # CDF (12 bytes); with top-k/top-p also the sort (fp32 values + int64 indices) and two fp32 masked
-    # copies (20 bytes). The widest activations, one layer's attention scores and the bool key mask.
+    # copies (20 bytes). The widest activations, one layer's attention scores and the additive key mask.
     logits = r * q * cfg.vocab_size * (elt + 12 + 20)
-    step = logits + r * q * 4 * cfg.intermediate_size * elt + r * cfg.num_attention_heads * q * t * 4 + r * groups * q * t
+    step = logits + r * q * 4 * cfg.intermediate_size * elt + r * cfg.num_attention_heads * q * t * 4 \
+        + r * groups * q * t * elt
     if draft:  # the draft block's base logits (fp32 for the correction loop) and its attention scores
         vocab = draft.draft_vocab_size or draft.vocab_size
         step += r * draft.block_size * (vocab * (elt + 4) + draft.num_attention_heads * t * 4)
@@ -57,6 +64,33 @@ def plan_slots(budget_bytes: int, plan_for: Callable[[int], dict[str, int]], mos
         mid = (lo + hi + 1) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
     return lo
+
+
+def auto_slots(device: torch.device, utilization: float, plan_for: Callable[[int], dict[str, int]]) -> tuple[int, str]:
+    """`max_batch_size: auto`: (slots, a one-line report). CUDA: the most slots whose plan fits `utilization`
+    of the memory free after the weights. CPU: 8 slots per thread (8..64: more rows only queue behind the
+    cores) within `utilization` of a quarter of the available host memory."""
+    if device.type == "cuda":
+        where, budget, most = str(device), utilization * free_device_memory(device), MAX_AUTO_SLOTS
+    else:
+        host = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        where, budget, most = "host", utilization * host / 4, min(64, max(8, 8 * torch.get_num_threads()))
+    rows = plan_slots(int(budget), plan_for, most)
+    if rows == 0:
+        raise ValueError(f"generation.max_batch_size=auto: not one slot fits {budget / 2**30:.1f} GiB on {where} "
+                         f"(runtime.gpu_memory_utilization={utilization}; one slot needs "
+                         f"{sum(plan_for(1).values()) / 2**30:.1f} GiB): lower model.max_model_len or "
+                         "generation.max_prefill_tokens")
+    parts = ", ".join(f"{k} {v / 2**30:.2f}" for k, v in plan_for(rows).items())
+    report = f"max_batch_size=auto: {rows} slots on {where} (budget {budget / 2**30:.1f} GiB; plan {parts} GiB)"
+    log.info(report)
+    return rows, report
+
+
+def free_device_memory(device) -> int:
+    """Free bytes on a CUDA device, counting what torch's allocator has cached but not handed out."""
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
 
 
 def check_memory_fits(plan: dict[str, int], free_bytes: int, device, utilization: float = 0.9) -> None:

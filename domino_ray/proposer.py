@@ -74,7 +74,7 @@ class DominoProposer:
         positions = offsets[:, None] + self.block_offsets  # [r, B]
         # Non-causal: every block slot sees the whole context and the whole block.
         key_limit = (offsets + block_size)[:, None].expand(r, block_size)  # [r, B]
-        visible = visible_keys(key_limit, self.groups, self.key_positions[:kv_len])
+        visible = visible_keys(key_limit, self.groups, self.key_positions[:kv_len], self.dtype)
         cos, sin = self.draft.rope(positions, self.dtype)
 
         def attend_layer(i, layer, x, cos, sin):

@@ -47,6 +47,8 @@ class DominoPredictor:
                                              cfg.runtime)
         if engine.device.type == "cpu":
             torch.set_num_threads(max(1, int(cfg.runtime.cpus_per_actor)))  # the CPUs Ray reserved for us
+        if engine.slot_report:
+            print(f"engine actor {socket.gethostname()}:{os.getpid()}: {engine.slot_report}", flush=True)
         self.loop = EngineLoop(engine)
         self.num_spec_tokens, self.eos_ids = engine.num_spec_tokens, engine.eos_token_ids
         self.cfg, self.schema, self.base = cfg, schema, generation_defaults(cfg.generation)

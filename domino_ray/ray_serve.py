@@ -131,6 +131,8 @@ async def _http_error(request: Request, exc: StarletteHTTPException):
 class DominoServer:
     def __init__(self, cfg: JobConfig):
         engine, self.tokenizer = load_engine(cfg.model, cfg.draft, cfg.generation, cfg.runtime)
+        if engine.slot_report:
+            logger.info("replica engine: %s", engine.slot_report)
         self.loop = EngineLoop(engine, max_waiting=cfg.serve.max_waiting_requests)
         self.model = ModelSpec(
             name=cfg.serve.model_name, tokenizer=self.tokenizer, vocab_size=engine.vocab_size,

@@ -11,7 +11,8 @@ K with an adaptive width; K otherwise), `sampled`/`filtered` the rows' sampling 
 adaptive width has written the draft off). The first call of a key runs eagerly: it is the real step
 and the warm-up the capture needs (lazy kernels, cuBLAS workspaces, allocator state). The capture that
 follows only records (kernels do not run while capturing), so it changes no state. All graphs share one
-memory pool; a capture that fails is logged once and its key runs eagerly from then on.
+memory pool, captured on one stream; a capture that fails raises under `cuda_graphs: on`, and otherwise
+turns graphs off for the engine (logged once).
 
 Capturing lazily bounds the graphs to the keys a workload meets: all of them ahead of time would be
 thousands (row buckets x key buckets x widths x modes).
@@ -37,11 +38,17 @@ def use_cuda_graphs(setting: str, device: torch.device) -> bool:
 
 
 class StepGraphs:
-    def __init__(self, device: torch.device):
-        self.device = device
+    """Graphs by step key, all captured on one side stream into one memory pool: the caching allocator
+    reuses a block only on the stream that allocated it, so a stream per capture would split the pool.
+    `required` (`cuda_graphs: on`): a failed capture raises; otherwise the first failure turns graphs off
+    for this engine (one log line) and every step runs eagerly from then on."""
+
+    def __init__(self, device: torch.device, required: bool = False):
+        self.device, self.required = device, required
         self.pool = torch.cuda.graph_pool_handle()
+        self.stream = torch.cuda.Stream(device)
         self.graphs: dict[Hashable, torch.cuda.CUDAGraph] = {}
-        self.eager: set[Hashable] = set()  # keys whose capture failed
+        self.disabled = False
 
     def run(self, key: Hashable, step: Callable[[], None]):
         graph = self.graphs.get(key)
@@ -49,20 +56,22 @@ class StepGraphs:
             graph.replay()
             return
         step()  # the real step, and the capture's warm-up
-        if key not in self.eager:
+        if not self.disabled:
             self._capture(key, step)
 
     def _capture(self, key: Hashable, step: Callable[[], None]):
         graph = torch.cuda.CUDAGraph()
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
         try:
-            with torch.cuda.stream(stream), torch.cuda.graph(graph, pool=self.pool, stream=stream):
+            with torch.cuda.stream(self.stream), torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
                 step()
-        except Exception as exc:  # noqa: BLE001 -- any capture failure: this bucket runs eagerly
-            log.warning("CUDA graph capture failed for step %s, running it eagerly: %s", key, exc)
-            self.eager.add(key)
+        except Exception as exc:  # noqa: BLE001 -- any capture failure: graphs off, or an error under `on`
+            if self.required:
+                raise RuntimeError(f"CUDA graph capture failed for step {key} (runtime.cuda_graphs=on; "
+                                   f"'auto' would run eagerly instead): {exc}") from exc
+            log.warning("CUDA graph capture failed for step %s: %s; CUDA graphs are off for this engine", key, exc)
+            self.disabled = True
             return
         finally:
-            torch.cuda.current_stream(self.device).wait_stream(stream)
+            torch.cuda.current_stream(self.device).wait_stream(self.stream)
         self.graphs[key] = graph

@@ -1,12 +1,16 @@
 """The memory plan and the slot planner as pure functions, on the production shapes (Qwen3-4B + Domino-b16)
 for devices this machine does not have."""
 
+from pathlib import Path
+
 import pytest
+import torch
 from transformers import Qwen3Config
 
 from domino_ray.draft import DraftConfig
 from domino_ray.memory import check_memory_fits, memory_plan, plan_slots
 
+REPO = Path(__file__).resolve().parents[1]
 GiB = 2**30
 QWEN3_4B = Qwen3Config(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
                        num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960)
@@ -52,3 +56,42 @@ def test_too_little_memory_plans_no_slot_and_names_the_keys():
     assert plan_slots(GiB, production_plan) == 0
     with pytest.raises(ValueError, match="runtime.gpu_memory_utilization=0.9.*lower generation.max_batch_size"):
         check_memory_fits(production_plan(16), 16 * GiB, "cuda:0")  # 16.7 GiB needed
+
+
+# ---- the engine sizing itself (CPU here: the CUDA branch is the same planner over free device memory) ----
+
+def test_auto_slots_on_cpu_follow_the_threads_and_the_engine_runs_at_that_size():
+    from domino_ray.engine import SpecEngine
+    from domino_ray.proposer import DominoProposer
+    from domino_ray.request import Request
+    from domino_ray.sampling_params import SamplingParams
+    from tiny_models import ragged_prompts, tiny_draft, tiny_target
+
+    target = tiny_target("qwen3")
+    threads = torch.get_num_threads()
+    try:
+        for n, slots in ((1, 8), (2, 16), (16, 64)):  # 8 per thread, within 8..64
+            torch.set_num_threads(n)
+            engine = SpecEngine(target, DominoProposer(tiny_draft(target, block_size=4), target), max_rows="auto")
+            assert engine.max_rows == slots and engine.row_buckets[-1] == slots
+            assert f"{slots} slots on host" in engine.slot_report
+    finally:
+        torch.set_num_threads(threads)
+    prompts = ragged_prompts(2 * slots, seed=4)
+    requests = lambda: [Request(i, p, SamplingParams(max_new_tokens=6)) for i, p in enumerate(prompts)]  # noqa: E731
+    base = SpecEngine(target, None, max_rows=slots).generate(requests())
+    assert [c.token_ids for c in engine.generate(requests())] == [c.token_ids for c in base]
+
+
+def test_config_takes_auto_slots_and_checks_the_memory_share():
+    from domino_ray.config import ConfigError, load_config
+
+    cfg = load_config(None, ["generation.max_batch_size=auto", "runtime.gpu_memory_utilization=0.8"])
+    assert cfg.generation.max_batch_size == "auto" and cfg.runtime.gpu_memory_utilization == 0.8
+    with pytest.raises(ConfigError, match="generation.max_batch_size='lots' is invalid: expected auto or an int >= 1"):
+        load_config(None, ["generation.max_batch_size=lots"])
+    for bad in ("0", "1.5", "true"):
+        with pytest.raises(ConfigError, match=r"runtime.gpu_memory_utilization=.* expected a number in \(0, 1\]"):
+            load_config(None, [f"runtime.gpu_memory_utilization={bad}"])
+    for path in ("configs/qwen3_4b.yaml", "configs/qwen3_0_6b.yaml"):  # production sizes itself
+        assert load_config(REPO / path, ["input.path=x", "output.path=y"]).generation.max_batch_size == "auto"
