@@ -232,9 +232,8 @@ def validate(cfg: JobConfig):
          "null or a number >= 0"),
         ("runtime.batch_size", r.batch_size, r.batch_size >= 1, "an int >= 1"),
         ("runtime.cuda_graphs", r.cuda_graphs, r.cuda_graphs in ("auto", "on", "off"), "auto, on or off"),
-        ("runtime.gpu_memory_utilization", r.gpu_memory_utilization,
-         isinstance(r.gpu_memory_utilization, (int, float)) and not isinstance(r.gpu_memory_utilization, bool)
-         and 0 < r.gpu_memory_utilization <= 1, "a number in (0, 1]"),
+        ("runtime.gpu_memory_utilization", r.gpu_memory_utilization, 0 < r.gpu_memory_utilization <= 1,
+         "a number in (0, 1]"),
         ("runtime.max_concurrent_batches", r.max_concurrent_batches, r.max_concurrent_batches >= 1, "an int >= 1"),
         ("output.min_rows_per_file", o.min_rows_per_file, o.min_rows_per_file is None or o.min_rows_per_file >= 1,
          "null or an int >= 1"),
