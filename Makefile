@@ -28,12 +28,10 @@ setup: $(BIN)/.installed
 
 setup-dev: $(BIN)/.installed-dev
 
-# The batch job on the default (demo) config, with the target-only comparison for the speed-up, on the first
-# DEMO_ROWS prompts (a first run in about a minute; DEMO_ROWS=null: all ~300). Extra overrides:
-# make demo ARGS="generation.max_new_tokens=32".
-DEMO_ROWS ?= 128
+# The batch job on the default (demo) config, with the target-only comparison for the speed-up.
+# Extra overrides: make demo ARGS="generation.max_new_tokens=32".
 demo: setup
-	$(BIN)/python jobs/generate.py runtime.compare_baseline=true input.limit=$(DEMO_ROWS) $(ARGS)
+	$(BIN)/python jobs/generate.py runtime.compare_baseline=true $(ARGS)
 
 # The SmolLM2 target as a plain HF checkpoint in ~/.cache/domino-ray/smollm2-135m-instruct
 # ($$DOMINO_RAY_SMOLLM2_DIR); about 20 s once, a no-op afterwards.
