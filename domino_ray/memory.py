@@ -1,8 +1,8 @@
 """The engine's memory plan and its slot count: bytes beyond the weights, from the shapes alone (README "Memory").
 
 `memory_plan` and `plan_slots` are pure functions of the model configs and the engine's sizes, so a plan can
-be computed (and tested) for a device this machine does not have. The engine checks the plan against free device memory before
-allocating, and with `max_batch_size: auto` sizes its slots from it (`plan_slots`).
+be computed (and tested) for a device this machine does not have. The engine checks the plan against free
+device memory before allocating, and with `max_batch_size: auto` sizes its slots from it (`auto_slots`).
 """
 
 from __future__ import annotations
@@ -81,8 +81,7 @@ def auto_slots(device: torch.device, utilization: float, plan_for: Callable[[int
                          f"(runtime.gpu_memory_utilization={utilization}; one slot needs "
                          f"{sum(plan_for(1).values()) / 2**30:.1f} GiB): lower model.max_model_len or "
                          "generation.max_prefill_tokens")
-    parts = ", ".join(f"{k} {v / 2**30:.2f}" for k, v in plan_for(rows).items())
-    report = f"max_batch_size=auto: {rows} slots on {where} (budget {budget / 2**30:.1f} GiB; plan {parts} GiB)"
+    report = f"max_batch_size=auto: {rows} slots on {where} (budget {budget / 2**30:.1f} GiB; plan {_gib(plan_for(rows))})"
     log.info(report)
     return rows, report
 
@@ -97,8 +96,11 @@ def check_memory_fits(plan: dict[str, int], free_bytes: int, device, utilization
     """Fail with advice instead of an opaque out-of-memory error: buffers are static per slot."""
     need = sum(plan.values())
     if need > utilization * free_bytes:
-        parts = ", ".join(f"{k} {v / 2**30:.2f}" for k, v in plan.items())
-        raise ValueError(f"the engine needs {need / 2**30:.1f} GiB beyond the weights ({parts} GiB) but "
+        raise ValueError(f"the engine needs {need / 2**30:.1f} GiB beyond the weights ({_gib(plan)}) but "
                          f"{free_bytes / 2**30:.1f} GiB are free on {device} (runtime.gpu_memory_utilization="
                          f"{utilization}): lower generation.max_batch_size, model.max_model_len or "
                          "generation.max_prefill_tokens")
+
+
+def _gib(plan: dict[str, int]) -> str:
+    return ", ".join(f"{k} {v / 2**30:.2f}" for k, v in plan.items()) + " GiB"
