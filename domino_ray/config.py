@@ -94,6 +94,7 @@ class RuntimeConfig:
     min_actors: int = 1               # ActorPoolStrategy min_size
     max_actors: int = 1               # ActorPoolStrategy max_size
     gpus_per_actor: float | None = None  # null = 1 when the cluster has GPUs, else 0
+    accelerator_type: str | None = None  # engine actors only on this GPU type (Ray's, e.g. H100); null = any
     cpus_per_actor: float = 1.0
     batch_size: int = 64              # rows per map_batches call
     max_concurrent_batches: int = 4   # batches in flight per actor; their rows share the engine's slots

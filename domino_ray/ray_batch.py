@@ -1,9 +1,9 @@
-"""The batch job on Ray Data: Parquet (local or s3://) in, engine actors, Parquet + `_summary.json` out.
+"""The batch job on Ray Data: Parquet (local or s3://) in, the processor, Parquet + `_summary.json` out.
 
-    read_parquet -> _prepare (ids; drop rows already in the output) -> DominoPredictor actors
-    (map_batches + ActorPoolStrategy, one engine per actor) -> write_parquet(explicit schema)
+    read_parquet -> _prepare (ids; drop rows already in the output) -> Processor (processor.py: tokenize,
+    engine actors, detokenize) -> write_parquet(explicit schema)
 
-Each actor loads the target and draft once and runs one `SpecEngine` on a background thread
+Each engine actor loads the target and draft once and runs one `SpecEngine` on a background thread
 (`EngineLoop`). Ray hands an actor several batches at once (`max_concurrent_calls_per_actor`, async
 `__call__`), so rows of the next batch fill engine slots as rows of the previous one finish:
 continuous batching across batches. Resume: the output directory is the checkpoint (see `io.py`).
@@ -24,7 +24,8 @@ from domino_ray.io import (SETTINGS_NAME, SUMMARY_NAME, Location, delete_if_exis
                            scan_output, write_json_atomic)
 from domino_ray.preflight import (InputPlan, check_input, check_models, check_output, check_settings,
                                   output_settings)
-from domino_ray.ray_predictor import DominoPredictor, RowCrashesEngine, RunStats
+from domino_ray.processor import Processor
+from domino_ray.ray_predictor import DominoPredictor, RowCrashesEngine, RunStats, key_name
 from domino_ray.schema import generated_ids, output_schema
 from domino_ray.summary import STATS_COLUMNS, human_summary, run_stats, summarize
 
@@ -43,25 +44,21 @@ def _prepare(table: pa.Table, done_ids, id_column: str, generated_id: bool) -> p
 
 def read_inputs(cfg: JobConfig, plan: InputPlan, done_ids_ref) -> ray.data.Dataset:
     """Input rows with their ids, minus the rows already in the output."""
-    ds = ray.data.read_parquet(plan.files, filesystem=plan.location.fs, include_row_hash=plan.generated_id)
+    # Reading prompts is light: a quarter CPU each leaves room for the engine and text stages on a small machine.
+    ds = ray.data.read_parquet(plan.files, filesystem=plan.location.fs, include_row_hash=plan.generated_id,
+                               num_cpus=0.25)
     if cfg.input.limit is not None:
         ds = ds.limit(cfg.input.limit)
-    return ds.map_batches(_prepare, batch_format="pyarrow", fn_args=(done_ids_ref,),
+    return ds.map_batches(_prepare, batch_format="pyarrow", fn_args=(done_ids_ref,), num_cpus=0.25,
                           fn_kwargs={"id_column": cfg.input.id_column, "generated_id": plan.generated_id})
 
 
 def build_dataset(cfg: JobConfig, plan: InputPlan, schema: pa.Schema, done_ids_ref, *, use_draft: bool = True,
                   stats_sink=None, predictor: type = DominoPredictor) -> ray.data.Dataset:
-    """Input rows -> `predictor` actors (DominoPredictor, or a subclass of it: the fault tests pass one)."""
-    r = cfg.runtime
-    gpus = r.gpus_per_actor if r.gpus_per_actor is not None else (1 if ray.cluster_resources().get("GPU") else 0)
-    return read_inputs(cfg, plan, done_ids_ref).map_batches(
-        predictor, batch_size=r.batch_size, batch_format="pyarrow",
-        compute=ray.data.ActorPoolStrategy(min_size=r.min_actors, max_size=r.max_actors,
-                                           max_concurrent_calls_per_actor=r.max_concurrent_batches),
-        num_cpus=r.cpus_per_actor, num_gpus=gpus or None,
-        fn_constructor_args=(cfg, schema),
-        fn_constructor_kwargs={"use_draft": use_draft, "stats_sink": stats_sink})
+    """Input rows -> the processor with `predictor` as its engine stage (DominoPredictor, or a subclass of it:
+    the fault tests pass one) -> rows of the job's output `schema`."""
+    processor = Processor(cfg, use_draft=use_draft, stats_sink=stats_sink, predictor=predictor, schema=schema)
+    return processor(read_inputs(cfg, plan, done_ids_ref))
 
 
 def _not_the_stale_cpu_warning(record: logging.LogRecord) -> bool:
@@ -178,8 +175,8 @@ def generate_missing(cfg: JobConfig, plan: InputPlan, out: Location, scan, done_
         culprits = ray.get(sink.crashes.remote())["culprits"]
         if not culprits:
             raise
-        row_id, error = next(iter(culprits.items()))
-        raise RowCrashesEngine(f"input row {cfg.input.id_column}={row_id!r} crashes the engine ({error}): it did so "
+        key, error = next(iter(culprits.items()))
+        raise RowCrashesEngine(f"input row {key_name(key, cfg.input.id_column)} crashes the engine ({error}): it did so "
                                "running alone on a fresh actor, so the job stopped. Fix or remove the row and rerun "
                                "the same command: finished rows are kept.") from exc
     # This run's rows and tokens are counted from the files it wrote: the actors' own counters also

@@ -1,12 +1,13 @@
-"""The batch job's Ray Data actor: one engine per actor, `pyarrow.Table` batches in, output rows out.
+"""The processor's engine stage on Ray Data: one engine per actor, `pyarrow.Table` batches in and out.
 
-`DominoPredictor` is the `map_batches` callable class (see `ray_batch.py` for the pipeline around it);
+`DominoPredictor` is the `map_batches` callable class (see `processor.py` for the stages around it);
 `RunStats` is the run's small stats actor (per-actor throughput, engine crashes and their rows).
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import itertools
 import os
 import socket
@@ -17,47 +18,49 @@ import pyarrow as pa
 import ray
 
 from domino_ray.config import JobConfig
-from domino_ray.request import Request
 from domino_ray.engine_loop import EngineDead
+from domino_ray.request import Request
 from domino_ray.sampling_params import generation_defaults
-from domino_ray.schema import RowError, error_row, ok_row, output_table, read_row, row_params
+from domino_ray.schema import RowError, columns_of, error_row, ok_row, row_params, with_columns
+
 
 class RowCrashesEngine(RuntimeError):
     """A row that crashed an engine while it ran alone: the job stops instead of restarting actors forever."""
 
 
 class DominoPredictor:
-    """map_batches callable class: one engine per actor; `pyarrow.Table` in, output rows out.
+    """The engine stage, a map_batches callable class: one engine per actor; rows with `prompt_token_ids`
+    (the tokenize stage's) in, the token and statistics columns of schema.GENERATED_FIELDS added. Rows that
+    arrive with an `error` skip the engine; rows the engine refuses (e.g. too long) get theirs.
 
     Engine crashes (the engine thread died: every row in it is lost) are reported to the run's
-    `RunStats` with the ids of the rows that were inside, then the actor exits and Ray restarts it and
+    `RunStats` with the keys of the rows that were inside, then the actor exits and Ray restarts it and
     retries its batches. A restarted actor runs those suspect rows one at a time with the engine to
     themselves; a row that crashes the engine alone is named, and the next batch holding it fails the
     job (RowCrashesEngine) rather than looping through actor restarts.
     """
 
-    def __init__(self, cfg: JobConfig, schema: pa.Schema, *, use_draft: bool = True, stats_sink=None):
+    def __init__(self, cfg: JobConfig, *, use_draft: bool = True, stats_sink=None):
         started = time.time()
         import torch
 
         from domino_ray.engine_loop import EngineLoop
         from domino_ray.llm import load_engine
 
-        engine, self.tokenizer = load_engine(cfg.model, cfg.draft if use_draft else None, cfg.generation,
-                                             cfg.runtime)
+        engine, _ = load_engine(cfg.model, cfg.draft if use_draft else None, cfg.generation, cfg.runtime)
         if engine.device.type == "cpu":
             torch.set_num_threads(max(1, int(cfg.runtime.cpus_per_actor)))  # the CPUs Ray reserved for us
         if engine.slot_report:
             print(f"engine actor {socket.gethostname()}:{os.getpid()}: {engine.slot_report}", flush=True)
         self.loop = EngineLoop(engine)
-        self.num_spec_tokens, self.eos_ids = engine.num_spec_tokens, engine.eos_token_ids
-        self.cfg, self.schema, self.base = cfg, schema, generation_defaults(cfg.generation)
+        self.num_spec_tokens = engine.num_spec_tokens
+        self.cfg, self.base = cfg, generation_defaults(cfg.generation)
         self.request_ids = itertools.count()  # engine ids: input ids may repeat across concurrent batches
         self.stats_sink = stats_sink
         # Earlier engine crashes of this run (this actor may be a restart after one).
         crashes = ray.get(stats_sink.crashes.remote()) if stats_sink is not None else {"suspects": [], "culprits": {}}
         self._suspects, self._culprits = set(crashes["suspects"]), crashes["culprits"]
-        self._in_engine: dict[int, object] = {}  # engine request id -> row id, for rows inside the engine now
+        self._in_engine: dict[int, object] = {}  # engine request id -> row key, for rows inside the engine now
         self._crash_rows: list | None = None      # the rows inside when the engine died
         self._alone = asyncio.Lock()              # held while a suspect row runs with the engine to itself
         self.name = f"{socket.gethostname()}:{os.getpid()}"
@@ -78,70 +81,52 @@ class DominoPredictor:
         yield table
 
     async def _generate(self, batch: pa.Table) -> pa.Table:
-        rows = batch.to_pylist()
-        row_ids = [row.get(self.cfg.input.id_column) for row in rows]
-        prepared = [self._prepare(row) for row in rows]
-        runnable = [i for i, item in enumerate(prepared) if not isinstance(item, dict)]
-        for i in runnable:
-            if row_ids[i] in self._culprits:
+        ic = self.cfg.input
+        rows = batch.select([c for c in (ic.id_column, ic.sampling_column, "prompt_token_ids", "error")
+                             if c in batch.column_names]).to_pylist()
+        generated: list = [None] * len(rows)
+        runnable = []
+        for i, row in enumerate(rows):
+            try:
+                if row["error"] is not None:
+                    raise RowError(row["error"])
+                params = row_params(row.get(ic.sampling_column), self.base, self.cfg.generation.seed,
+                                    row.get(ic.id_column))
+            except RowError as exc:
+                generated[i] = error_row(str(exc), num_spec_tokens=self.num_spec_tokens)
+                continue
+            key = row_key(row, ic.id_column)
+            if key in self._culprits:
                 raise RowCrashesEngine(
-                    f"input row {self.cfg.input.id_column}={row_ids[i]!r} crashes the engine "
-                    f"({self._culprits[row_ids[i]]}); it did so running alone, so the job stops here. "
-                    "Fix or remove the row and rerun: finished rows are kept.")
+                    f"input row {key_name(key, ic.id_column)} crashes the engine ({self._culprits[key]}); it did so "
+                    "running alone, so the job stops here. Fix or remove the row and rerun: finished rows are kept.")
+            runnable.append((i, key, row["prompt_token_ids"], params))
         self._busy(+1)
-        done = await asyncio.gather(*(self._complete(row_ids[i], *prepared[i][1:]) for i in runnable),
+        done = await asyncio.gather(*(self._complete(key, ids, params) for _, key, ids, params in runnable),
                                     return_exceptions=True)
-        for i, result in zip(runnable, done):
-            prompt, ids, params = prepared[i]
+        for (i, *_), result in zip(runnable, done):
             if isinstance(result, EngineDead):
                 self._die(result)
             if isinstance(result, BaseException):  # the engine refused the row (e.g. too long)
-                prepared[i] = error_row(str(result), prompt=prompt, num_spec_tokens=self.num_spec_tokens)
-                continue
-            text = self._decode(result.token_ids, params.stop_ids(self.eos_ids))
-            prepared[i] = ok_row(prompt=prompt, text=text, completion=result)
-        self._busy(-1, rows=len(rows), tokens=sum(r["num_generated_tokens"] for r in prepared))
-        return output_table(batch, prepared, self.schema)
-
-    def _prepare(self, row: dict):
-        """(prompt text, token ids, sampling params), or an error row for a row that cannot run."""
-        from domino_ray.target import encode_prompt
-
-        ic, m = self.cfg.input, self.cfg.model
-        prompt = None
-        try:
-            if row.get(ic.id_column) is None:
-                raise RowError(f"{ic.id_column} is null (ids must be unique and non-null)")
-            parsed = read_row(row, ic)
-            prompt = parsed.prompt
-            params = row_params(row.get(ic.sampling_column), self.base, self.cfg.generation.seed, row[ic.id_column])
-            if parsed.messages is not None:
-                ids = encode_prompt(self.tokenizer, messages=parsed.messages, enable_thinking=m.enable_thinking,
-                                    parse_special_tokens=m.parse_special_tokens)
-                prompt = self.tokenizer.decode(ids)
+                generated[i] = error_row(str(result), num_spec_tokens=self.num_spec_tokens)
             else:
-                ids = encode_prompt(self.tokenizer, prompt=prompt, chat_template=m.chat_template,
-                                    enable_thinking=m.enable_thinking, parse_special_tokens=m.parse_special_tokens)
-        except RowError as exc:
-            return error_row(str(exc), prompt=prompt, num_spec_tokens=self.num_spec_tokens)
-        except Exception as exc:  # tokenizer/template failures on odd input: the row fails, the job goes on
-            return error_row(f"cannot encode the prompt: {type(exc).__name__}: {exc}", prompt=prompt,
-                             num_spec_tokens=self.num_spec_tokens)
-        return prompt, ids, params
+                generated[i] = ok_row(result)
+        self._busy(-1, rows=len(rows), tokens=sum(r["num_generated_tokens"] for r in generated))
+        return with_columns(batch, columns_of(generated))
 
-    async def _complete(self, row_id, ids: list[int], params) -> object:
+    async def _complete(self, key, ids: list[int], params) -> object:
         request = Request(next(self.request_ids), ids, params)
-        if row_id in self._suspects:  # inside the engine when one crashed: run it alone to find the culprit
+        if key in self._suspects:  # inside the engine when one crashed: run it alone to find the culprit
             async with self._alone:
                 while self._in_engine:
                     await asyncio.sleep(0.01)
-                return await self._run(row_id, request)
+                return await self._run(key, request)
         while self._alone.locked():  # polls only while a suspect runs (after a crash)
             await asyncio.sleep(0.01)
-        return await self._run(row_id, request)
+        return await self._run(key, request)
 
-    async def _run(self, row_id, request: Request):
-        self._in_engine[request.request_id] = row_id
+    async def _run(self, key, request: Request):
+        self._in_engine[request.request_id] = key
         try:
             return await self.loop.submit(request).completion()
         except EngineDead:
@@ -150,11 +135,6 @@ class DominoPredictor:
             raise
         finally:
             del self._in_engine[request.request_id]
-
-    def _decode(self, token_ids, stop_ids) -> str:
-        from domino_ray.target import decode
-
-        return decode(self.tokenizer, token_ids, stop_ids)
 
     def _die(self, exc: EngineDead):
         # The engine thread is dead (e.g. a CUDA error): this actor can never finish a row again.
@@ -190,6 +170,18 @@ class DominoPredictor:
                         "peak_batches_in_flight": self._peak_in_flight, **self._times}
         if self.stats_sink is not None and delta < 0:
             self.stats_sink.record.remote(snapshot)
+
+
+def row_key(row: dict, id_column: str):
+    """What names a row across actor restarts (crash suspects): its id, or without an id column (a
+    processor on any dataset) its token ids."""
+    if row.get(id_column) is not None:
+        return row[id_column]
+    return "sha1:" + hashlib.sha1(str(row["prompt_token_ids"]).encode()).hexdigest()[:16]
+
+
+def key_name(key, id_column: str) -> str:
+    return f"with prompt tokens {key}" if isinstance(key, str) and key.startswith("sha1:") else f"{id_column}={key!r}"
 
 
 @ray.remote(num_cpus=0)

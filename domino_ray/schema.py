@@ -1,9 +1,13 @@
-"""The batch job's rows: input parsing and validation, the explicit Arrow output schema, error rows.
+"""The batch rows: input parsing and validation, the explicit Arrow output schema, error rows.
 
 One output row per input row, always (DESIGN.md §5). The input columns are carried through (the id
 first), then the generated columns below. A row that cannot run (bad prompt, bad messages, bad
 per-row sampling overrides, too long for the model) becomes an error row: same schema, typed
 defaults (zeros, empty strings and lists, `finish_reason = "error"`) and the reason in `error`.
+
+The processor's stages (processor.py) each fill their own columns: the tokenize stage `prompt`,
+`prompt_token_ids` and `error`; the engine stage the token and statistics columns (`error` for rows
+the engine refused); the detokenize stage `generated_text`.
 """
 
 from __future__ import annotations
@@ -38,7 +42,12 @@ GENERATED_FIELDS = [
     pa.field("error", pa.string()),                       # null on success
 ]
 GENERATED_NAMES = [f.name for f in GENERATED_FIELDS]
+# The tokenize stage's token ids: in the processor's output rows (as in Ray Data LLM's), not in the job's files.
+PROMPT_IDS_FIELD = pa.field("prompt_token_ids", pa.list_(pa.int32()))
+COLUMN_TYPES = {f.name: f.type for f in [*GENERATED_FIELDS, PROMPT_IDS_FIELD]}
 OVERRIDE_KEYS = tuple(f.name for f in fields(SamplingParams))
+# Ray Data LLM's (vLLM's) names for the same overrides; its top_k=-1 means off, our 0.
+OVERRIDE_ALIASES = {"max_tokens": "max_new_tokens"}
 
 
 class RowError(ValueError):
@@ -106,10 +115,12 @@ def _plain_messages(messages):
 
 
 def row_params(overrides, base: SamplingParams, base_seed: int | None, row_id) -> SamplingParams:
-    """The job's sampling parameters with a row's overrides (a struct/dict or a JSON object string).
+    """The job's sampling parameters with a row's overrides (a struct/dict or a JSON object string;
+    Ray Data LLM's `max_tokens` and `top_k=-1` accepted).
 
     A sampled row without its own seed gets one derived from (generation.seed, id), so its output
-    does not depend on which batch or actor it landed in.
+    does not depend on which batch or actor it landed in. A row without an id (a processor on a dataset
+    with no id column) takes the engine's generator: two copies of a prompt still sample independently.
     """
     if isinstance(overrides, str):
         try:
@@ -121,12 +132,20 @@ def row_params(overrides, base: SamplingParams, base_seed: int | None, row_id) -
     if not isinstance(overrides, dict):
         raise RowError(f"sampling_params must be an object, got {type(overrides).__name__}")
     overrides = {k: v for k, v in overrides.items() if v is not None}
+    for alias, name in OVERRIDE_ALIASES.items():
+        if alias in overrides:
+            if name in overrides:
+                raise RowError(f"sampling_params gives both {alias} and {name} (the same setting): give one")
+            overrides[name] = overrides.pop(alias)
+    if overrides.get("top_k") == -1:
+        overrides["top_k"] = 0
     unknown = sorted(set(overrides) - set(OVERRIDE_KEYS))
     if unknown:
-        raise RowError(f"sampling_params has unknown keys {unknown}; allowed: {list(OVERRIDE_KEYS)}")
+        raise RowError(f"sampling_params has unknown keys {unknown}; allowed: {list(OVERRIDE_KEYS)} "
+                       f"(and {list(OVERRIDE_ALIASES)})")
     if "stop_token_ids" in overrides and isinstance(overrides["stop_token_ids"], list):
         overrides["stop_token_ids"] = tuple(overrides["stop_token_ids"])
-    if overrides.get("seed") is None and base_seed is not None:
+    if overrides.get("seed") is None and base_seed is not None and row_id is not None:
         digest = hashlib.sha256(f"{base_seed}:{row_id}".encode()).digest()
         overrides["seed"] = int.from_bytes(digest[:8], "little") >> 1
     try:
@@ -137,11 +156,12 @@ def row_params(overrides, base: SamplingParams, base_seed: int | None, row_id) -
 
 # ---- output rows -----------------------------------------------------------------------------------
 
-def error_row(reason: str, *, prompt: str | None, num_spec_tokens: int) -> dict:
-    """Zeros everywhere, `num_input_tokens` too (an 800k-token prompt that was refused processed nothing;
-    the reason says how long it was), so job totals count only work done."""
+def error_row(reason: str, *, num_spec_tokens: int) -> dict:
+    """The engine stage's columns of a row that did not run: zeros everywhere, `num_input_tokens` too (an
+    800k-token prompt that was refused processed nothing; the reason says how long it was), so job totals
+    count only work done."""
     return {
-        "prompt": prompt, "generated_text": "", "generated_tokens": [], "num_input_tokens": 0,
+        "generated_tokens": [], "num_input_tokens": 0,
         "num_generated_tokens": 0, "finish_reason": "error", "num_spec_tokens": num_spec_tokens,
         "num_spec_steps": 0, "num_draft_tokens": 0, "num_accepted_draft_tokens": 0,
         "mean_acceptance_length": 0.0, "draft_acceptance_rate": 0.0,
@@ -151,10 +171,10 @@ def error_row(reason: str, *, prompt: str | None, num_spec_tokens: int) -> dict:
     }
 
 
-def ok_row(*, prompt: str, text: str, completion) -> dict:
-    """Columns of a finished `engine.Completion`."""
+def ok_row(completion) -> dict:
+    """The engine stage's columns of a finished `request.Completion`."""
     return {
-        "prompt": prompt, "generated_text": text, "generated_tokens": completion.token_ids,
+        "generated_tokens": completion.token_ids,
         "num_input_tokens": len(completion.prompt_token_ids), "num_generated_tokens": len(completion.token_ids),
         "finish_reason": completion.finish_reason, **completion.stats.to_columns(),
         "time_to_first_token_s": completion.time_to_first_token_s, "time_taken_llm_s": completion.time_taken_s,
@@ -162,10 +182,24 @@ def ok_row(*, prompt: str, text: str, completion) -> dict:
     }
 
 
-def output_table(carried: pa.Table, generated: list[dict], schema: pa.Schema) -> pa.Table:
-    """Carried input columns + generated rows (same order), cast to the job's output schema."""
-    columns = {f.name: carried.column(f.name) for f in schema if f.name in carried.column_names
-               and f.name not in GENERATED_NAMES}
-    for f in GENERATED_FIELDS:
-        columns[f.name] = pa.array([row[f.name] for row in generated], f.type)
-    return pa.table(columns).select(schema.names).cast(schema)
+def columns_of(rows: list[dict]) -> dict[str, list]:
+    """Row dicts (same keys) as columns."""
+    return {name: [row[name] for row in rows] for name in (rows[0] if rows else {})}
+
+
+def with_columns(table: pa.Table, columns: dict[str, list]) -> pa.Table:
+    """`table` with these generated columns (typed as the output schema says) added or replaced."""
+    for name, values in columns.items():
+        array = pa.array(values, COLUMN_TYPES[name])
+        i = table.schema.get_field_index(name)
+        table = table.set_column(i, name, array) if i >= 0 else table.append_column(name, array)
+    return table
+
+
+def output_table(table: pa.Table, schema: pa.Schema | None = None) -> pa.Table:
+    """Carried input columns first, then the generated ones in their documented order, then
+    `prompt_token_ids`; with `schema` (the job's) exactly its columns, cast to it."""
+    if schema is not None:
+        return table.select(schema.names).cast(schema)
+    tail = [n for n in [*GENERATED_NAMES, PROMPT_IDS_FIELD.name] if n in table.column_names]
+    return table.select([n for n in table.column_names if n not in tail] + tail)

@@ -4,6 +4,7 @@ schema of ok and error rows, and summary totals."""
 import json
 import subprocess
 import sys
+from dataclasses import replace
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -13,8 +14,8 @@ from domino_ray.config import ConfigError, InputConfig, S3Config, load_config
 from domino_ray.request import Completion
 from domino_ray.io import list_parquet_files, read_json, resolve, scan_output, write_json_atomic
 from domino_ray.sampling_params import SamplingParams
-from domino_ray.schema import (GENERATED_FIELDS, RowError, error_row, ok_row, output_schema, output_table, read_row,
-                               row_params)
+from domino_ray.schema import (GENERATED_FIELDS, RowError, columns_of, error_row, ok_row, output_schema, output_table,
+                               read_row, row_params, with_columns)
 from domino_ray.stats import RowStats
 from domino_ray.summary import STATS_COLUMNS, human_summary, run_stats, summarize
 
@@ -102,9 +103,14 @@ def test_row_params():
     assert row_params('{"top_k": 5, "stop_token_ids": [1, 2]}', base, None, 1).stop_token_ids == (1, 2)
     seeded = [row_params({"temperature": 1.0}, base, 7, i).seed for i in ("a", "a", "b")]
     assert seeded[0] == seeded[1] != seeded[2]  # per-row seed from (generation.seed, id): batch-independent
+    assert row_params({"temperature": 1.0}, base, 7, None).seed is None  # no id: the engine's generator
+    # Ray Data LLM's names for the same settings
+    assert row_params({"max_tokens": 5, "top_k": -1}, base, None, 1) == replace(base, max_new_tokens=5, top_k=0)
     for bad, reason in [({"temprature": 1.0}, "unknown keys"), ({"temperature": -1.0}, "temperature=-1.0"),
                         ({"max_new_tokens": "5"}, "max_new_tokens='5'"), ("{oops", "not valid JSON"),
-                        ([1, 2], "must be an object"), ({"stop_token_ids": 5}, "sampling_params")]:
+                        ([1, 2], "must be an object"), ({"stop_token_ids": 5}, "sampling_params"),
+                        ({"max_tokens": 5, "max_new_tokens": 6}, "both max_tokens and max_new_tokens"),
+                        ({"top_k": -2}, "top_k=-2")]:
         with pytest.raises(RowError, match=reason):
             row_params(bad, base, None, 1)
 
@@ -123,9 +129,9 @@ def test_error_and_ok_rows_share_the_schema():
     assert schema.names[:2] == ["id", "topic"] and schema.names[2:] == [f.name for f in GENERATED_FIELDS]
     assert output_schema(pa.schema([("prompt", pa.string())]), "id", generated_id=True).field("id").type == pa.string()
     carried = pa.table({"id": [1, 2], "prompt": [b"a", None], "topic": ["x", "y"]}, schema=input_schema)
-    rows = [ok_row(prompt="a", text="hello", completion=_completion([1, 2, 3, 4])),
-            error_row("prompt is null", prompt=None, num_spec_tokens=2)]
-    table = output_table(carried, rows, schema)
+    rows = [ok_row(_completion([1, 2, 3, 4])), error_row("prompt is null", num_spec_tokens=2)]
+    table = output_table(with_columns(carried, {**columns_of(rows), "prompt": ["a", None],
+                                                "generated_text": ["hello", ""]}), schema)
     assert table.schema == schema
     ok, err = table.to_pylist()
     assert ok["generated_tokens"] == [1, 2, 3, 4] and ok["acceptance_histogram"] == [1, 1, 0]
@@ -136,9 +142,9 @@ def test_error_and_ok_rows_share_the_schema():
 
 def test_summary_reconciles_with_rows():
     schema = output_schema(pa.schema([("id", pa.string())]), "id", generated_id=False)
-    rows = [ok_row(prompt="p", text="t", completion=_completion([1, 2, 3, 4])) for _ in range(3)]
-    rows.append(error_row("too long", prompt="p", num_spec_tokens=2))
-    table = output_table(pa.table({"id": ["a", "b", "c", "d"]}), rows, schema)
+    rows = [ok_row(_completion([1, 2, 3, 4])) for _ in range(3)]
+    rows.append(error_row("too long", num_spec_tokens=2))
+    table = with_columns(pa.table({"id": ["a", "b", "c", "d"]}), columns_of(rows))
     run = run_stats(2.0, 0, [{"actor": "x", "rows": 4, "generated_tokens": 12, "busy_s": 1.5}])
     s = summarize(table.select(["id", *STATS_COLUMNS]), "id", run=run, config={}, output_uri="out")
     assert s["rows"] == {"total": 4, "ok": 3, "failed": 1, "unique_ids": 4}
@@ -182,8 +188,8 @@ def test_summary_keeps_count_of_every_error_reason():
     """Issue 12 item 17: reasons beyond the listed ones are counted, and the printed summary says so."""
     schema = output_schema(pa.schema([("id", pa.int64())]), "id", generated_id=False)
     reasons = [f"prompt has {800 + i} tokens" for i in range(25)] + ["prompt is null"] * 3
-    rows = [error_row(reason, prompt=None, num_spec_tokens=2) for reason in reasons]
-    table = output_table(pa.table({"id": list(range(len(rows)))}), rows, schema)
+    rows = [error_row(reason, num_spec_tokens=2) for reason in reasons]
+    table = with_columns(pa.table({"id": list(range(len(rows)))}), columns_of(rows))
     s = summarize(table.select(["id", *STATS_COLUMNS]), "id", run=run_stats(1.0, 0, []), config={}, output_uri="o")
     assert len(s["errors"]) == 20 and list(s["errors"].items())[0] == ("prompt is null", 3)
     assert s["errors_not_listed"] == {"reasons": 6, "rows": 6}
