@@ -91,12 +91,15 @@ class DominoEngineProcessorConfig:
                   "runtime.batch_size": self.batch_size, "runtime.min_actors": low, "runtime.max_actors": high,
                   "runtime.max_concurrent_batches": self.max_concurrent_batches,
                   "runtime.accelerator_type": self.accelerator_type, "model.chat_template": self.chat_template_stage}
+        given: dict[str, str] = {}
         for key, value in self.engine_kwargs.items():
             full = _config_key(key)
             if full in OWN_FIELDS:
                 raise ConfigError(f"engine_kwargs[{key!r}]: set it with the processor config's "
                                   f"{OWN_FIELDS[full]} instead")
-            values[full] = value
+            if full in given:
+                raise ConfigError(f"engine_kwargs gives {full} twice (as {given[full]!r} and {key!r})")
+            given[full], values[full] = key, value
         return load_config(None, [f"{k}={json.dumps(v)}" for k, v in values.items()])
 
 

@@ -1,0 +1,147 @@
+"""The Ray Data stage (issue 17): Domino as a processor in a user's own pipeline, on a local Ray cluster
+with the tiny model pair. Invariants: one output row per input row, greedy rows equal the batch
+command's (and the target alone), error rows as data, statistics that reconcile with the command's summary.
+"""
+
+import json
+
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import ray
+
+from batch_fixtures import job_config, make_prompts, ray_cluster, tiny_pair, write_shards  # noqa: F401
+from domino_ray.config import ConfigError
+from domino_ray.llm import DominoLLM
+from domino_ray.processor import DominoEngineProcessorConfig, build_processor
+from domino_ray.ray_batch import run_job
+from domino_ray.sampling_params import SamplingParams
+from domino_ray.summary import TOTALS
+
+pytestmark = pytest.mark.ray
+
+MAX_NEW = 12
+LONG_PROMPT = "the quick brown fox " * 150  # past the tiny target's 512 positions
+
+
+def processor_config(pair, **fields) -> DominoEngineProcessorConfig:
+    target, draft = pair
+    engine = {"cpus_per_actor": 0.5, "max_batch_size": 8, "max_new_tokens": MAX_NEW, "num_draft_tokens": 3,
+              **fields.pop("engine_kwargs", {})}
+    return DominoEngineProcessorConfig(model_source=target, draft_source=draft, engine_kwargs=engine, batch_size=4,
+                                       max_concurrent_batches=2, **fields)
+
+
+def test_jsonl_in_parquet_out_equals_the_command(ray_cluster, tiny_pair, tmp_path):
+    """preprocess builds chats from a JSONL column, postprocess renames: the greedy tokens, the text and the
+    statistics of every row equal the batch command's on the same chats."""
+    questions = make_prompts(10, seed=3)
+    (tmp_path / "q.jsonl").write_text("".join(json.dumps({"qid": i, "question": q}) + "\n"
+                                              for i, q in enumerate(questions)))
+    processor = build_processor(
+        processor_config(tiny_pair),
+        preprocess=lambda row: dict(id=row["qid"], messages=[{"role": "user", "content": row["question"]}],
+                                    sampling_params=dict(temperature=0.0, max_tokens=MAX_NEW)),
+        postprocess=lambda row: dict(answer=row.pop("generated_text"), **row))
+    processor(ray.data.read_json(str(tmp_path / "q.jsonl"))).write_parquet(str(tmp_path / "out"))
+    ours = pq.read_table(tmp_path / "out").to_pandas().set_index("id").sort_index()
+    assert list(ours.index) == list(range(len(questions)))  # one row per input row
+    assert "generated_text" not in ours.columns and ours["error"].isna().all()
+
+    messages = [[{"role": "user", "content": q}] for q in questions]
+    write_shards(tmp_path / "in", {"id": list(range(len(questions))), "messages": messages}, shards=2)
+    cfg = job_config(tiny_pair, str(tmp_path / "in"), str(tmp_path / "cmd"),
+                     **{"generation.max_new_tokens": MAX_NEW, "draft.num_draft_tokens": 3})
+    summary = run_job(cfg, log=lambda *_: None)
+    command = pq.read_table(tmp_path / "cmd").to_pandas().set_index("id").sort_index()
+    assert [list(t) for t in ours["generated_tokens"]] == [list(t) for t in command["generated_tokens"]]
+    assert list(ours["answer"]) == list(command["generated_text"]) and list(ours["prompt"]) == list(command["prompt"])
+    for name in TOTALS:  # greedy at a fixed K: every step of every row is batch-independent
+        assert int(ours[name].sum()) == summary["totals"][name], name
+    assert [int(sum(c)) for c in zip(*ours["acceptance_histogram"])] == summary["acceptance_histogram"]
+    assert all(len(ids) == n for ids, n in zip(ours["prompt_token_ids"], ours["num_input_tokens"]))
+
+
+def test_pandas_in_and_out_with_stages_around_it_through_rays_build_processor(ray_cluster, tiny_pair):
+    """`ray.data.llm.build_processor(our config)` (Ray's registry), a `map` before and a `filter` after:
+    input columns carried, rows never leak into each other (each equals the target alone on its prompt)."""
+    from ray.data.llm import build_processor as rays_build_processor
+
+    prompts = make_prompts(9, seed=4)
+    df = pd.DataFrame({"prompt": prompts, "topic": [f"t{i % 3}" for i in range(len(prompts))]})
+    processor = rays_build_processor(processor_config(tiny_pair, chat_template_stage=False))
+    ds = ray.data.from_pandas(df).map(lambda row: {**row, "chars": len(row["prompt"])})
+    out = processor(ds).filter(lambda row: row["topic"] != "t0").to_pandas()
+    assert sorted(out["prompt"]) == sorted(p for i, p in enumerate(prompts) if i % 3)
+    assert (out["chars"] == out["prompt"].str.len()).all() and out["error"].isna().all()
+
+    alone = DominoLLM.from_pretrained(tiny_pair[0], chat_template=False)  # the target without a draft
+    expected = alone.generate(list(out["prompt"]), SamplingParams(max_new_tokens=MAX_NEW))
+    assert [list(t) for t in out["generated_tokens"]] == [e.token_ids for e in expected]
+    assert list(out["generated_text"]) == [e.text for e in expected]
+
+
+def _bad_rows():
+    good = make_prompts(4, seed=5)
+    rows = [{"id": f"g{i}", "prompt": p, "sampling_params": None} for i, p in enumerate(good)]
+    return rows + [
+        {"id": "null", "prompt": None, "sampling_params": None},
+        {"id": "params", "prompt": good[0], "sampling_params": json.dumps({"temprature": 0.5})},
+        {"id": "vllm-only", "prompt": good[0], "sampling_params": json.dumps({"presence_penalty": 1.0})},
+        {"id": "long", "prompt": LONG_PROMPT, "sampling_params": None},
+    ]
+
+
+BAD_REASONS = {"null": "prompt is null", "params": r"unknown keys \['temprature'\]",
+               "vllm-only": r"unknown keys \['presence_penalty'\]", "long": "the model's limit is 512 tokens"}
+
+
+def test_bad_rows_become_error_rows_and_the_pipeline_finishes(ray_cluster, tiny_pair):
+    import re
+
+    processor = build_processor(processor_config(tiny_pair, chat_template_stage=False,
+                                                 error_column="__inference_error__"))
+    out = {r["id"]: r for r in processor(ray.data.from_items(_bad_rows())).take_all()}
+    assert sorted(out) == sorted(r["id"] for r in _bad_rows())
+    for row_id, row in out.items():
+        if row_id in BAD_REASONS:
+            assert re.search(BAD_REASONS[row_id], row["__inference_error__"]), row["__inference_error__"]
+            assert row["finish_reason"] == "error" and row["generated_text"] == "" and row["generated_tokens"] == []
+            assert row["num_generated_tokens"] == 0 and len(row["acceptance_histogram"]) == 4
+        else:
+            assert row["__inference_error__"] is None and row["num_generated_tokens"] > 0
+    assert "error" not in next(iter(out.values()))
+
+
+def test_should_continue_on_error_false_fails_naming_the_row(ray_cluster, tiny_pair):
+    processor = build_processor(processor_config(tiny_pair, chat_template_stage=False, should_continue_on_error=False))
+    rows = [r for r in _bad_rows() if r["id"] in ("g0", "g1", "params")]
+    with pytest.raises(Exception, match=r"row id='params' failed: sampling_params has unknown keys"):
+        processor(ray.data.from_items(rows)).take_all()
+
+
+@pytest.mark.parametrize("fields, key", [
+    ({"engine_kwargs": {"max_batch_sise": 8}}, "max_batch_sise"),
+    ({"engine_kwargs": {"source": "x"}}, r"give it as section.key \(it is in \['model', 'draft'\]\)"),
+    ({"engine_kwargs": {"batch_size": 8}}, "set it with the processor config's batch_size"),
+    ({"engine_kwargs": {"temperature": 9.0}}, "generation.temperature=9.0"),
+    ({"engine_kwargs": {"seed": 1, "generation.seed": 2}}, "gives generation.seed twice"),
+    ({"concurrency": (3, 2)}, r"concurrency=\(3, 2\)"),
+    ({"tokenize_stage": False}, "tokenize_stage=False"),
+    ({"detokenize_stage": {"cpus": 1}}, r"detokenize_stage has unknown keys \['cpus'\]"),
+    ({"chat_template_stage": {"batch_size": 8}}, "chat_template_stage="),
+    ({"error_column": "err"}, "error_column='err'"),
+])
+def test_bad_processor_configs_fail_at_once_naming_the_field(fields, key):
+    with pytest.raises(ConfigError, match=key):
+        DominoEngineProcessorConfig(model_source="m", **fields)
+
+
+def test_engine_kwargs_reach_the_job_config():
+    config = DominoEngineProcessorConfig(model_source="m", draft_source=None, concurrency=(1, 3), engine_kwargs={
+        "dtype": "bfloat16", "num_draft_tokens": 4, "seed": 6, "id_column": "key"})
+    cfg = config.cfg
+    assert (cfg.model.dtype, cfg.draft.num_draft_tokens, cfg.draft.source) == ("bfloat16", 4, None)
+    assert (cfg.generation.seed, cfg.input.id_column) == (6, "key")  # bare `seed` is generation.seed
+    assert (cfg.runtime.min_actors, cfg.runtime.max_actors, cfg.model.chat_template) == (1, 3, True)
