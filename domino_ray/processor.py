@@ -48,12 +48,17 @@ OWN_FIELDS = {"model.source": "model_source", "draft.source": "draft_source", "r
               "runtime.accelerator_type": "accelerator_type", "model.chat_template": "chat_template_stage"}
 
 
+# CPUs reserved per actor or task of the light stages (text, pre/postprocess, the job's reads). Ray's
+# default of 1 would starve a small machine: with the engine's CPU taken, a 1-CPU task never starts.
+LIGHT_CPUS = 0.25
+
+
 @dataclass
 class StageResources:
     """A CPU stage's actors: `tokenize_stage` / `detokenize_stage` given as a dict."""
     batch_size: int | None = None     # rows per call; None = the processor's batch_size
     concurrency: int | tuple = 1      # actors: n (a fixed pool) or (min, max)
-    num_cpus: float = 0.25            # per actor; tokenizing is light next to generating
+    num_cpus: float = LIGHT_CPUS      # per actor; tokenizing is light next to generating
 
 
 @dataclass
@@ -139,7 +144,7 @@ class Processor:
     def __call__(self, ds: ray.data.Dataset) -> ray.data.Dataset:
         cfg, r = self.cfg, self.cfg.runtime
         if self.preprocess is not None:
-            ds = ds.map(self.preprocess, **self.preprocess_map_kwargs)
+            ds = ds.map(self.preprocess, **{"num_cpus": LIGHT_CPUS, **self.preprocess_map_kwargs})
         ds = ds.map_batches(TokenizeStage, fn_constructor_args=(cfg,), **self._cpu_stage(self.tokenize))
         gpus = r.gpus_per_actor if r.gpus_per_actor is not None else (1 if ray.cluster_resources().get("GPU") else 0)
         extra = {"accelerator_type": r.accelerator_type} if r.accelerator_type else {}
@@ -155,7 +160,7 @@ class Processor:
                                                    "error_column": self.error_column, "schema": self.schema},
                             **self._cpu_stage(self.detokenize))
         if self.postprocess is not None:
-            ds = ds.map(self.postprocess, **self.postprocess_map_kwargs)
+            ds = ds.map(self.postprocess, **{"num_cpus": LIGHT_CPUS, **self.postprocess_map_kwargs})
         return ds
 
     def _cpu_stage(self, stage: StageResources) -> dict:

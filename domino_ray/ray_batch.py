@@ -24,7 +24,7 @@ from domino_ray.io import (SETTINGS_NAME, SUMMARY_NAME, Location, delete_if_exis
                            scan_output, write_json_atomic)
 from domino_ray.preflight import (InputPlan, check_input, check_models, check_output, check_settings,
                                   output_settings)
-from domino_ray.processor import Processor
+from domino_ray.processor import LIGHT_CPUS, Processor
 from domino_ray.ray_predictor import DominoPredictor, RowCrashesEngine, RunStats, key_name
 from domino_ray.schema import generated_ids, output_schema
 from domino_ray.summary import STATS_COLUMNS, human_summary, run_stats, summarize
@@ -44,12 +44,12 @@ def _prepare(table: pa.Table, done_ids, id_column: str, generated_id: bool) -> p
 
 def read_inputs(cfg: JobConfig, plan: InputPlan, done_ids_ref) -> ray.data.Dataset:
     """Input rows with their ids, minus the rows already in the output."""
-    # Reading prompts is light: a quarter CPU each leaves room for the engine and text stages on a small machine.
+    # Reading prompts is light: a fraction of a CPU leaves room for the engine and text stages on a small machine.
     ds = ray.data.read_parquet(plan.files, filesystem=plan.location.fs, include_row_hash=plan.generated_id,
-                               num_cpus=0.25)
+                               num_cpus=LIGHT_CPUS)
     if cfg.input.limit is not None:
         ds = ds.limit(cfg.input.limit)
-    return ds.map_batches(_prepare, batch_format="pyarrow", fn_args=(done_ids_ref,), num_cpus=0.25,
+    return ds.map_batches(_prepare, batch_format="pyarrow", fn_args=(done_ids_ref,), num_cpus=LIGHT_CPUS,
                           fn_kwargs={"id_column": cfg.input.id_column, "generated_id": plan.generated_id})
 
 
