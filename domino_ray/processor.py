@@ -13,8 +13,8 @@
 
 The stages, each one output row per input row:
 
-    preprocess (map) -> TokenizeStage (CPU actors) -> DominoPredictor (engine actors: the GPU)
-                     -> DetokenizeStage (CPU actors) -> postprocess (map)
+    preprocess (map) -> tokenize_batch (CPU tasks) -> DominoPredictor (engine actors: the GPU)
+                     -> detokenize_batch (CPU tasks) -> postprocess (map)
 
 Rows carry `prompt` or `messages` and optional `sampling_params` (ours or Ray Data LLM's key names) and
 leave with every column they came with plus schema.GENERATED_FIELDS and `prompt_token_ids`. A bad row
@@ -37,7 +37,7 @@ import ray
 
 from domino_ray.config import ConfigError, JobConfig, load_config
 from domino_ray.ray_predictor import DominoPredictor
-from domino_ray.text_stages import DetokenizeStage, TokenizeStage
+from domino_ray.text_stages import detokenize_batch, tokenize_batch
 
 # engine_kwargs may set keys of these config sections, as `section.key` or a bare `key` that names one.
 ENGINE_SECTIONS = ("model", "draft", "generation", "runtime", "input")
@@ -55,10 +55,10 @@ LIGHT_CPUS = 0.25
 
 @dataclass
 class StageResources:
-    """A CPU stage's actors: `tokenize_stage` / `detokenize_stage` given as a dict."""
+    """A CPU stage's tasks: `tokenize_stage` / `detokenize_stage` given as a dict."""
     batch_size: int | None = None     # rows per call; None = the processor's batch_size
-    concurrency: int | tuple = 1      # actors: n (a fixed pool) or (min, max)
-    num_cpus: float = LIGHT_CPUS      # per actor; tokenizing is light next to generating
+    concurrency: int | None = None    # tasks at once at most; None = as many as the free CPUs allow
+    num_cpus: float = LIGHT_CPUS      # per task; tokenizing is light next to generating
 
 
 @dataclass
@@ -145,7 +145,7 @@ class Processor:
         cfg, r = self.cfg, self.cfg.runtime
         if self.preprocess is not None:
             ds = ds.map(self.preprocess, **{"num_cpus": LIGHT_CPUS, **self.preprocess_map_kwargs})
-        ds = ds.map_batches(TokenizeStage, fn_constructor_args=(cfg,), **self._cpu_stage(self.tokenize))
+        ds = ds.map_batches(tokenize_batch, fn_args=(cfg,), **self._cpu_stage(self.tokenize))
         gpus = r.gpus_per_actor if r.gpus_per_actor is not None else (1 if ray.cluster_resources().get("GPU") else 0)
         extra = {"accelerator_type": r.accelerator_type} if r.accelerator_type else {}
         ds = ds.map_batches(
@@ -155,18 +155,17 @@ class Processor:
             num_cpus=r.cpus_per_actor, num_gpus=gpus or None, runtime_env=self.runtime_env,
             fn_constructor_args=(cfg,), fn_constructor_kwargs={"use_draft": self.use_draft,
                                                                "stats_sink": self.stats_sink}, **extra)
-        ds = ds.map_batches(DetokenizeStage, fn_constructor_args=(cfg,),
-                            fn_constructor_kwargs={"detokenize": self.text, "continue_on_error": self.continue_on_error,
-                                                   "error_column": self.error_column, "schema": self.schema},
+        ds = ds.map_batches(detokenize_batch, fn_args=(cfg,),
+                            fn_kwargs={"detokenize": self.text, "continue_on_error": self.continue_on_error,
+                                       "error_column": self.error_column, "schema": self.schema},
                             **self._cpu_stage(self.detokenize))
         if self.postprocess is not None:
             ds = ds.map(self.postprocess, **{"num_cpus": LIGHT_CPUS, **self.postprocess_map_kwargs})
         return ds
 
     def _cpu_stage(self, stage: StageResources) -> dict:
-        low, high = _pool("concurrency", stage.concurrency)
         return {"batch_size": stage.batch_size or self.cfg.runtime.batch_size, "batch_format": "pyarrow",
-                "compute": ray.data.ActorPoolStrategy(min_size=low, max_size=high), "num_cpus": stage.num_cpus}
+                "num_cpus": stage.num_cpus, "concurrency": stage.concurrency}
 
 
 def _pool(name: str, concurrency) -> tuple[int, int]:
@@ -190,7 +189,8 @@ def _stage(name: str, value, *, allow_off: bool) -> StageResources | None:
         if set(value) - known:
             raise ConfigError(f"{name} has unknown keys {sorted(set(value) - known)}; allowed: {sorted(known)}")
         stage = StageResources(**value)
-        _pool(f"{name}.concurrency", stage.concurrency)
+        if stage.concurrency is not None and not (isinstance(stage.concurrency, int) and stage.concurrency >= 1):
+            raise ConfigError(f"{name}.concurrency={stage.concurrency!r}: expected null or an int >= 1 (tasks at once)")
         if not (isinstance(stage.num_cpus, (int, float)) and stage.num_cpus >= 0):
             raise ConfigError(f"{name}.num_cpus={stage.num_cpus!r}: expected a number >= 0")
         return stage
