@@ -241,6 +241,19 @@ def validate(cfg: JobConfig):
         ("output.max_rows_per_file", o.max_rows_per_file,
          o.max_rows_per_file is None or o.max_rows_per_file >= max(1, o.min_rows_per_file or 1),
          "null or an int >= max(1, output.min_rows_per_file)"),
+    ]
+    for key, value, ok, expected in rules + _serve_rules(s):
+        if not ok:
+            raise ConfigError("config key " + invalid_value(key, value, expected))
+    for key, value in (("model.source", cfg.model.source), ("input.path", cfg.input.path),
+                       ("output.path", cfg.output.path), ("serve.model_name", s.model_name)):
+        if not str(value).strip():
+            raise ConfigError(f"config key {key} is empty")
+
+
+def _serve_rules(s: ServeConfig) -> list[tuple[str, Any, bool, str]]:
+    """`validate`'s checks of the serve section."""
+    return [
         ("serve.port", s.port, 0 < s.port < 65536, "a port number"),
         ("serve.num_replicas", s.num_replicas, s.num_replicas >= 1, "an int >= 1"),
         ("serve.max_ongoing_requests", s.max_ongoing_requests, s.max_ongoing_requests >= 1, "an int >= 1"),
@@ -259,13 +272,6 @@ def validate(cfg: JobConfig):
         ("serve.health_check_period_s", s.health_check_period_s, s.health_check_period_s > 0, "a number > 0"),
         ("serve.health_check_timeout_s", s.health_check_timeout_s, s.health_check_timeout_s > 0, "a number > 0"),
     ]
-    for key, value, ok, expected in rules:
-        if not ok:
-            raise ConfigError("config key " + invalid_value(key, value, expected))
-    for key, value in (("model.source", cfg.model.source), ("input.path", cfg.input.path),
-                       ("output.path", cfg.output.path), ("serve.model_name", s.model_name)):
-        if not str(value).strip():
-            raise ConfigError(f"config key {key} is empty")
 
 
 def to_dict(cfg: JobConfig) -> dict:

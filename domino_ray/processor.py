@@ -80,8 +80,8 @@ class DominoEngineProcessorConfig:
     runtime_env: dict | None = None          # for the engine actors
 
     def __post_init__(self):
-        self.tokenize, self.detokenize = _stage("tokenize_stage", self.tokenize_stage, allow_off=False), \
-            _stage("detokenize_stage", self.detokenize_stage, allow_off=True)
+        self.tokenize = _stage("tokenize_stage", self.tokenize_stage, allow_off=False)
+        self.detokenize = _stage("detokenize_stage", self.detokenize_stage, allow_off=True)  # None: no text
         if not isinstance(self.chat_template_stage, bool):
             raise ConfigError(f"chat_template_stage={self.chat_template_stage!r}: expected true or false (the chat "
                               "template and the tokenizer run as one stage: give its resources in tokenize_stage)")

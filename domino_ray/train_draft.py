@@ -276,13 +276,9 @@ def train_draft(draft: DominoDraft, target, sequences: list[tuple[list[int], int
     history, first_step, start = [], 0, time.perf_counter()
     # bf16 autocast: on CPUs with AMX (and on GPUs) the matmuls run several times faster than in fp32
     autocast = torch.autocast(device.type, dtype=getattr(torch, cfg.autocast or "float32"), enabled=bool(cfg.autocast))
+    parts = {"draft": draft, "optimizer": optimizer, "schedule": schedule}
     if checkpoint is not None and checkpoint.exists():
-        state = torch.load(checkpoint, weights_only=False)
-        draft.load_state_dict(state["draft"])
-        optimizer.load_state_dict(state["optimizer"])
-        schedule.load_state_dict(state["schedule"])
-        generator.set_state(state["generator"])
-        order, history, first_step = state["order"], state["history"], state["step"]
+        order, history, first_step = _resume(checkpoint, parts, generator)
         log(f"resumed from {checkpoint} at step {first_step}")
     for step in range(first_step, cfg.steps):
         if len(order) < cfg.batch_size:  # epochs in a seeded random order
@@ -297,10 +293,8 @@ def train_draft(draft: DominoDraft, target, sequences: list[tuple[list[int], int
         with autocast:
             base, final = block_logits(draft, target, batch_features, ids, anchors)
             labels = block_labels(ids, lengths, anchors, k)
-            targets = draft_labels(labels, to_draft)
             lam = lambda_base(step, cfg.steps, cfg) if final is not None else 1.0
-            loss_base = weighted_ce(base, targets, weights)
-            loss = loss_base if final is None else (1 - lam) * weighted_ce(final, targets, weights) + lam * loss_base
+            loss = _blended_loss(base, final, draft_labels(labels, to_draft), weights, lam)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(draft.parameters(), cfg.grad_clip)
@@ -319,13 +313,32 @@ def train_draft(draft: DominoDraft, target, sequences: list[tuple[list[int], int
             history.append(entry)
             log(_format(entry))
         if checkpoint is not None and ((step + 1) % checkpoint_every == 0 or step + 1 == cfg.steps):
-            state = {"draft": draft.state_dict(), "optimizer": optimizer.state_dict(),
-                     "schedule": schedule.state_dict(), "generator": generator.get_state(), "order": order,
-                     "history": history, "step": step + 1}
-            torch.save(state, checkpoint.with_suffix(".tmp"))
-            checkpoint.with_suffix(".tmp").replace(checkpoint)
+            _save(checkpoint, parts, generator, order, history, step + 1)
     draft.eval()
     return history
+
+
+def _blended_loss(base, final, targets, weights, lam: float):
+    """The correction head's loss blended with the base logits' (lam -> the base's share); base only
+    without a head."""
+    loss_base = weighted_ce(base, targets, weights)
+    return loss_base if final is None else (1 - lam) * weighted_ce(final, targets, weights) + lam * loss_base
+
+
+def _save(checkpoint: Path, parts: dict, generator, order: list[int], history: list[dict], step: int):
+    """The whole training state, written atomically (a rerun resumes from it: same result as one run)."""
+    state = {name: part.state_dict() for name, part in parts.items()}
+    state.update(generator=generator.get_state(), order=order, history=history, step=step)
+    torch.save(state, checkpoint.with_suffix(".tmp"))
+    checkpoint.with_suffix(".tmp").replace(checkpoint)
+
+
+def _resume(checkpoint: Path, parts: dict, generator) -> tuple[list[int], list[dict], int]:
+    state = torch.load(checkpoint, weights_only=False)
+    for name, part in parts.items():
+        part.load_state_dict(state[name])
+    generator.set_state(state["generator"])
+    return state["order"], state["history"], state["step"]
 
 
 def draft_labels(labels: torch.Tensor, to_draft: torch.Tensor | None) -> torch.Tensor:

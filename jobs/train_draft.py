@@ -225,22 +225,27 @@ def main(argv=None):
         save_draft(saved, args.out)
     record = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
               "train_config": vars(train_cfg), "history": history}
-
     if args.eval_prompts is not None:
-        prompts = encode_eval_prompts(tokenizer, args.eval_prompts, args.eval_count, args.chat_template,
-                                      max_len - args.eval_max_new_tokens + 1)
-        record["engine"] = {}
-        candidates = [("domino", draft)] + ([("backbone_only", backbone_only(draft))] if draft_cfg.has_head else [])
-        for name, candidate in candidates:
-            result = engine_acceptance(target, candidate, prompts, max_new_tokens=args.eval_max_new_tokens,
-                                       eos_token_ids=eos, max_model_len=max_len)
-            result.pop("token_ids")
-            record["engine"][name] = result
-            print(f"engine, {len(prompts)} held-out prompts, {name}: mean acceptance length "
-                  f"{result['mean_acceptance_length']:.2f}, per position "
-                  f"{' '.join(f'{x:.2f}' for x in result['per_position_acceptance'])}")
+        record["engine"] = evaluate_in_engine(args, target, tokenizer, draft, eos, max_len)
     (args.out / "training.json").write_text(json.dumps(record, indent=1) + "\n")
     print(f"wrote {args.out}")
+
+
+def evaluate_in_engine(args, target, tokenizer, draft, eos, max_len: int) -> dict:
+    """Acceptance of the trained draft (and of its backbone alone) in the real engine on held-out prompts."""
+    prompts = encode_eval_prompts(tokenizer, args.eval_prompts, args.eval_count, args.chat_template,
+                                  max_len - args.eval_max_new_tokens + 1)
+    results = {}
+    candidates = [("domino", draft)] + ([("backbone_only", backbone_only(draft))] if draft.config.has_head else [])
+    for name, candidate in candidates:
+        result = engine_acceptance(target, candidate, prompts, max_new_tokens=args.eval_max_new_tokens,
+                                   eos_token_ids=eos, max_model_len=max_len)
+        result.pop("token_ids")
+        results[name] = result
+        print(f"engine, {len(prompts)} held-out prompts, {name}: mean acceptance length "
+              f"{result['mean_acceptance_length']:.2f}, per position "
+              f"{' '.join(f'{x:.2f}' for x in result['per_position_acceptance'])}")
+    return results
 
 
 if __name__ == "__main__":
