@@ -150,3 +150,22 @@ def test_engine_kwargs_reach_the_job_config():
     assert (cfg.model.dtype, cfg.draft.num_draft_tokens, cfg.draft.source) == ("bfloat16", 4, None)
     assert (cfg.generation.seed, cfg.input.id_column) == (6, "key")  # bare `seed` is generation.seed
     assert (cfg.runtime.min_actors, cfg.runtime.max_actors, cfg.model.chat_template) == (1, 3, True)
+
+
+@pytest.mark.slow
+def test_the_example_pipeline_runs(ray_cluster, tmp_path, capsys):
+    """examples/ray_data_pipeline.py on the demo pair, four of its snippets: every row completed."""
+    import importlib.util
+
+    from batch_fixtures import REPO
+
+    spec = importlib.util.spec_from_file_location("example", REPO / "examples" / "ray_data_pipeline.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    snippets = (REPO / "examples" / "snippets.jsonl").read_text().splitlines()[:4]
+    (tmp_path / "in.jsonl").write_text("\n".join(snippets) + "\n")
+    example.main(["--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out"), "--max-tokens", "8"])
+    out = pq.read_table(tmp_path / "out").to_pandas()
+    assert sorted(out["name"]) == sorted(json.loads(s)["name"] for s in snippets)
+    assert out["error"].isna().all() and (out["tokens"] > 0).all() and (out["tokens"] <= 8).all()
+    assert "4 rows -> " in capsys.readouterr().out
