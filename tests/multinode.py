@@ -203,3 +203,4 @@ def multinode_cluster():
     finally:
         stop_cluster(mn)
     assert leftover_processes(mn) == []
+    shutil.rmtree(mn.temp_dir, ignore_errors=True)  # a node killed mid-write may have recreated empty dirs
