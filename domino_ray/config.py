@@ -95,6 +95,7 @@ class RuntimeConfig:
     max_actors: int = 1               # ActorPoolStrategy max_size
     gpus_per_actor: float | None = None  # null = 1 when the cluster has GPUs, else 0
     accelerator_type: str | None = None  # engine actors only on this GPU type (Ray's, e.g. H100); null = any
+    accelerator_resource: str | None = None  # custom resource marking engine nodes: 1 per actor; null = GPUs only
     cpus_per_actor: float = 1.0
     batch_size: int = 64              # rows per map_batches call
     max_concurrent_batches: int = 4   # batches in flight per actor; their rows share the engine's slots
@@ -231,6 +232,10 @@ def validate(cfg: JobConfig):
         ("runtime.cpus_per_actor", r.cpus_per_actor, r.cpus_per_actor > 0, "a number > 0"),
         ("runtime.gpus_per_actor", r.gpus_per_actor, r.gpus_per_actor is None or r.gpus_per_actor >= 0,
          "null or a number >= 0"),
+        ("runtime.accelerator_resource", r.accelerator_resource,
+         r.accelerator_resource is None or (r.accelerator_resource.strip() != "" and r.accelerator_resource
+                                            not in ("CPU", "GPU", "memory", "object_store_memory")),
+         "null or a custom resource name (CPU and GPU have their own keys)"),
         ("runtime.batch_size", r.batch_size, r.batch_size >= 1, "an int >= 1"),
         ("runtime.cuda_graphs", r.cuda_graphs, r.cuda_graphs in ("auto", "on", "off"), "auto, on or off"),
         ("runtime.gpu_memory_utilization", r.gpu_memory_utilization, 0 < r.gpu_memory_utilization <= 1,

@@ -148,6 +148,8 @@ class Processor:
         ds = ds.map_batches(tokenize_batch, fn_args=(cfg,), **self._cpu_stage(self.tokenize))
         gpus = r.gpus_per_actor if r.gpus_per_actor is not None else (1 if ray.cluster_resources().get("GPU") else 0)
         extra = {"accelerator_type": r.accelerator_type} if r.accelerator_type else {}
+        if r.accelerator_resource:  # engine actors only on nodes that offer it (custom resource per engine)
+            extra["resources"] = {r.accelerator_resource: 1}
         ds = ds.map_batches(
             self.predictor, batch_size=r.batch_size, batch_format="pyarrow",
             compute=ray.data.ActorPoolStrategy(min_size=r.min_actors, max_size=r.max_actors,

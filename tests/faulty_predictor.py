@@ -7,6 +7,7 @@ cloudpickle to be sent by value, and the workers import only its base class, fro
 
 from __future__ import annotations
 
+import asyncio
 import os
 import sys
 
@@ -15,13 +16,15 @@ import ray.cloudpickle
 from domino_ray.ray_predictor import DominoPredictor
 
 
-def faulty_predictor(*, kill_actor_once: str | None = None, crash_engine_on_row=None) -> type:
+def faulty_predictor(*, kill_actor_once: str | None = None, crash_engine_on_row=None, hold_row_s: float = 0.0) -> type:
     """A DominoPredictor with these faults:
 
     - `kill_actor_once` (a marker path): the first actor to finish a row while the file does not exist
       creates it and dies mid-batch (Ray must redo the batch, losing and doubling nothing);
     - `crash_engine_on_row` (a row id): the engine thread raises whenever that row is waiting to be
-      admitted (a fatal engine error caused by one row).
+      admitted (a fatal engine error caused by one row);
+    - `hold_row_s`: every finished row stays that long in its actor before the batch may leave, so a test
+      can lose a node while its actors hold rows (tiny models finish a whole job in under a second).
     """
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -42,6 +45,8 @@ def faulty_predictor(*, kill_actor_once: str | None = None, crash_engine_on_row=
             if row_id == crash_engine_on_row:
                 self.poisoned.add(request.request_id)
             completion = await super()._run(row_id, request)
+            if hold_row_s:
+                await asyncio.sleep(hold_row_s)
             if kill_actor_once is not None and not os.path.exists(kill_actor_once):
                 open(kill_actor_once, "w").close()
                 os._exit(1)  # die mid-batch, like a crashed node

@@ -21,6 +21,7 @@ def test_defaults_yaml_and_overrides(tmp_path):
     ("generation.temperature=hot", "generation.temperature"),
     ("generation.top_p=2", r"generation.top_p=2.0 is invalid"),
     ("runtime.max_actors=0", "runtime.max_actors"),
+    ("runtime.accelerator_resource=GPU", "runtime.accelerator_resource='GPU' is invalid"),
     ("serve.port=70000", "serve.port"),
     ("model.dtype=int8", "model.dtype"),
     ("nonsense", "key=value"),

@@ -1,0 +1,23 @@
+"""`python tests/slow_job.py HOLD_S [--config FILE] [key=value ...]`: the batch job of jobs/generate.py with
+every row held HOLD_S seconds in its engine actor (tests/faulty_predictor.py), a driver subprocess for
+tests that must lose a node while actors hold rows. Exit status: 0 done, 1 the job failed."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+
+def main(argv: list[str]) -> int:
+    sys.path.insert(0, str(Path(__file__).parent))
+    from domino_ray.config import config_from_command_line
+    from domino_ray.ray_batch import run_job
+    from faulty_predictor import faulty_predictor
+
+    cfg = config_from_command_line(argv[1:], __doc__.splitlines()[0], "runtime.ray_address=HOST:PORT")
+    run_job(cfg, predictor=faulty_predictor(hold_row_s=float(argv[0])))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
