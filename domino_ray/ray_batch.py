@@ -18,6 +18,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from domino_ray.config import ConfigError, JobConfig, to_dict
 from domino_ray.io import (SETTINGS_NAME, SUMMARY_NAME, Location, delete_if_exists, list_parquet_files, read_json,
@@ -165,7 +166,7 @@ def generate_missing(cfg: JobConfig, plan: InputPlan, out: Location, scan, done_
     init_ray(cfg)
     schema = output_schema(plan.schema, cfg.input.id_column, plan.generated_id)
     done_ref = ray.put(scan.done_ids)
-    sink = RunStats.remote()
+    sink = _run_stats_actor()
     start = time.perf_counter()
     try:
         build_dataset(cfg, plan, schema, done_ref, stats_sink=sink, predictor=predictor).write_parquet(
@@ -191,11 +192,18 @@ def generate_missing(cfg: JobConfig, plan: InputPlan, out: Location, scan, done_
     return run
 
 
+def _run_stats_actor():
+    # On the driver's node: the run's bookkeeping lives and dies with the driver, never with a worker
+    # node that may be lost (a restarted engine actor asks it for crash suspects in __init__).
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    return RunStats.options(scheduling_strategy=here).remote()
+
+
 def compare_baseline(cfg: JobConfig, plan: InputPlan, schema: pa.Schema, done_ref, out: Location,
                      new_files: list[str], run: dict, predictor: type = DominoPredictor) -> dict:
     """The same rows through the same engine without the draft: throughput ratio and greedy equality."""
     id_column = cfg.input.id_column
-    sink = RunStats.remote()
+    sink = _run_stats_actor()
     start = time.perf_counter()
     ds = build_dataset(cfg, plan, schema, done_ref, use_draft=False, stats_sink=sink, predictor=predictor)
     base = ds.select_columns([id_column, "generated_tokens", "finish_reason"]).to_arrow_refs()
