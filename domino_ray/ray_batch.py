@@ -1,6 +1,6 @@
 """The batch job on Ray Data: Parquet (local or s3://) in, the processor, Parquet + `_summary.json` out.
 
-    read_parquet -> _prepare (ids; drop rows already in the output) -> Processor (processor.py: tokenize,
+    read_parquet -> _prepare (ids; drop rows already in the output) -> Processor (ray_processor.py: tokenize,
     engine actors, detokenize) -> write_parquet(explicit schema)
 
 Each engine actor loads the target and draft once and runs one `SpecEngine` on a background thread
@@ -25,7 +25,7 @@ from domino_ray.io import (SETTINGS_NAME, SUMMARY_NAME, Location, delete_if_exis
                            scan_output, write_json_atomic)
 from domino_ray.preflight import (InputPlan, check_input, check_models, check_output, check_settings,
                                   output_settings)
-from domino_ray.processor import LIGHT_CPUS, Processor
+from domino_ray.ray_processor import LIGHT_CPUS, Processor
 from domino_ray.ray_predictor import DominoPredictor, RowCrashesEngine, RunStats, key_name
 from domino_ray.schema import generated_ids, output_schema
 from domino_ray.summary import STATS_COLUMNS, human_summary, run_stats, summarize

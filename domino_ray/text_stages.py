@@ -3,7 +3,7 @@
 Both are `map_batches` functions run as Ray tasks (a tokenizer cached per worker process), `pyarrow.Table`
 in and out, one row out per row in. Tasks rather than actors: Ray fuses them with the light tasks next to
 them (the job's read before, its write after), so they cost no processes of their own. Ray-free: the
-processor (processor.py) places them.
+processor (ray_processor.py) places them.
 
     tokenize_batch:   prompt | messages, sampling_params -> prompt (as the engine sees it), prompt_token_ids, error
     detokenize_batch: generated_tokens, finish_reason    -> generated_text; then the error policy and column order
