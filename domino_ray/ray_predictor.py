@@ -64,6 +64,7 @@ class DominoPredictor:
         self._crash_rows: list | None = None      # the rows inside when the engine died
         self._alone = asyncio.Lock()              # held while a suspect row runs with the engine to itself
         self.name = f"{socket.gethostname()}:{os.getpid()}"
+        self.node_id = ray.get_runtime_context().get_node_id()  # hosts can repeat (one machine, containers)
         self._lock = threading.Lock()
         self._admission: asyncio.Semaphore | None = None
         self._in_flight, self._busy_since, self._busy_s, self._rows, self._tokens = 0, 0.0, 0.0, 0, 0
@@ -166,7 +167,7 @@ class DominoPredictor:
             busy = self._busy_s + (now - self._busy_since if self._in_flight else 0.0)
             self._rows += rows
             self._tokens += tokens
-            snapshot = {"actor": self.name, "rows": self._rows, "generated_tokens": self._tokens, "busy_s": busy,
+            snapshot = {"actor": self.name, "node_id": self.node_id, "rows": self._rows, "generated_tokens": self._tokens, "busy_s": busy,
                         "peak_batches_in_flight": self._peak_in_flight, **self._times}
         if self.stats_sink is not None and delta < 0:
             self.stats_sink.record.remote(snapshot)

@@ -84,6 +84,8 @@ def test_output_schema_rows_and_stats(job):
     assert job["summary"]["num_spec_tokens"] == 4 and job["summary"]["run"]["rows"] == len(job["ids"])
     # Ray handed actors two batches at once: their rows shared the engine (continuous batching across batches).
     assert max(a["peak_batches_in_flight"] for a in job["summary"]["run"]["actors"]) == 2
+    # every actor names the Ray node it ran on (the session's one node here)
+    assert {a["node_id"] for a in job["summary"]["run"]["actors"]} == {ray.get_runtime_context().get_node_id()}
 
 
 def test_actor_killed_mid_job_loses_and_duplicates_nothing(job):
