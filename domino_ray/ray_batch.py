@@ -172,7 +172,7 @@ def generate_missing(cfg: JobConfig, plan: InputPlan, out: Location, scan, done_
         build_dataset(cfg, plan, schema, done_ref, stats_sink=sink, predictor=predictor).write_parquet(
             out.path, filesystem=out.fs, min_rows_per_file=cfg.output.min_rows_per_file,
             max_rows_per_file=cfg.output.max_rows_per_file, schema=schema, mode="append",
-            ray_remote_args={"num_cpus": LIGHT_CPUS})  # at 1 CPU, writes would wait for the actors to finish
+            ray_remote_args={"num_cpus": LIGHT_CPUS})  # light, like the read: fits beside the engine actor
     except Exception as exc:
         culprits = ray.get(sink.crashes.remote())["culprits"]
         if not culprits:

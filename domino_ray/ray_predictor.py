@@ -21,7 +21,7 @@ from domino_ray.config import JobConfig
 from domino_ray.engine_loop import EngineDead
 from domino_ray.request import Request
 from domino_ray.sampling_params import generation_defaults
-from domino_ray.schema import RowError, columns_of, error_row, ok_row, row_params, with_columns
+from domino_ray.schema import RowError, engine_columns, error_row, ok_row, row_params, with_columns
 
 
 class RowCrashesEngine(RuntimeError):
@@ -113,7 +113,7 @@ class DominoPredictor:
             else:
                 generated[i] = ok_row(result)
         self._busy(-1, rows=len(rows), tokens=sum(r["num_generated_tokens"] for r in generated))
-        return with_columns(batch, columns_of(generated))
+        return with_columns(batch, engine_columns(generated))
 
     async def _complete(self, key, ids: list[int], params) -> object:
         request = Request(next(self.request_ids), ids, params)
@@ -167,8 +167,8 @@ class DominoPredictor:
             busy = self._busy_s + (now - self._busy_since if self._in_flight else 0.0)
             self._rows += rows
             self._tokens += tokens
-            snapshot = {"actor": self.name, "node_id": self.node_id, "rows": self._rows, "generated_tokens": self._tokens, "busy_s": busy,
-                        "peak_batches_in_flight": self._peak_in_flight, **self._times}
+            snapshot = {"actor": self.name, "node_id": self.node_id, "rows": self._rows, "generated_tokens": self._tokens,
+                        "busy_s": busy, "peak_batches_in_flight": self._peak_in_flight, **self._times}
         if self.stats_sink is not None and delta < 0:
             self.stats_sink.record.remote(snapshot)
 

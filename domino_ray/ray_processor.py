@@ -115,7 +115,7 @@ def build_processor(config: DominoEngineProcessorConfig, preprocess: Callable | 
     return Processor(config.cfg, preprocess=preprocess, postprocess=postprocess,
                      preprocess_map_kwargs=preprocess_map_kwargs or {},
                      postprocess_map_kwargs=postprocess_map_kwargs or {}, tokenize=config.tokenize,
-                     detokenize=config.detokenize or StageResources(), text=bool(config.detokenize),
+                     detokenize=config.detokenize,
                      continue_on_error=config.should_continue_on_error, error_column=config.error_column,
                      runtime_env=config.runtime_env)
 
@@ -131,8 +131,7 @@ class Processor:
     preprocess_map_kwargs: dict = field(default_factory=dict)
     postprocess_map_kwargs: dict = field(default_factory=dict)
     tokenize: StageResources = field(default_factory=StageResources)
-    detokenize: StageResources = field(default_factory=StageResources)
-    text: bool = True                        # decode generated_text
+    detokenize: StageResources | None = field(default_factory=StageResources)  # None: no generated_text
     continue_on_error: bool = True
     error_column: str = "error"
     runtime_env: dict | None = None
@@ -158,9 +157,10 @@ class Processor:
             fn_constructor_args=(cfg,), fn_constructor_kwargs={"use_draft": self.use_draft,
                                                                "stats_sink": self.stats_sink}, **extra)
         ds = ds.map_batches(detokenize_batch, fn_args=(cfg,),
-                            fn_kwargs={"detokenize": self.text, "continue_on_error": self.continue_on_error,
+                            fn_kwargs={"detokenize": self.detokenize is not None,
+                                       "continue_on_error": self.continue_on_error,
                                        "error_column": self.error_column, "schema": self.schema},
-                            **self._cpu_stage(self.detokenize))
+                            **self._cpu_stage(self.detokenize or StageResources()))
         if self.postprocess is not None:
             ds = ds.map(self.postprocess, **{"num_cpus": LIGHT_CPUS, **self.postprocess_map_kwargs})
         return ds

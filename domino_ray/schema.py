@@ -42,6 +42,8 @@ GENERATED_FIELDS = [
     pa.field("error", pa.string()),                       # null on success
 ]
 GENERATED_NAMES = [f.name for f in GENERATED_FIELDS]
+# What the engine stage fills (error_row / ok_row); the text stages fill `prompt` and `generated_text`.
+ENGINE_NAMES = [n for n in GENERATED_NAMES if n not in ("prompt", "generated_text")]
 # The tokenize stage's token ids: in the processor's output rows (as in Ray Data LLM's), not in the job's files.
 PROMPT_IDS_FIELD = pa.field("prompt_token_ids", pa.list_(pa.int32()))
 COLUMN_TYPES = {f.name: f.type for f in [*GENERATED_FIELDS, PROMPT_IDS_FIELD]}
@@ -182,9 +184,9 @@ def ok_row(completion) -> dict:
     }
 
 
-def columns_of(rows: list[dict]) -> dict[str, list]:
-    """Row dicts (same keys) as columns."""
-    return {name: [row[name] for row in rows] for name in (rows[0] if rows else {})}
+def engine_columns(rows: list[dict]) -> dict[str, list]:
+    """error_row / ok_row dicts as the engine stage's columns (all of them, for an empty batch too)."""
+    return {name: [row[name] for row in rows] for name in ENGINE_NAMES}
 
 
 def with_columns(table: pa.Table, columns: dict[str, list]) -> pa.Table:

@@ -82,11 +82,13 @@ def detokenize_batch(batch: pa.Table, cfg: JobConfig, *, detokenize: bool = True
     reasons = batch.column("finish_reason").to_pylist()
     texts = [""] * batch.num_rows
     if detokenize:
+        from domino_ray.target import decode
+
         tokenizer = _tokenizer(cfg.model.tokenizer or cfg.model.source)
         for i, tokens in enumerate(batch.column("generated_tokens").to_pylist()):
             if reasons[i] != "error":
-                # "stop" means the last token is the stop token that ended the row (engine.py).
-                texts[i] = tokenizer.decode(tokens[:-1] if reasons[i] == "stop" else tokens, skip_special_tokens=True)
+                # "stop" means the last token is the stop id that ended the row (engine.py): the one to drop.
+                texts[i] = decode(tokenizer, tokens, frozenset(tokens[-1:]) if reasons[i] == "stop" else frozenset())
     table = output_table(with_columns(batch, {"generated_text": texts}), schema)
     if error_column != "error":
         table = table.rename_columns([error_column if n == "error" else n for n in table.column_names])

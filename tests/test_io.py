@@ -14,8 +14,8 @@ from domino_ray.config import ConfigError, InputConfig, S3Config, load_config
 from domino_ray.request import Completion
 from domino_ray.io import list_parquet_files, read_json, resolve, scan_output, write_json_atomic
 from domino_ray.sampling_params import SamplingParams
-from domino_ray.schema import (GENERATED_FIELDS, RowError, columns_of, error_row, ok_row, output_schema, output_table,
-                               read_row, row_params, with_columns)
+from domino_ray.schema import (GENERATED_FIELDS, RowError, engine_columns, error_row, ok_row, output_schema,
+                               output_table, read_row, row_params, with_columns)
 from domino_ray.stats import RowStats
 from domino_ray.summary import STATS_COLUMNS, human_summary, run_stats, summarize
 
@@ -130,7 +130,7 @@ def test_error_and_ok_rows_share_the_schema():
     assert output_schema(pa.schema([("prompt", pa.string())]), "id", generated_id=True).field("id").type == pa.string()
     carried = pa.table({"id": [1, 2], "prompt": [b"a", None], "topic": ["x", "y"]}, schema=input_schema)
     rows = [ok_row(_completion([1, 2, 3, 4])), error_row("prompt is null", num_spec_tokens=2)]
-    table = output_table(with_columns(carried, {**columns_of(rows), "prompt": ["a", None],
+    table = output_table(with_columns(carried, {**engine_columns(rows), "prompt": ["a", None],
                                                 "generated_text": ["hello", ""]}), schema)
     assert table.schema == schema
     ok, err = table.to_pylist()
@@ -138,13 +138,16 @@ def test_error_and_ok_rows_share_the_schema():
     assert ok["num_generated_tokens"] == 1 + ok["num_spec_steps"] + ok["num_accepted_draft_tokens"]
     assert err["finish_reason"] == "error" and err["error"] == "prompt is null" and err["generated_tokens"] == []
     assert err["acceptance_histogram"] == [0, 0, 0] and err["topic"] == "y"
+    # an empty batch (every row of a block already done) leaves the stages with every column too
+    empty = with_columns(carried.slice(0, 0), {**engine_columns([]), "prompt": [], "generated_text": []})
+    assert output_table(empty, schema).schema == schema
 
 
 def test_summary_reconciles_with_rows():
     schema = output_schema(pa.schema([("id", pa.string())]), "id", generated_id=False)
     rows = [ok_row(_completion([1, 2, 3, 4])) for _ in range(3)]
     rows.append(error_row("too long", num_spec_tokens=2))
-    table = with_columns(pa.table({"id": ["a", "b", "c", "d"]}), columns_of(rows))
+    table = with_columns(pa.table({"id": ["a", "b", "c", "d"]}), engine_columns(rows))
     run = run_stats(2.0, 0, [{"actor": "x", "rows": 4, "generated_tokens": 12, "busy_s": 1.5}])
     s = summarize(table.select(["id", *STATS_COLUMNS]), "id", run=run, config={}, output_uri="out")
     assert s["rows"] == {"total": 4, "ok": 3, "failed": 1, "unique_ids": 4}
@@ -189,7 +192,7 @@ def test_summary_keeps_count_of_every_error_reason():
     schema = output_schema(pa.schema([("id", pa.int64())]), "id", generated_id=False)
     reasons = [f"prompt has {800 + i} tokens" for i in range(25)] + ["prompt is null"] * 3
     rows = [error_row(reason, num_spec_tokens=2) for reason in reasons]
-    table = with_columns(pa.table({"id": list(range(len(rows)))}), columns_of(rows))
+    table = with_columns(pa.table({"id": list(range(len(rows)))}), engine_columns(rows))
     s = summarize(table.select(["id", *STATS_COLUMNS]), "id", run=run_stats(1.0, 0, []), config={}, output_uri="o")
     assert len(s["errors"]) == 20 and list(s["errors"].items())[0] == ("prompt is null", 3)
     assert s["errors_not_listed"] == {"reasons": 6, "rows": 6}
