@@ -35,36 +35,31 @@ JOB_TIMEOUT_S = 420
 HOLD_ROW_S = 2.0  # node-loss tests: rows stay this long in their actor, so a lost node holds some
 
 
-def write_input(directory: Path, rows: int) -> tuple[list[int], list[str]]:
+def write_input(directory: Path, rows: int, shards: int = 2) -> tuple[list[int], list[str]]:
     ids, prompts = list(range(rows)), make_prompts(rows, seed=18)
-    write_shards(directory, {"id": ids, "prompt": prompts}, shards=2)
+    write_shards(directory, {"id": ids, "prompt": prompts}, shards=shards)
     return ids, prompts
 
 
 def start_job(mn: MultiNode, pair, inp: Path, out: Path, log: Path, hold_row_s: float = 0.0) -> subprocess.Popen:
-    """The demo-style job on the cluster: two engine actors, one per node offering ENGINE_RESOURCE.
+    """The demo-style job on the cluster: two engine actors, one per node offering ENGINE_RESOURCE; Ray
+    Data waits for both before it hands out blocks (else the first actor up may take them all).
     `hold_row_s`: tests/slow_job.py instead of jobs/generate.py, every row held that long in its actor."""
     args = job_overrides(pair, str(inp), str(out), **{
         "runtime.ray_address": mn.address, "runtime.min_actors": 2, "runtime.max_actors": 2,
         "runtime.accelerator_resource": ENGINE_RESOURCE, "generation.max_new_tokens": MAX_NEW})
     env = {**os.environ, "RAY_TMPDIR": mn.temp_dir, "RAY_AUTH_MODE": "disabled", "PYTHONPATH": str(REPO),
-           "RAY_DATA_DISABLE_PROGRESS_BARS": "1"}
+           "RAY_DATA_DISABLE_PROGRESS_BARS": "1", "RAY_DATA_DEFAULT_WAIT_FOR_MIN_ACTORS_S": str(JOB_TIMEOUT_S)}
     command = [str(REPO / "tests" / "slow_job.py"), str(hold_row_s)] if hold_row_s else [str(REPO / "jobs" / "generate.py")]
     return subprocess.Popen([sys.executable, *command, *args], cwd=REPO, env=env,
                             stdout=log.open("w"), stderr=subprocess.STDOUT)
 
 
 class Watch:
-    """Polls a running job: the engine actors' pid -> node id (the summary names actors `host:pid`, and
-    on one machine every host is the same) and when output files appear."""
+    """Polls a running job: its engine actors and the output files that appeared."""
 
     def __init__(self, mn: MultiNode, out: Path):
-        self.mn, self.out, self.node_of_pid, self.start = mn, out, {}, time.monotonic()
-
-    def poll(self):
-        for a in self.mn.actors(ENGINE_CLASS):
-            if a["Pid"] and a["State"] == "ALIVE":
-                self.node_of_pid[a["Pid"]] = a["Address"]["NodeID"]
+        self.mn, self.out, self.start = mn, out, time.monotonic()
 
     def files(self) -> dict[str, tuple[int, int]]:
         """Complete output files (their footer reads: README "Resume guarantee") -> (mtime, size)."""
@@ -90,7 +85,6 @@ class Watch:
         """Poll until `until()` holds (True) or the job exits (False)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            self.poll()
             if until is not None and until():
                 return True
             if proc.poll() is not None:
@@ -99,13 +93,14 @@ class Watch:
         proc.kill()
         raise AssertionError(f"job still running after {timeout} s")
 
-    def rows_by_node(self, summary: dict) -> dict[str, int]:
-        """Rows each node's engine actors reported (per-actor counts include batches Ray retried)."""
-        by_node: dict[str, int] = {}
-        for a in summary["run"]["actors"]:
-            node = self.node_of_pid.get(int(a["actor"].rsplit(":", 1)[1]), "unknown")
-            by_node[node] = by_node.get(node, 0) + a["rows"]
-        return by_node
+
+
+def rows_by_node(summary: dict) -> dict[str, int]:
+    """Rows each node's engine actors reported (per-actor counts include batches Ray retried)."""
+    by_node: dict[str, int] = {}
+    for a in summary["run"]["actors"]:
+        by_node[a["node_id"]] = by_node.get(a["node_id"], 0) + a["rows"]
+    return by_node
 
 
 def finish(proc: subprocess.Popen, timeout: float = JOB_TIMEOUT_S) -> int:
@@ -138,10 +133,10 @@ def greedy_target_only(pair, prompts: list[str]) -> list[list[int]]:
 
 def test_job_runs_on_both_worker_nodes(multinode_cluster, tiny_pair, tmp_path):
     mn = multinode_cluster
-    ids, prompts = write_input(tmp_path / "in", 48)
+    ids, prompts = write_input(tmp_path / "in", 48, shards=12)  # more blocks than one actor takes at once
     out, log = tmp_path / "out", tmp_path / "job.log"
     watch = Watch(mn, out)
-    proc = start_job(mn, tiny_pair, tmp_path / "in", out, log)
+    proc = start_job(mn, tiny_pair, tmp_path / "in", out, log, hold_row_s=0.5)
     watch.wait(proc)
     assert finish(proc) == 0, log.read_text()[-3000:]
     wall = time.monotonic() - watch.start
@@ -150,7 +145,7 @@ def test_job_runs_on_both_worker_nodes(multinode_cluster, tiny_pair, tmp_path):
     by_id = dict(zip(table.column("id").to_pylist(), table.column("generated_tokens").to_pylist()))
     assert [by_id[i] for i in ids] == greedy_target_only(tiny_pair, prompts)
     workers = {n.node_id for n in mn.workers}
-    by_node = watch.rows_by_node(summary)
+    by_node = rows_by_node(summary)
     assert set(by_node) == workers and all(by_node.values()), by_node  # both nodes did work, the head none
     print(f"\n[multinode] 48 rows on 2 worker nodes: {wall:.1f} s, rows per node {sorted(by_node.values())}")
 
@@ -197,7 +192,7 @@ def run_with_node_loss(mn: MultiNode, pair, tmp_path: Path, rows: int, add_node:
     assert summary["run"]["rows"] == len(ids) and result["rows_done_at_kill"] < len(ids)
     after = watch.files()
     assert {f: after.get(f) for f in before} == before  # files complete before the loss: never rewritten
-    result["rows_by_node"] = watch.rows_by_node(summary)
+    result["rows_by_node"] = rows_by_node(summary)
     assert result["rows_by_node"].get(lost, 0) > 0  # the lost node had been working
     result["rows_redone"] = sum(a["rows"] for a in summary["run"]["actors"]) - len(ids)
     rerun = tmp_path / "rerun.log"
