@@ -42,8 +42,11 @@ smollm2: setup-dev
 demo-smollm2: smollm2
 	$(BIN)/python jobs/generate.py --config configs/demo_smollm2.yaml runtime.compare_baseline=true $(ARGS)
 
+# Two pytest workers (pytest-xdist), whole files per worker: most of the suite's wall time is waiting on
+# Ray clusters, Serve apps and fresh drivers starting, which two workers overlap on two cores.
+PYTEST_WORKERS ?= 2
 test: smollm2
-	$(BIN)/python -m pytest -q -m "not multinode"
+	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile -m "not multinode"
 
 # The multi-node cluster tests (issue 18): a CPU-less head and two worker nodes on this machine, nodes
 # killed mid-job; ~9 min, more than the main suite's budget leaves, so CI runs them as a second command.
@@ -52,7 +55,7 @@ test-multinode: smollm2
 
 # The day-to-day loop: everything but the tests marked slow (README "Tests").
 test-fast: smollm2
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile -m "not slow"
 
 bench: setup
 	$(BIN)/python benchmarks/bench_engine_cpu.py

@@ -473,6 +473,20 @@ def test_special_tokens_in_content_do_not_forge_a_turn(app, reference):
     assert len(safe) != len(forged_ids) and out.usage.prompt_tokens == len(safe)
 
 
+async def wait_until_the_replica_is_full(http: httpx.AsyncClient, timeout_s: float = 30.0) -> bool:
+    """Poll the replica's own `/load` until it no longer answers within a second (it waits behind the held
+    requests) or is refused (429): True once full, False if it still answers after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if (await http.get("/load", timeout=1.0)).status_code == 429:
+                return True
+        except httpx.TimeoutException:
+            return True
+        await asyncio.sleep(0.2)
+    return False
+
+
 def test_health_answers_while_the_replica_and_the_proxy_queue_are_full(app):
     """Hold every request place of the replica (clients that send their body slowly: inside the replica,
     not yet in the engine) and fill the proxy's queue: `/health` (the probe app) still answers 200 at
@@ -489,19 +503,15 @@ def test_health_answers_while_the_replica_and_the_proxy_queue_are_full(app):
         async with httpx.AsyncClient(base_url=app.url, timeout=60, limits=limits) as http:
             held = [asyncio.create_task(http.post("/v1/completions", content=slow_body()))
                     for _ in range(ONGOING + QUEUED)]
-            await asyncio.sleep(3)  # all of them reach the replica or the proxy's queue
             try:
-                replica = asyncio.create_task(http.get("/load"))
+                replica_waited = await wait_until_the_replica_is_full(http)
                 probes = [await http.get("/health", timeout=10) for _ in range(3)]
-                await asyncio.sleep(0.5)
-                replica_waited = not replica.done() or replica.result().status_code == 429
             finally:
                 release.set()
             done = await asyncio.gather(*held)
-            await replica
             return probes, replica_waited, done
 
     probes, replica_waited, done = asyncio.run(main())
-    assert replica_waited  # the saturation was real
+    assert replica_waited, "the held requests never filled the replica"  # the saturation was real
     assert [p.status_code for p in probes] == [200] * 3 and all(p.json()["status"] == "ok" for p in probes)
     assert {r.status_code for r in done} <= {200, 429}
