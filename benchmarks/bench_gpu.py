@@ -80,8 +80,8 @@ class Forced:
     def move_row(self, *a):
         self.inner.move_row(*a)
 
-    def propose(self, r, anchor, offsets, kv_len, width, *rest):
-        self.inner.propose(r, anchor, offsets, kv_len, width)
+    def propose(self, r, anchor, offsets, key_groups, width, *rest):
+        self.inner.propose(r, anchor, offsets, key_groups, width)
         index = (offsets[:, None] + self.ahead[:width]).clamp(max=self.refs.shape[1] - 1)  # [r, W] after the anchor
         return self.refs[:r].gather(1, index)
 
@@ -179,11 +179,11 @@ def main():
             engine = SpecEngine(target, forced, max_rows=batch, max_model_len=max_len, cuda_graphs=graphs)
             generate(engine, prompts, args.max_new_tokens, device, references)
             t_spec, spec = generate(engine, prompts, args.max_new_tokens, device, references)
-            r, t = engine.row_buckets[-1], engine.capacity
+            r, g = engine.row_buckets[-1], ((engine.row_buckets[-1], engine.capacity),)  # one key group, all keys
             steps = time_steps(engine, [
-                ("draft_step_ms", ("draft", r, t, k), lambda: engine._draft_step(r, t, k)),
-                ("verify_step_ms", ("verify", r, t, k, False, False, True),
-                 lambda: engine._verify_step(r, t, k, False, False))])
+                ("draft_step_ms", ("draft", r, g, k), lambda: engine._draft_step(r, g, k)),
+                ("verify_step_ms", ("verify", r, g, k, False, False, True),
+                 lambda: engine._verify_step(r, g, k, False, False))])
             spec_tokens = sum(len(c.token_ids) for c in spec)
             row = results[f"batch {batch} cuda_graphs={graphs}"] = {
                 "target_only_tok_s": batch * args.max_new_tokens / t_base,
