@@ -10,7 +10,7 @@ import random
 import pytest
 
 from domino_ray.engine import SpecEngine
-from domino_ray.key_groups import best_groups, groups_over, keys_read, misplaced
+from domino_ray.key_groups import REORDER_SLACK, best_groups, groups_over, keys_read, misplaced, plan
 from domino_ray.proposer import DominoProposer
 from domino_ray.request import Request
 from domino_ray.sampling_params import SamplingParams
@@ -50,6 +50,21 @@ def test_best_groups_is_optimal(seed):
     for s, d in zip(src, dst):
         moved[d] = buckets[s]
     assert keys_read(groups_over(moved, best)) == sum(c * t for c, t in best)
+
+
+def test_plan_moves_rows_only_when_it_pays():
+    # Admitted shortest first: the long row sits last; laid over as is, its range would read 64 x 2,016.
+    groups, src, dst = plan([128] * 63 + [2016], 64, max_groups=4)
+    assert (groups, sorted(zip(src, dst))) == (((1, 2016), (64, 128)), [(0, 63), (63, 0)])
+    # One row of 160 among the 128s: its own group would save 31 x 32 keys, which the slots as they are
+    # read within REORDER_SLACK: no move, its range reads 160.
+    buckets = [2016] * 32 + [128] * 31 + [160]
+    groups, src, dst = plan(buckets, 64, max_groups=4)
+    assert (groups, src, dst) == (((32, 2016), (33, 128), (64, 160)), [], [])
+    assert keys_read(groups) <= (1 + REORDER_SLACK) * sum(c * t for c, t in best_groups(buckets, 4))
+    # Padding slots (the smallest bucket, after the real rows) never move.
+    groups, src, dst = plan([64, 2016, 64, 32, 32], 3, max_groups=4)
+    assert groups == ((1, 2016), (3, 64), (5, 32)) and sorted(zip(src, dst)) == [(0, 1), (1, 0)]
 
 
 def test_one_group_is_one_key_bucket():
@@ -129,7 +144,8 @@ def test_rows_kept_apart_at_scale(pair, rows):
     for i in rng.sample(range(len(prompts)), len(prompts) // 8):  # some long rows among the short
         prompts[i] = prompts[i] * 8
     reference, _, _, _ = run(pair, prompts, 16, speculative=False, max_key_groups=1)
-    small, small_drafts, _, _ = run(pair, prompts, 16, speculative=True, max_key_groups=1)
+    small, small_drafts, one, _ = run(pair, prompts, 16, speculative=True, max_key_groups=1)
+    assert one.key_reads.keys == one.key_reads.one_bucket and one.key_reads.moves == 0  # one key bucket
     out, drafts, engine, most_groups = run(pair, prompts, rows, speculative=True)
     greedy = [i for i in range(len(prompts)) if i % 4 != 3]
     assert [out[i] for i in greedy] == [reference[i] for i in greedy]
