@@ -40,19 +40,25 @@ from typing import Sequence
 Groups = tuple[tuple[int, int], ...]
 
 REORDER_SLACK = 0.125  # move rows once the slots as they are read this much more than the best grouping
+MAX_DISTINCT = 64      # distinct key buckets `best_groups` tells apart (its DP is quadratic in them)
 
 
 def best_groups(buckets: Sequence[int], max_groups: int, group_cost: int = 0) -> list[tuple[int, int]]:
     """The grouping of key buckets (any order) that reads the fewest keys plus `group_cost` per group, with at
     most `max_groups` groups: `[(count, t), ...]`, longest first (t strictly decreasing).
 
-    Exact: a DP over the m distinct buckets sorted descending, O(max_groups x m^2) (m <= capacity / chunk).
+    A DP over the m distinct buckets sorted descending, O(max_groups x m^2): exact up to `MAX_DISTINCT`
+    distinct buckets; beyond, runs of neighbouring buckets count as their longest (many rows, short chunks).
     """
     values = sorted(set(buckets), reverse=True)
     counts = [0] * len(values)
     index = {v: i for i, v in enumerate(values)}
     for b in buckets:
         counts[index[b]] += 1
+    if len(values) > MAX_DISTINCT:  # keep the host's work per step small: merge runs of neighbours
+        run = -(-len(values) // MAX_DISTINCT)
+        values = values[::run]
+        counts = [sum(counts[i:i + run]) for i in range(0, len(counts), run)]
     m = len(values)
     before = [0] * (m + 1)  # before[j]: rows with the j largest buckets
     for j, c in enumerate(counts):
