@@ -436,12 +436,17 @@ class SpecEngine:
         if not src:
             return
         length = max(self.rows[s].committed for s in src)  # positions [0, committed - 1) are live; one more is harmless
-        self.kv.move_row(src, dst, length)
+        if len(src) == 1:  # ints: plain copies between two slots
+            src_index, dst_index = src[0], dst[0]
+        else:  # index tensors, copied once without a sync (a list index is copied, synchronously, at every use)
+            pairs = torch.tensor([src, dst], pin_memory=self.device.type == "cuda")
+            src_index, dst_index = pairs.to(self.device, non_blocking=True)
+        self.kv.move_row(src_index, dst_index, length)
         if self.proposer is not None:
-            self.proposer.move_row(src, dst, length)
+            self.proposer.move_row(src_index, dst_index, length)
         for t in (self.lens, self.anchor, self.remaining):
-            t[dst] = t[src]  # indexing with lists copies the sources first
-        self.sampling.move(src, dst)
+            t[dst_index] = t[src_index]  # an index tensor gathers the sources first
+        self.sampling.move(src_index, dst_index)
         if self.width is not None:
             self.width.move_slots(src, dst)
         moved = [self.rows[s] for s in src]

@@ -54,13 +54,13 @@ class KVBuffers:
         """Keys and values `[b, Hkv, kv_len, D]` of slots `rows` (views, no copy)."""
         return self.keys[layer][rows, :, :kv_len], self.values[layer][rows, :, :kv_len]
 
-    def move_row(self, src: list[int], dst: list[int], length: int, block: int = 256):
-        """Copy the first `length` positions of slots `src[i]` into slots `dst[i]` (compaction, regrouping).
-        The pairs may form cycles: each block of positions is read for every pair before any is written, so
-        the scratch is one layer's `[m, Hkv, block, D]`, never a whole layer."""
-        if len(src) == 1:  # a plain copy between two distinct slots: no scratch
+    def move_row(self, src: int | torch.Tensor, dst: int | torch.Tensor, length: int, block: int = 256):
+        """Copy the first `length` positions of slot `src` into slot `dst` (compaction), or of slots `src[i]`
+        into `dst[i]` (index tensors `[m]`, regrouping). The pairs may form cycles: each block of positions is
+        read for every pair before any is written, so the scratch is one layer's `[m, Hkv, block, D]`."""
+        if isinstance(src, int):
             for buf in (self.all_keys, self.all_values):
-                buf[:, dst[0], :, :length] = buf[:, src[0], :, :length]
+                buf[:, dst, :, :length] = buf[:, src, :, :length]
             return
         for buf in (*self.keys, *self.values):
             for p in range(0, length, block):

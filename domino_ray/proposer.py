@@ -13,8 +13,8 @@ A proposer is any object with these members (duck-typed; the engine needs nothin
   drafts after `anchor [r]` at positions `offsets [r]` for slots `0..r` (padding slots included), each slot
   range of `key_groups` (`((stop, t), ...)`, `key_groups.py`) attending over its first `t` buffer positions;
   `committed`/`request_ids` are the host's view of the real rows (test proposers use them).
-- `move_row(src, dst, length)`: slots `src[i]` -> `dst[i]` (lists; compaction and regrouping; the pairs may
-  form cycles).
+- `move_row(src, dst, length)`: slot `src` -> `dst` (ints: compaction), or slots `src[i]` -> `dst[i]`
+  (index tensors `[m]`: regrouping; the pairs may form cycles).
 
 `DominoProposer` runs a Domino/DFlash draft. (The tests' `OracleProposer` knows the target's continuation.)
 """
@@ -88,5 +88,5 @@ class DominoProposer:
         hidden = self.draft.run_layers(block, cos, sin, attend_layer)  # [r, B, C]
         return self.draft.draft_tokens(hidden, anchor, width, self.embed, self.lm_head)  # the GRU loop stops at W
 
-    def move_row(self, src: list[int], dst: list[int], length: int):
+    def move_row(self, src: int | torch.Tensor, dst: int | torch.Tensor, length: int):
         self.kv.move_row(src, dst, length)
