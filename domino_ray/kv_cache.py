@@ -5,9 +5,8 @@ the first `r` slots (`r` = the row bucket, padding slots included); each contigu
 over the first `t` positions, its own key bucket (`key_groups.py`: `((stop, t), ...)`). A query sees the
 keys of its own row below its *key limit*: for a verify block at `lens[b] + i` that is `lens[b] + i + 1`
 (causal after the committed prefix); for a draft block it is `lens[b] + B` for every slot (non-causal
-over `[context ; block]`). Positions beyond a row's
-committed length hold stale keys from rejected drafts; the limit hides them and the next step
-overwrites them, so a rejection costs nothing.
+over `[context ; block]`). Positions beyond a row's committed length hold stale keys from rejected
+drafts; the limit hides them and the next step overwrites them, so a rejection costs nothing.
 
 Attention is GQA-native: the query heads that share a K/V head are folded into the query axis
 (`[b, Hkv, G*q, D]`), so K and V are read as stored, never repeated per query head.
