@@ -280,10 +280,11 @@ def main():
               flush=True)
     peak = {"allocated_GiB": (torch.cuda.max_memory_allocated(device) - weights) / 2**30,
             "reserved_GiB": (torch.cuda.max_memory_reserved(device) - weights) / 2**30} if device.type == "cuda" else {}
-    r, t = engine.row_buckets[-1], engine.capacity
+    r, groups = engine.row_buckets[-1], ((engine.row_buckets[-1], engine.capacity),)  # one key bucket, as graphed
     steps = time_steps(engine, [
-        ("draft_step_ms", ("draft", r, t, k), lambda: engine._draft_step(r, t, k)),
-        ("verify_step_ms", ("verify", r, t, k, False, False, True), lambda: engine._verify_step(r, t, k, False, False))])
+        ("draft_step_ms", ("draft", r, groups, k), lambda: engine._draft_step(r, groups, k)),
+        ("verify_step_ms", ("verify", r, groups, k, False, False, True),
+         lambda: engine._verify_step(r, groups, k, False, False))])
     spec_graphs = {"graphs": len(engine.graphs.graphs) if engine.graphs else 0, "capture_s": spec_capture[0]}
 
     # The real (rejecting) draft at 8 rows: lossless against target-only, and graphs on == graphs off.

@@ -8,6 +8,14 @@ tokens per row (`ignore_eos`), target-only and speculative, interleaved repeats 
 "Torch calls" counts every torch function and tensor method the step dispatches from Python (a
 `TorchFunctionMode`), i.e. the Python-side work a GPU would otherwise wait for.
 
+`--ragged`: 1 row in 8 with a long prompt (a demo prompt repeated up to the demo target's 256 positions
+less the new tokens), the others 8-24 tokens, as many prompts as rows; also reports the keys each layer's
+attention reads per decode step (`SpecEngine.key_reads`: key groups) and what one key bucket, the longest
+row's, reads on the same steps (what engines before key groups read). For the 64- and 128-row figures:
+
+    python benchmarks/bench_step.py --ragged --batch-sizes 16,64,128 --max-new-tokens 64 --threads 2 \
+        --baseline-ref BASE --json /tmp/ragged.json
+
 `--baseline-ref REF` also runs the engine as of git commit REF (its `domino_ray` extracted to a
 temporary directory and imported under another name), interleaved with this one in the same process:
 before/after figures measured side by side.
@@ -17,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import random
 import statistics
 import subprocess
 import sys
@@ -96,7 +105,22 @@ def run(target, draft, prompts, rows, max_new_tokens, count_calls=False, api=CUR
         steps += 1
         tokens += sum(len(e.new_token_ids) for e in events)
     seconds = time.perf_counter() - start
-    return {"tokens_per_s": tokens / seconds, "steps": steps, "calls_per_step": counter.calls / max(steps, 1)}
+    out = {"tokens_per_s": tokens / seconds, "steps": steps, "calls_per_step": counter.calls / max(steps, 1)}
+    reads = getattr(engine, "key_reads", None)  # engines before key groups have none
+    if reads is not None:
+        out.update({f"{k}_per_step": v for k, v in reads.per_step().items()})
+    return out
+
+
+def ragged_prompts(prompts: list[list[int]], rows: int, long_len: int, seed: int = 0) -> list[list[int]]:
+    """`rows` prompts from `prompts`: every eighth one long (its tokens repeated to `long_len`), the others
+    their first 8-24 tokens."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(rows):
+        p = prompts[i % len(prompts)]
+        out.append((p * (long_len // len(p) + 1))[:long_len] if i % 8 == 0 else p[:rng.randint(8, 24)])
+    return out
 
 
 def main(argv=None):
@@ -108,6 +132,7 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--baseline-ref", default=None, help="also time the engine of this git commit, interleaved")
+    p.add_argument("--ragged", action="store_true", help="ragged prompts, one per row, and keys read per step")
     args = p.parse_args(argv)
     engines = {"now": CURRENT}
     if args.baseline_ref:
@@ -115,7 +140,7 @@ def main(argv=None):
     if args.threads:
         torch.set_num_threads(args.threads)
     target, demo_draft, _, prompts = demo_pair(args.assets)
-    prompts = prompts[:32]
+    all_prompts, prompts = prompts, prompts[:32]
     torch.manual_seed(0)
     random_target = type(target)(target.config).to(target.dtype).eval()
     random_draft = DominoDraft(demo_draft.config).to(target.dtype).eval()
@@ -123,21 +148,33 @@ def main(argv=None):
 
     results = {}
     for rows in (int(b) for b in args.batch_sizes.split(",")):
+        if args.ragged:
+            long_len = target.config.max_position_embeddings - args.max_new_tokens - 1
+            prompts = ragged_prompts(all_prompts, rows, long_len)
         for pair, (tgt, drf) in pairs.items():
             for mode, d in (("target-only", None), ("spec", drf)):
                 calls, tps = {}, {name: [] for name in engines}
                 for name, api in engines.items():
                     run(tgt, d, prompts, rows, 8, api=api)  # warm-up
                     calls[name] = run(tgt, d, prompts, rows, 16, count_calls=True, api=api)["calls_per_step"]
+                last = {}
                 for _ in range(args.repeats):  # interleaved: both engines see the same machine state
                     for name, api in engines.items():
-                        tps[name].append(run(tgt, d, prompts, rows, args.max_new_tokens, api=api)["tokens_per_s"])
+                        last[name] = run(tgt, d, prompts, rows, args.max_new_tokens, api=api)
+                        tps[name].append(last[name]["tokens_per_s"])
                 for name in engines:
                     key = f"{pair} batch {rows} {mode} {name}"
                     results[key] = {"tokens_per_s": round(statistics.median(tps[name]), 1),
                                     "calls_per_step": round(calls[name], 1)}
-                    print(f"{key:<38} {results[key]['tokens_per_s']:>9.1f} tok/s {calls[name]:>8.1f} torch calls/step",
-                          flush=True)
+                    keys = ""
+                    if "keys_per_step" in last[name]:
+                        results[key].update({k: round(v, 1) for k, v in last[name].items() if k.endswith("_per_step")
+                                             and k != "calls_per_step"})
+                        figures = last[name]
+                        keys = (f" {figures['keys_per_step']:>9.0f} keys/step (one bucket "
+                                f"{figures['one_bucket_per_step']:.0f}, rows hold {figures['held_per_step']:.0f})")
+                    print(f"{key:<38} {results[key]['tokens_per_s']:>9.1f} tok/s {calls[name]:>8.1f} torch calls/step"
+                          + keys, flush=True)
     write_results(args.json, results, args)
 
 

@@ -24,8 +24,11 @@ Target-only decoding is the same loop with K = 0 (no proposer): the baseline.
 Steps 1-3 are pure device work on fixed-address buffers with fixed shapes per *bucket*: the active
 rows are padded to a row bucket (1, 2, 4, 8, ... up to R) and the attended keys to a multiple of
 `kv_chunk`. Padding slots are free slots with `remaining == 0`: they compute but never advance, and
-the host never reads them. On CUDA each bucket's draft step and verify step is captured once as a CUDA
-graph and replayed (`step_graphs.py`); on CPU the same functions run eagerly.
+the host never reads them. The slots are cut into a few contiguous ranges, each attending over its own
+key bucket, so a row's attention reads about what the row holds (`key_groups.py`; the slots are kept
+longest first for that, moving rows when it pays). On CUDA each bucket's draft step and verify step is
+captured once as a CUDA graph and replayed (`step_graphs.py`); with graphs the slots form one range over
+the longest row's bucket (the graph keys stay one per (r, t)). On CPU the same functions run eagerly.
 """
 
 from __future__ import annotations
@@ -37,7 +40,9 @@ from typing import Callable, Hashable, Iterable
 
 import torch
 
-from domino_ray.kv_cache import KVBuffers, visible_keys
+from domino_ray.key_groups import Groups, KeyReads, keys_read
+from domino_ray.key_groups import plan as plan_key_groups
+from domino_ray.kv_cache import KVBuffers, group_masks
 from domino_ray.memory import auto_slots, check_memory_fits, free_device_memory, memory_plan
 from domino_ray.request import Completion, Request, StepEvent
 from domino_ray.sampling import RowSampling, sampling_mode
@@ -69,6 +74,8 @@ class SpecEngine:
 
     `kv_chunk`: the attended key length is padded to a multiple of it (the key bucket); default 256 with
     CUDA graphs (fewer graphs to capture), 32 without (less attention over padding).
+    `max_key_groups`: slot ranges a decode step's attention is cut into, each over its own key bucket
+    (`key_groups.py`); default 4, and 1 with CUDA graphs (a graph per group structure would be unbounded).
     `max_rows`: slots (rows decoded together), or "auto": as many as `gpu_memory_utilization` of the device
     memory free after the weights holds (`memory.plan_slots`); on CPU a default from the cores and host memory.
     `cuda_graphs`: "auto" (on for CUDA), "on" or "off".
@@ -81,7 +88,8 @@ class SpecEngine:
     def __init__(self, target, proposer=None, *, max_rows: int | str = 16, max_model_len: int | None = None,
                  eos_token_ids: Iterable[int] = (), seed: int = 0, max_prefill_tokens: int = 8192,
                  kv_chunk: int | None = None, cuda_graphs: str = "auto", adaptive: bool = False,
-                 width_costs: dict | StepCosts | None = None, gpu_memory_utilization: float = 0.9):
+                 width_costs: dict | StepCosts | None = None, gpu_memory_utilization: float = 0.9,
+                 max_key_groups: int | None = None):
         cfg = target.config
         self.target, self.decoder, self.lm_head = target, target.get_decoder(), target.get_output_embeddings()
         self.proposer = proposer
@@ -103,6 +111,15 @@ class SpecEngine:
         self.capacity = _round_up(self.max_model_len + self.span, self.kv_chunk)
         self.groups = cfg.num_attention_heads // cfg.num_key_value_heads
         self.cuda_graphs = graphs
+        self.max_key_groups = max_key_groups or (1 if graphs else 4)
+        if graphs and self.max_key_groups != 1:
+            raise ValueError(f"max_key_groups={max_key_groups} needs eager steps (cuda_graphs=off): a graph per "
+                             "group structure would make the graph keys unbounded")
+        self.key_reads = KeyReads()  # keys read per layer by decode steps (the step's key groups)
+        # What one more key group (an attention call and a mask per layer) is worth, in keys read: measured
+        # 600-2,600 on the 2-core CPU with the demo pair; on a GPU, eager, ~8 kernel launches per layer (~40 us)
+        # read ~40k keys of a Qwen3-4B layer (4 KiB each at ~4 TB/s).
+        self.group_cost = 1024 if self.device.type == "cpu" else 32768
         self.slot_report: str | None = None  # how `max_rows="auto"` chose, for the edge to show
         if max_rows == "auto":
             max_rows, self.slot_report = auto_slots(self.device, gpu_memory_utilization, self.memory_plan)
@@ -278,13 +295,13 @@ class SpecEngine:
     def _decode(self, events: list[StepEvent]):
         n = len(self.rows)
         r = next(b for b in self.row_buckets if b >= n)
-        longest = max(row.committed for row in self.rows)  # committed - 1 positions are in the KV
-        t = min(_round_up(longest - 1 + self.span, self.kv_chunk), self.capacity)
+        key_groups = self._key_groups(r)  # may move rows between slots first
+        t = keys_read(key_groups) // r    # the mean key length: what a step's cost grows with
         sampled, filtered = sampling_mode(row.request.params for row in self.rows)
         usable = [row.max_new - len(row.tokens) - 1 for row in self.rows]  # drafts each budget allows
         w, context = self.width.choose(r, t, usable) if self.width else (self.num_spec_tokens, True)
         started = time.perf_counter()
-        self._device_step(r, t, w, sampled, filtered, context)
+        self._device_step(r, key_groups, w, sampled, filtered, context)
         packed = self._read_packed(n, w)  # the step's one host sync
         now = time.perf_counter()
         if self.width is not None:
@@ -292,23 +309,36 @@ class SpecEngine:
         for row, (a, *row_tokens), u in zip(self.rows, packed, usable):
             self._commit(row, row_tokens[:a + 1], events, now, drafted=min(w, u), width=w)
 
-    def _device_step(self, r: int, t: int, w: int, sampled: bool, filtered: bool, context: bool):
-        """Draft `w` tokens (none when 0), then verify and accept them, for slots `0..r` over `t` keys."""
+    def _key_groups(self, r: int) -> Groups:
+        """The step's key groups for slots `0..r` (`key_groups.plan`), after moving the rows it says to move.
+        Host-side, from the rows' committed lengths: no device sync."""
+        n = len(self.rows)
+        # A step writes up to `span` positions past `committed - 1` (the KV's length); padding slots from 0.
+        buckets = [min(_round_up(row.committed - 1 + self.span, self.kv_chunk), self.capacity) for row in self.rows]
+        buckets += [min(_round_up(self.span, self.kv_chunk), self.capacity)] * (r - n)
+        key_groups, src, dst = plan_key_groups(buckets, n, self.max_key_groups, self.group_cost)
+        self._move_rows(src, dst)
+        self.key_reads.moves += len(src)
+        self.key_reads.observe(key_groups, sum(row.committed - 1 + self.span for row in self.rows), max(buckets))
+        return key_groups
+
+    def _device_step(self, r: int, key_groups: Groups, w: int, sampled: bool, filtered: bool, context: bool):
+        """Draft `w` tokens (none when 0), then verify and accept them, for slots `0..r` over `key_groups`."""
         if w:
             if getattr(self.proposer, "graph_safe", False):
-                self._run(("draft", r, t, w), lambda: self._draft_step(r, t, w))
+                self._run(("draft", r, key_groups, w), lambda: self._draft_step(r, key_groups, w))
             else:  # host-side drafts (test proposers): they need the rows' ids
-                self._draft_step(r, t, w, [row.committed for row in self.rows],
+                self._draft_step(r, key_groups, w, [row.committed for row in self.rows],
                                  [row.request.request_id for row in self.rows])
-        self._run(("verify", r, t, w, sampled, filtered, context),
-                  lambda: self._verify_step(r, t, w, sampled, filtered, context))
+        self._run(("verify", r, key_groups, w, sampled, filtered, context),
+                  lambda: self._verify_step(r, key_groups, w, sampled, filtered, context))
 
     @torch.inference_mode()
     def measure_costs(self, widths: list[int], repeats: int = 3) -> StepCosts:
         """Step costs for the adaptive width, timed on `_device_step` (what real steps run) while every slot is
         free: padding rows, which the steps leave unchanged."""
         def run_step(r: int, t: int, w: int):
-            self._device_step(r, t, w, False, False, True)
+            self._device_step(r, ((r, t),), w, False, False, True)
             self._read_packed(0, w)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
@@ -324,19 +354,21 @@ class SpecEngine:
 
     # ---- the fixed-shape steps (device work only: no host syncs, no shape that varies within a bucket) ----
 
-    def _draft_step(self, r: int, t: int, w: int, committed=None, request_ids=None):
+    def _draft_step(self, r: int, key_groups: Groups, w: int, committed=None, request_ids=None):
         """`w` draft tokens for slots `0..r` into `self.drafts[:r, :w]`."""
-        self.drafts[:r, :w] = self.proposer.propose(r, self.anchor[:r], self.lens[:r], t, w, committed, request_ids)
+        self.drafts[:r, :w] = self.proposer.propose(r, self.anchor[:r], self.lens[:r], key_groups, w, committed,
+                                                    request_ids)
 
-    def _verify_step(self, r: int, t: int, w: int, sampled: bool, filtered: bool, context: bool = True):
-        """Verify `[anchor, drafts[:w]]` for slots `0..r` over `t` key positions, accept, advance the rows and
+    def _verify_step(self, r: int, key_groups: Groups, w: int, sampled: bool, filtered: bool, context: bool = True):
+        """Verify `[anchor, drafts[:w]]` for slots `0..r` over `key_groups`, accept, advance the rows and
         write `self.packed[:r, :w+2]` = (accepted, tokens); `context`: also feed the draft's context."""
         lens, remaining = self.lens[:r], self.remaining[:r]
         verify_ids = torch.cat([self.anchor[:r, None], self.drafts[:r, :w]], 1)  # [r, W+1]
         positions = lens[:, None] + self.verify_offsets[:w + 1]                  # [r, W+1]
-        visible = visible_keys(positions + 1, self.groups, self.key_positions[:t], self.dtype)  # causal after the prefix
+        # causal after the prefix
+        visible = group_masks(positions + 1, self.groups, self.key_positions, key_groups, self.dtype)
         hidden, taps = run_decoder(self.decoder, verify_ids, positions,
-                                   RowAttention(self.kv, write_index=positions, visible=visible, kv_len=t),
+                                   RowAttention(self.kv, write_index=positions, visible=visible, key_groups=key_groups),
                                    self.tap_layers if context else ())
         logits = self.lm_head(hidden)  # [r, W+1, V]
         limit = remaining - 1          # drafts that fit the row's budget beside the bonus
@@ -393,23 +425,33 @@ class SpecEngine:
                 events.append(StepEvent(row.request.request_id, [], self._completion(row, time.perf_counter())))
             last = len(self.rows) - 1
             if slot != last:
-                self._move_row(last, slot)
+                self._move_rows([last], [slot])
             self.rows.pop()
             self.lens[last] = 0  # a free slot is an inert padding row: it never advances
             self.remaining[last] = 0
             self._running_ids.discard(row.request.request_id)
 
-    def _move_row(self, src: int, dst: int):
-        length = self.rows[src].committed  # positions [0, committed - 1) are live; one more is harmless
-        self.kv.move_row(src, dst, length)
+    def _move_rows(self, src: list[int], dst: list[int]):
+        """Row in slot `src[i]` -> slot `dst[i]`, everything a slot holds (the pairs may form cycles)."""
+        if not src:
+            return
+        length = max(self.rows[s].committed for s in src)  # positions [0, committed - 1) are live; one more is harmless
+        if len(src) == 1:  # ints: plain copies between two slots
+            src_index, dst_index = src[0], dst[0]
+        else:  # index tensors, copied once without a sync (a list index is copied, synchronously, at every use)
+            pairs = torch.tensor([src, dst], pin_memory=self.device.type == "cuda")
+            src_index, dst_index = pairs.to(self.device, non_blocking=True)
+        self.kv.move_row(src_index, dst_index, length)
         if self.proposer is not None:
-            self.proposer.move_row(src, dst, length)
+            self.proposer.move_row(src_index, dst_index, length)
         for t in (self.lens, self.anchor, self.remaining):
-            t[dst] = t[src]
-        self.sampling.move(src, dst)
+            t[dst_index] = t[src_index]  # an index tensor gathers the sources first
+        self.sampling.move(src_index, dst_index)
         if self.width is not None:
-            self.width.move_slot(src, dst)
-        self.rows[dst] = self.rows[src]
+            self.width.move_slots(src, dst)
+        moved = [self.rows[s] for s in src]
+        for d, row in zip(dst, moved):
+            self.rows[d] = row
 
 
 def _round_up(x: int, multiple: int) -> int:

@@ -1,12 +1,12 @@
 """Per-row KV buffers and the attention over them: every row writes at its own offset, nothing is cropped.
 
 Rows of a batch occupy slots `0..n` of preallocated buffers `[R, Hkv, T, D]`. A decode forward runs on
-the first `r` slots (`r` = the row bucket, padding slots included) and attends over the first `kv_len`
-positions (the key bucket). A query sees the keys of its own row below its *key limit*: for a verify
-block at `lens[b] + i` that is `lens[b] + i + 1` (causal after the committed prefix); for a draft block
-it is `lens[b] + B` for every slot (non-causal over `[context ; block]`). Positions beyond a row's
-committed length hold stale keys from rejected drafts; the limit hides them and the next step
-overwrites them, so a rejection costs nothing.
+the first `r` slots (`r` = the row bucket, padding slots included); each contiguous range of them attends
+over the first `t` positions, its own key bucket (`key_groups.py`: `((stop, t), ...)`). A query sees the
+keys of its own row below its *key limit*: for a verify block at `lens[b] + i` that is `lens[b] + i + 1`
+(causal after the committed prefix); for a draft block it is `lens[b] + B` for every slot (non-causal
+over `[context ; block]`). Positions beyond a row's committed length hold stale keys from rejected
+drafts; the limit hides them and the next step overwrites them, so a rejection costs nothing.
 
 Attention is GQA-native: the query heads that share a K/V head are folded into the query axis
 (`[b, Hkv, G*q, D]`), so K and V are read as stored, never repeated per query head.
@@ -53,10 +53,18 @@ class KVBuffers:
         """Keys and values `[b, Hkv, kv_len, D]` of slots `rows` (views, no copy)."""
         return self.keys[layer][rows, :, :kv_len], self.values[layer][rows, :, :kv_len]
 
-    def move_row(self, src: int, dst: int, length: int):
-        """Copy the first `length` positions of slot `src` into slot `dst` (slot compaction)."""
-        for buf in (self.all_keys, self.all_values):
-            buf[:, dst, :, :length] = buf[:, src, :, :length]
+    def move_row(self, src: int | torch.Tensor, dst: int | torch.Tensor, length: int, block: int = 256):
+        """Copy the first `length` positions of slot `src` into slot `dst` (compaction), or of slots `src[i]`
+        into `dst[i]` (index tensors `[m]`, regrouping). The pairs may form cycles: each block of positions is
+        read for every pair before any is written, so the scratch is one layer's `[m, Hkv, block, D]`."""
+        if isinstance(src, int):
+            for buf in (self.all_keys, self.all_values):
+                buf[:, dst, :, :length] = buf[:, src, :, :length]
+            return
+        for buf in (*self.keys, *self.values):
+            for p in range(0, length, block):
+                end = min(p + block, length)
+                buf[dst, :, p:end] = buf[src, :, p:end]
 
 
 def visible_keys(key_limit: torch.Tensor, groups: int, key_positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -68,6 +76,34 @@ def visible_keys(key_limit: torch.Tensor, groups: int, key_positions: torch.Tens
     limit = key_limit[:, None, :].expand(r, groups, q).reshape(r, 1, groups * q, 1)
     hidden = key_positions >= limit  # [r, 1, G*q, T]
     return torch.zeros(hidden.shape, dtype=dtype, device=hidden.device).masked_fill_(hidden, float("-inf"))
+
+
+def group_masks(key_limit: torch.Tensor, groups: int, key_positions: torch.Tensor, key_groups: tuple,
+                dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """`visible_keys` for each range of `key_groups` (`((stop, t), ...)`): `[stop - start, 1, G*q, t]` each."""
+    if len(key_groups) == 1:  # one key bucket for all rows (the graphs' case): the calls of one range
+        return (visible_keys(key_limit, groups, key_positions[:key_groups[0][1]], dtype),)
+    masks, start = [], 0
+    for stop, t in key_groups:
+        masks.append(visible_keys(key_limit[start:stop], groups, key_positions[:t], dtype))
+        start = stop
+    return tuple(masks)
+
+
+def grouped_attention(query: torch.Tensor, buffers: KVBuffers, layer: int, key_groups: tuple,
+                      visible: tuple[torch.Tensor, ...], scale: float) -> torch.Tensor:
+    """`row_attention` of query `[r, H, q, D]` over layer `layer` of `buffers`, one call per range of
+    `key_groups` over that range's own key bucket (views: no copy), masks from `group_masks` -> `[r, q, H, D]`."""
+    if len(key_groups) == 1:  # one key bucket for all rows (the graphs' case): the calls of one range
+        (stop, t), = key_groups
+        keys, values = buffers.view(layer, slice(0, stop), t)
+        return row_attention(query, keys, values, visible[0], scale)
+    out, start = [], 0
+    for (stop, t), mask in zip(key_groups, visible):
+        keys, values = buffers.view(layer, slice(start, stop), t)
+        out.append(row_attention(query[start:stop], keys, values, mask, scale))
+        start = stop
+    return torch.cat(out)
 
 
 def row_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor,

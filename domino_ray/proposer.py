@@ -9,11 +9,12 @@ A proposer is any object with these members (duck-typed; the engine needs nothin
 - `append_context(rows, target_hidden, offsets)`: new target hidden states `[b, q, L*C]` of positions
   `offsets[b] + arange(q)` of slots `rows`; entries past a row's committed length are junk it must
   tolerate (they are overwritten later).
-- `propose(r, anchor, offsets, kv_len, width, committed, request_ids) -> [r, width]`: `width <= K` drafts
-  after `anchor [r]` at positions `offsets [r]` for slots `0..r` (padding slots included), attending over
-  `kv_len` buffer positions; `committed`/`request_ids` are the host's view of the real rows (test
-  proposers use them).
-- `move_row(src, dst, length)`: slot compaction.
+- `propose(r, anchor, offsets, key_groups, width, committed, request_ids) -> [r, width]`: `width <= K`
+  drafts after `anchor [r]` at positions `offsets [r]` for slots `0..r` (padding slots included), each slot
+  range of `key_groups` (`((stop, t), ...)`, `key_groups.py`) attending over its first `t` buffer positions;
+  `committed`/`request_ids` are the host's view of the real rows (test proposers use them).
+- `move_row(src, dst, length)`: slot `src` -> `dst` (ints: compaction), or slots `src[i]` -> `dst[i]`
+  (index tensors `[m]`: regrouping; the pairs may form cycles).
 
 `DominoProposer` runs a Domino/DFlash draft. (The tests' `OracleProposer` knows the target's continuation.)
 """
@@ -23,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from domino_ray.draft import DominoDraft, context_key_value_weights, context_keys_values, resolve_num_spec_tokens
-from domino_ray.kv_cache import KVBuffers, row_attention, visible_keys
+from domino_ray.kv_cache import KVBuffers, group_masks, grouped_attention
 
 
 class DominoProposer:
@@ -66,7 +67,7 @@ class DominoProposer:
         k, v = context_keys_values(context, self.context_weights, self.config.rms_norm_eps, self.config.head_dim, cos, sin)
         self.kv.write_all_layers(rows, positions, k, v)
 
-    def propose(self, r: int, anchor: torch.Tensor, offsets: torch.Tensor, kv_len: int, width: int,
+    def propose(self, r: int, anchor: torch.Tensor, offsets: torch.Tensor, key_groups: tuple, width: int,
                 committed=None, request_ids=None) -> torch.Tensor:
         block_size, rows = self.block_size, slice(0, r)
         block = torch.cat([self.embed(anchor)[:, None].to(self.dtype),
@@ -74,7 +75,7 @@ class DominoProposer:
         positions = offsets[:, None] + self.block_offsets  # [r, B]
         # Non-causal: every block slot sees the whole context and the whole block.
         key_limit = (offsets + block_size)[:, None].expand(r, block_size)  # [r, B]
-        visible = visible_keys(key_limit, self.groups, self.key_positions[:kv_len], self.dtype)
+        visible = group_masks(key_limit, self.groups, self.key_positions, key_groups, self.dtype)
         cos, sin = self.draft.rope(positions, self.dtype)
 
         def attend_layer(i, layer, x, cos, sin):
@@ -82,11 +83,10 @@ class DominoProposer:
             q = attn.query(x, cos, sin)
             k, v = attn.key_value(x, cos, sin)
             self.kv.write(i, rows, positions, k, v)
-            keys, values = self.kv.view(i, rows, kv_len)
-            return attn.output(row_attention(q, keys, values, visible, attn.head_dim ** -0.5))
+            return attn.output(grouped_attention(q, self.kv, i, key_groups, visible, attn.head_dim ** -0.5))
 
         hidden = self.draft.run_layers(block, cos, sin, attend_layer)  # [r, B, C]
         return self.draft.draft_tokens(hidden, anchor, width, self.embed, self.lm_head)  # the GRU loop stops at W
 
-    def move_row(self, src: int, dst: int, length: int):
+    def move_row(self, src: int | torch.Tensor, dst: int | torch.Tensor, length: int):
         self.kv.move_row(src, dst, length)

@@ -66,7 +66,7 @@ class RowSampling:
         self.top_k[rows], self.seeds[rows] = ints[:, 0], ints[:, 1]
         self.temperature[rows], self.top_p[rows] = floats[:, 0], floats[:, 1]
 
-    def move(self, src: int, dst: int):
+    def move(self, src: int | torch.Tensor, dst: int | torch.Tensor):
         for t in (self.temperature, self.top_p, self.top_k, self.seeds):
             t[dst] = t[src]
 

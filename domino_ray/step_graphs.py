@@ -3,10 +3,11 @@
 A step (`SpecEngine._draft_step`, `_verify_step`) reads and writes only the engine's preallocated
 buffers, with shapes fixed by its key, and makes no host sync, so its kernels can be recorded once and
 replayed. The keys (`SpecEngine._device_step`):
-  ("draft", r, t, W)                                 the draft block + correction loop for W tokens
-  ("verify", r, t, W, sampled, filtered, context)    target forward over W+1 positions and acceptance
-with r the row bucket, t the key bucket (a multiple of `kv_chunk`), W the verify width (0, 1, 2, 4, ...,
-K with an adaptive width; K otherwise), `sampled`/`filtered` the rows' sampling mode
+  ("draft", r, groups, W)                                 the draft block + correction loop for W tokens
+  ("verify", r, groups, W, sampled, filtered, context)    target forward over W+1 positions and acceptance
+with r the row bucket, groups the key groups (`key_groups.py`; with graphs always the one range `((r, t),)`,
+t the key bucket, a multiple of `kv_chunk`: several ranges would make the keys combinatorial), W the verify
+width (0, 1, 2, 4, ..., K with an adaptive width; K otherwise), `sampled`/`filtered` the rows' sampling mode
 (`sampling.sampling_mode`) and `context` whether the step feeds the draft's context (off only while the
 adaptive width has written the draft off). The first call of a key runs eagerly: it is the real step
 and the warm-up the capture needs (lazy kernels, cuBLAS workspaces, allocator state). The capture that

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from domino_ray.kv_cache import KVBuffers, causal_prefill_attention, row_attention
+from domino_ray.kv_cache import KVBuffers, causal_prefill_attention, grouped_attention
 
 ATTENTION = "domino_ray"
 
@@ -24,15 +24,15 @@ ATTENTION = "domino_ray"
 class RowAttention:
     """What one forward's attention needs, shared by every layer.
 
-    Decode: new keys go to `write_index [r, q]` of slots `0..r` and queries attend over the first
-    `kv_len` buffer positions where `visible [r, 1, G*q, kv_len]` (`kv_cache.visible_keys`). Prefill
-    (`prefill_rows` set): the new keys are positions `0..m` of slots `prefill_rows`, attention is causal
-    over them.
+    Decode: new keys go to `write_index [r, q]` of slots `0..r`; each slot range of `key_groups`
+    (`((stop, t), ...)`, `key_groups.py`) attends over its first `t` buffer positions where its mask in
+    `visible` says (`kv_cache.group_masks`). Prefill (`prefill_rows` set): the new keys are positions `0..m`
+    of slots `prefill_rows`, attention is causal over them.
     """
     buffers: KVBuffers
     write_index: torch.Tensor
-    visible: torch.Tensor | None = None
-    kv_len: int = 0
+    visible: tuple[torch.Tensor, ...] = ()
+    key_groups: tuple[tuple[int, int], ...] = ()
     prefill_rows: slice | None = None
 
 
@@ -51,8 +51,7 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
         return causal_prefill_attention(query, key, value, scale), None
     rows = slice(0, query.shape[0])
     step.buffers.write(layer, rows, step.write_index, key, value)
-    keys, values = step.buffers.view(layer, rows, step.kv_len)
-    return row_attention(query, keys, values, step.visible, scale), None
+    return grouped_attention(query, step.buffers, layer, step.key_groups, step.visible, scale), None
 
 
 def install(target) -> None:

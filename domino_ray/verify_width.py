@@ -195,7 +195,7 @@ def measure_step_costs(run_step: Callable[[int, int, int], None], row_buckets: S
 class WidthController:
     """The adaptive width's state and policy in one place: acceptance estimates (pooled, and per slot), the
     step-cost table, the candidate widths. The engine asks `choose` before a step and calls `learn` after it;
-    `reset_slot` / `move_slot` follow its slot bookkeeping (a slot's counts belong to the row in it)."""
+    `reset_slot` / `move_slots` follow its slot bookkeeping (a slot's counts belong to the row in it)."""
 
     def __init__(self, num_spec_tokens: int, max_rows: int, costs: StepCosts):
         self.k, self.costs = num_spec_tokens, costs
@@ -221,5 +221,8 @@ class WidthController:
     def reset_slot(self, slot: int):
         self.tried[slot], self.succeeded[slot] = [0.0] * self.k, [0.0] * self.k
 
-    def move_slot(self, src: int, dst: int):
-        self.tried[dst], self.succeeded[dst] = self.tried[src], self.succeeded[src]
+    def move_slots(self, src: list[int], dst: list[int]):
+        """Slot `src[i]`'s counts to slot `dst[i]` (the pairs may form cycles)."""
+        moved = [(self.tried[s], self.succeeded[s]) for s in src]
+        for d, (tried, succeeded) in zip(dst, moved):
+            self.tried[d], self.succeeded[d] = tried, succeeded

@@ -39,9 +39,9 @@ class OracleProposer:
         if self.shadow:
             self.shadow.append_context(rows, target_hidden, offsets)
 
-    def propose(self, r, anchor, offsets, kv_len, width, committed, request_ids) -> torch.Tensor:
+    def propose(self, r, anchor, offsets, key_groups, width, committed, request_ids) -> torch.Tensor:
         if self.shadow:
-            self.shadow.propose(r, anchor, offsets, kv_len, width, committed, request_ids)
+            self.shadow.propose(r, anchor, offsets, key_groups, width, committed, request_ids)
         k = width
         drafts = [[0] * k for _ in range(r)]  # padding slots get zeros
         for i, (rid, done) in enumerate(zip(request_ids, committed)):

@@ -138,8 +138,8 @@ class Recorder:
     def move_row(self, *a):
         self.inner.move_row(*a)
 
-    def propose(self, r, anchor, offsets, kv_len, width, committed, request_ids):
-        drafts = self.inner.propose(r, anchor, offsets, kv_len, width, committed, request_ids)
+    def propose(self, r, anchor, offsets, key_groups, width, committed, request_ids):
+        drafts = self.inner.propose(r, anchor, offsets, key_groups, width, committed, request_ids)
         self.records += list(zip(request_ids, committed, drafts.tolist()))  # real rows only (zip stops at them)
         return drafts
 
