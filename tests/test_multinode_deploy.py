@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -58,6 +59,7 @@ def deploy_cluster():
     finally:
         stop_cluster(mn)
     assert leftover_processes(mn) == []
+    shutil.rmtree(mn.temp_dir, ignore_errors=True)  # a node killed mid-write may have recreated empty dirs
 
 
 def _restore(saved: dict):
