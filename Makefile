@@ -49,7 +49,8 @@ test: smollm2
 	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile -m "not multinode"
 
 # The multi-node cluster tests (issue 18): a CPU-less head and two worker nodes on this machine, nodes
-# killed mid-job; ~9 min, more than the main suite's budget leaves, so CI runs them as a second command.
+# killed mid-job and under Serve load; ~11 min, more than the main suite's budget leaves, so CI runs
+# them as a second command.
 test-multinode: smollm2
 	$(BIN)/python -m pytest -q -m multinode
 

@@ -95,7 +95,7 @@ class RuntimeConfig:
     max_actors: int = 1               # ActorPoolStrategy max_size
     gpus_per_actor: float | None = None  # null = 1 when the cluster has GPUs, else 0
     accelerator_type: str | None = None  # engine actors only on this GPU type (Ray's, e.g. H100); null = any
-    accelerator_resource: str | None = None  # custom resource marking engine nodes: 1 per actor; null = GPUs only
+    accelerator_resource: str | None = None  # custom resource marking engine nodes: 1 per actor/replica; null = GPUs only
     cpus_per_actor: float = 1.0
     batch_size: int = 64              # rows per map_batches call
     max_concurrent_batches: int = 4   # batches in flight per actor; their rows share the engine's slots

@@ -242,8 +242,11 @@ def deployment_options(cfg: JobConfig) -> dict:
     gpus = s.gpus_per_replica
     if gpus is None:  # 1 per replica when the cluster has GPUs, else CPU
         gpus = 1 if ray.is_initialized() and ray.cluster_resources().get("GPU", 0) > 0 else 0
+    actor = {"num_cpus": s.cpus_per_replica, "num_gpus": gpus}
+    if cfg.runtime.accelerator_resource:  # as the batch job's engine actors: only on nodes that offer it
+        actor["resources"] = {cfg.runtime.accelerator_resource: 1}
     options = dict(
-        ray_actor_options={"num_cpus": s.cpus_per_replica, "num_gpus": gpus},
+        ray_actor_options=actor,
         max_ongoing_requests=s.max_ongoing_requests, max_queued_requests=s.max_queued_requests,
         backpressure_config=BackpressureConfig(status_code=429, retry_after_s=1),
         health_check_period_s=s.health_check_period_s, health_check_timeout_s=s.health_check_timeout_s,
@@ -262,12 +265,19 @@ def build_app(cfg: JobConfig) -> serve.Application:
     return DominoServer.options(**deployment_options(cfg)).bind(cfg)
 
 
-@serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1000, max_queued_requests=-1)
+# Ray's implicit resource of the head node (1 there, absent elsewhere): a sliver of it pins an actor there.
+HEAD_NODE = {"node:__internal_head__": 0.001}
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0, "resources": HEAD_NODE}, max_ongoing_requests=1000,
+                  max_queued_requests=-1)
 class HealthProbe:
     """`GET /health` for load balancers: 200 while the engine app has a running replica, else 503.
 
     It never touches an engine replica (whose queue it would wait in): it asks the Serve controller,
-    which health-checks the replicas itself (`DominoServer.check_health`) and replaces failed ones."""
+    which health-checks the replicas itself (`DominoServer.check_health`) and replaces failed ones.
+    It runs on the head node, beside the controller: placed on a worker node (Serve spreads replicas), it
+    went down with that node, and /health timed out for ~30 s while its replacement started."""
 
     def __init__(self, app_name: str):
         self.app_name = app_name

@@ -31,6 +31,10 @@ def test_serve_section_becomes_deployment_options():
     assert (a.min_replicas, a.max_replicas, a.initial_replicas, a.target_ongoing_requests) == (2, 4, 2, 16.0)
     assert auto["ray_actor_options"]["num_gpus"] == 0  # null = 1 only when the cluster has GPUs
 
+    # One key places engines for the batch job and Serve alike: a custom resource marking engine nodes.
+    pinned = deployment_options(load_config(None, ["runtime.accelerator_resource=engine_slot"]))
+    assert pinned["ray_actor_options"]["resources"] == {"engine_slot": 1}
+
 
 def test_bad_serve_keys_are_named():
     for override, key in [("serve.max_waiting_requests=-1", "serve.max_waiting_requests"),
