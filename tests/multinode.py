@@ -24,6 +24,7 @@ import signal
 import socket
 import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import pytest
@@ -205,13 +206,30 @@ def _wait_gone(mn: MultiNode, timeout: float):
         time.sleep(0.5)
 
 
-@pytest.fixture
-def multinode_cluster():
-    """A fresh head + 2 worker cluster per test (node-loss tests change it); checks nothing is left."""
-    mn = start_cluster()
+@contextmanager
+def running_cluster(node_env: dict[str, str] | None = None, **kwargs):
+    """`start_cluster(**kwargs)` for the body, then stopped; checks nothing is left behind. `node_env`: set
+    in this process while the nodes start, so that they (and the workers they start) inherit it."""
+    saved = {k: os.environ.get(k) for k in node_env or {}}
+    os.environ.update(node_env or {})
+    try:
+        mn = start_cluster(**kwargs)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     try:
         yield mn
     finally:
         stop_cluster(mn)
     assert leftover_processes(mn) == []
     shutil.rmtree(mn.temp_dir, ignore_errors=True)  # a node killed mid-write may have recreated empty dirs
+
+
+@pytest.fixture
+def multinode_cluster():
+    """A fresh head + 2 worker cluster per test (node-loss tests change it)."""
+    with running_cluster() as mn:
+        yield mn

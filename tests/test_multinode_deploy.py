@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import threading
@@ -28,7 +27,7 @@ import pytest
 import yaml
 
 from batch_fixtures import AWS_ENV, REPO, check_output_invariants, job_overrides, make_prompts, tiny_pair  # noqa: F401
-from multinode import ENGINE_RESOURCE, MultiNode, _free_port, leftover_processes, start_cluster, stop_cluster
+from multinode import ENGINE_RESOURCE, MultiNode, _free_port, running_cluster
 from test_multinode import ENGINE_CLASS, MAX_NEW, greedy_target_only, rows_by_node
 
 pytestmark = [pytest.mark.slow, pytest.mark.multinode]
@@ -48,26 +47,8 @@ def deploy_cluster():
     """Head (dashboard, no CPUs) + 2 worker nodes, shared by this module's tests; nothing left behind."""
     node_env = {**AWS_ENV, "PYTHONPATH": str(REPO), "RAY_AUTH_MODE": "disabled",
                 "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}"}
-    saved = {k: os.environ.get(k) for k in node_env}
-    os.environ.update(node_env)  # until the nodes have started: they inherit it
-    try:
-        mn = start_cluster(include_dashboard=True)
-    finally:
-        _restore(saved)
-    try:
+    with running_cluster(node_env, include_dashboard=True) as mn:
         yield mn
-    finally:
-        stop_cluster(mn)
-    assert leftover_processes(mn) == []
-    shutil.rmtree(mn.temp_dir, ignore_errors=True)  # a node killed mid-write may have recreated empty dirs
-
-
-def _restore(saved: dict):
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
 
 
 @pytest.fixture(scope="module")
