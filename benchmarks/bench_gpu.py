@@ -44,6 +44,7 @@ from bench_engine_cpu import prompts_for  # noqa: E402
 from domino_ray.checkpoint import parse_draft_config  # noqa: E402
 from domino_ray.draft import DominoDraft  # noqa: E402
 from domino_ray.engine import SpecEngine  # noqa: E402
+from domino_ray.memory import MAX_AUTO_SLOTS  # noqa: E402
 from domino_ray.proposer import DominoProposer  # noqa: E402
 from domino_ray.request import Request  # noqa: E402
 from domino_ray.sampling_params import SamplingParams  # noqa: E402
@@ -228,7 +229,7 @@ def main():
     print(json.dumps(info), flush=True)
 
     def spec_engine(rows, cuda_graphs=graphs):
-        forced = Forced(DominoProposer(draft, target), rows if rows != "auto" else 1024, max_len + k + 1, device)
+        forced = Forced(DominoProposer(draft, target), rows if rows != "auto" else MAX_AUTO_SLOTS, max_len + k + 1, device)
         engine = SpecEngine(target, forced, max_rows=rows, max_model_len=max_len, cuda_graphs=cuda_graphs,
                             max_prefill_tokens=PRODUCTION_PREFILL_TOKENS)
         track_admissions(engine, forced)

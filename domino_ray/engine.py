@@ -318,8 +318,8 @@ class SpecEngine:
         buckets += [min(_round_up(self.span, self.kv_chunk), self.capacity)] * (r - n)
         key_groups, src, dst = plan_key_groups(buckets, n, self.max_key_groups, self.group_cost)
         self._move_rows(src, dst)
-        self.key_reads.moves += len(src)
-        self.key_reads.observe(key_groups, sum(row.committed - 1 + self.span for row in self.rows), max(buckets))
+        self.key_reads.observe(key_groups, sum(row.committed - 1 + self.span for row in self.rows), max(buckets),
+                               len(src))
         return key_groups
 
     def _device_step(self, r: int, key_groups: Groups, w: int, sampled: bool, filtered: bool, context: bool):

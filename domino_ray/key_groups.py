@@ -131,6 +131,8 @@ def plan(buckets: Sequence[int], rows: int, max_groups: int, group_cost: int = 0
     """A step's key groups for slots with key `buckets` (the first `rows` real, the rest padding), and the
     moves to make first, `(groups, sources, destinations)`: none while the slots as they are read at most
     `REORDER_SLACK` above the best grouping; otherwise every misplaced row, and the best groups."""
+    if max_groups == 1:  # one key bucket for all (CUDA graphs): nothing to plan, no DP on the step's host path
+        return ((len(buckets), max(buckets)),), [], []
     best = best_groups(buckets, max_groups, group_cost)
     groups = groups_over(buckets, best)
     if keys_read(groups) <= (1 + REORDER_SLACK) * sum(c * t for c, t in best):
@@ -163,8 +165,9 @@ class KeyReads:
     last_groups: Groups = ()
     last_held: int = 0
 
-    def observe(self, groups: Groups, held: int, longest: int):
+    def observe(self, groups: Groups, held: int, longest: int, moves: int):
         self.steps += 1
+        self.moves += moves
         self.keys += keys_read(groups)
         self.held += held
         self.one_bucket += groups[-1][0] * longest

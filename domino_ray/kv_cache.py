@@ -80,12 +80,12 @@ def visible_keys(key_limit: torch.Tensor, groups: int, key_positions: torch.Tens
 
 def group_masks(key_limit: torch.Tensor, groups: int, key_positions: torch.Tensor, key_groups: tuple,
                 dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-    """`visible_keys` for each range of `key_groups` (`((stop, t), ...)`): `[stop - start, 1, G*q, t]` each."""
-    if len(key_groups) == 1:  # one key bucket for all rows (the graphs' case): the calls of one range
-        return (visible_keys(key_limit, groups, key_positions[:key_groups[0][1]], dtype),)
+    """`visible_keys` for each range of `key_groups` (`((stop, t), ...)`): `[stop - start, 1, G*q, t]` each.
+    One range (the graphs' case) takes the limits whole: no slicing call."""
     masks, start = [], 0
     for stop, t in key_groups:
-        masks.append(visible_keys(key_limit[start:stop], groups, key_positions[:t], dtype))
+        limit = key_limit if len(key_groups) == 1 else key_limit[start:stop]
+        masks.append(visible_keys(limit, groups, key_positions[:t], dtype))
         start = stop
     return tuple(masks)
 
@@ -93,17 +93,15 @@ def group_masks(key_limit: torch.Tensor, groups: int, key_positions: torch.Tenso
 def grouped_attention(query: torch.Tensor, buffers: KVBuffers, layer: int, key_groups: tuple,
                       visible: tuple[torch.Tensor, ...], scale: float) -> torch.Tensor:
     """`row_attention` of query `[r, H, q, D]` over layer `layer` of `buffers`, one call per range of
-    `key_groups` over that range's own key bucket (views: no copy), masks from `group_masks` -> `[r, q, H, D]`."""
-    if len(key_groups) == 1:  # one key bucket for all rows (the graphs' case): the calls of one range
-        (stop, t), = key_groups
-        keys, values = buffers.view(layer, slice(0, stop), t)
-        return row_attention(query, keys, values, visible[0], scale)
+    `key_groups` over that range's own key bucket (views: no copy), masks from `group_masks` -> `[r, q, H, D]`.
+    One range (the graphs' case) takes the queries whole and concatenates nothing."""
     out, start = [], 0
     for (stop, t), mask in zip(key_groups, visible):
         keys, values = buffers.view(layer, slice(start, stop), t)
-        out.append(row_attention(query[start:stop], keys, values, mask, scale))
+        rows = query if len(key_groups) == 1 else query[start:stop]
+        out.append(row_attention(rows, keys, values, mask, scale))
         start = stop
-    return torch.cat(out)
+    return out[0] if len(out) == 1 else torch.cat(out)
 
 
 def row_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor,

@@ -7,7 +7,9 @@ Test modules import the fixtures by name (`from batch_fixtures import ray_cluste
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -39,6 +41,22 @@ def ray_cluster():
              runtime_env={"env_vars": AWS_ENV}, logging_level="WARNING")
     yield ray.get_runtime_context().gcs_address
     ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def s3_endpoint():
+    """A moto S3 server on 127.0.0.1 (a free port), reached over real HTTP; yields its URL."""
+    import socket
+
+    from moto.server import ThreadedMotoServer
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    yield f"http://127.0.0.1:{port}"
+    server.stop()
 
 
 @pytest.fixture(scope="session")
@@ -111,3 +129,17 @@ def check_output_invariants(table: pa.Table, summary: dict, input_ids: list, id_
 
 def python() -> str:
     return sys.executable
+
+
+def until_accepted(command: list[str], env: dict, accepted: str, timeout: float = 120, run_timeout: float = 300
+                   ) -> subprocess.CompletedProcess:
+    """Run a `ray job submit` / `serve deploy` command again while the dashboard or its agent is still starting
+    (the command says so and printed no `accepted` line: nothing was submitted); the first run that got through."""
+    deadline = time.monotonic() + timeout
+    while True:
+        run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=run_timeout, cwd=REPO)
+        out = run.stdout + run.stderr
+        not_ready = accepted not in out and any(m in out for m in ("Connection", "No available agent", "503"))
+        if not not_ready or time.monotonic() > deadline:
+            return run
+        time.sleep(1)

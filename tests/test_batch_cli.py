@@ -14,7 +14,8 @@ import pyarrow.parquet as pq
 import pytest
 import ray
 
-from batch_fixtures import REPO, job_overrides, make_prompts, ray_cluster, tiny_pair, write_shards  # noqa: F401
+from batch_fixtures import (REPO, job_overrides, make_prompts, ray_cluster, tiny_pair, until_accepted,  # noqa: F401
+                            write_shards)
 
 GENERATE = [sys.executable, str(REPO / "jobs" / "generate.py")]
 
@@ -123,13 +124,7 @@ def test_ray_job_submit(tiny_pair, tmp_path):
         out = tmp_path / "out"
         submit_env = {**env, "RAY_ADDRESS": f"http://127.0.0.1:{dashboard}", "CONFIG": "", "RUNTIME_ENV": ""}
         submit = [str(REPO / "deploy" / "submit.sh"), *job_overrides(tiny_pair, tmp_path / "in", out)]
-        deadline = time.time() + 120
-        while True:  # the dashboard and its agent take a few seconds to accept jobs
-            run = subprocess.run(submit, env=submit_env, capture_output=True, text=True, timeout=300)
-            not_ready = any(m in run.stdout + run.stderr for m in ("Connection", "No available agent"))
-            if run.returncode == 0 or time.time() > deadline or not not_ready:
-                break
-            time.sleep(2)
+        run = until_accepted(submit, submit_env, "submitted successfully")  # the dashboard takes a few seconds
         assert run.returncode == 0 and "succeeded" in run.stdout, run.stdout + run.stderr
         assert "6 rows (6 ok, 0 failed)" in run.stdout
         assert pq.read_table(out).num_rows == 6 and (out / "_summary.json").exists()

@@ -1,32 +1,17 @@
 """The batch job through a real S3 endpoint: a moto server on 127.0.0.1, reached over HTTP by the
 driver and the Ray workers via s3fs, for input and output. The input has no id column (generated ids)."""
 
-import socket
-
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
 from batch_fixtures import (AWS_ENV, check_output_invariants, job_config, make_prompts, ray_cluster,  # noqa: F401
-                            tiny_pair)
+                            s3_endpoint, tiny_pair)
 from domino_ray.config import S3Config
 from domino_ray.io import read_json, resolve
 from domino_ray.ray_batch import run_job
 
 pytestmark = pytest.mark.ray
-
-
-@pytest.fixture(scope="module")
-def s3_endpoint():
-    from moto.server import ThreadedMotoServer
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    yield f"http://127.0.0.1:{port}"
-    server.stop()
 
 
 def test_s3_in_and_out(ray_cluster, tiny_pair, s3_endpoint, monkeypatch):

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import threading
 import time
@@ -26,7 +25,8 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from batch_fixtures import AWS_ENV, REPO, check_output_invariants, job_overrides, make_prompts, tiny_pair  # noqa: F401
+from batch_fixtures import (AWS_ENV, REPO, check_output_invariants, job_overrides, make_prompts, s3_endpoint,  # noqa: F401
+                            tiny_pair, until_accepted)
 from multinode import ENGINE_RESOURCE, MultiNode, _free_port, running_cluster
 from test_multinode import ENGINE_CLASS, MAX_NEW, greedy_target_only, rows_by_node
 
@@ -51,17 +51,6 @@ def deploy_cluster():
         yield mn
 
 
-@pytest.fixture(scope="module")
-def s3_endpoint():
-    from moto.server import ThreadedMotoServer
-
-    port = _free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    yield f"http://127.0.0.1:{port}"
-    server.stop()
-
-
 def dashboard(mn: MultiNode) -> str:
     return f"http://{mn.cluster.head_node.address_info['webui_url']}"
 
@@ -72,19 +61,6 @@ def cli_env(mn: MultiNode, **extra) -> dict:
            "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}", **extra}
     env.pop("RAY_TMPDIR", None)
     return env
-
-
-def until_accepted(command: list[str], env: dict, accepted: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    """Run `command` again while the dashboard or its agent is still starting (the command says so and
-    printed no `accepted` line: nothing was submitted); return the first run that got through."""
-    deadline = time.monotonic() + timeout
-    while True:
-        run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=SUBMIT_TIMEOUT_S, cwd=REPO)
-        out = run.stdout + run.stderr
-        not_ready = accepted not in out and any(m in out for m in ("Connection", "No available agent", "503"))
-        if not not_ready or time.monotonic() > deadline:
-            return run
-        time.sleep(1)
 
 
 # --- the batch job: ray job submit, S3 in and out ------------------------------------------------------
@@ -119,7 +95,8 @@ def test_ray_job_submit_with_s3_on_both_worker_nodes(deploy_cluster, tiny_pair, 
         "generation.max_new_tokens": MAX_NEW})
     start = time.monotonic()
     run = until_accepted([str(REPO / "deploy" / "submit.sh"), *args],
-                         cli_env(mn, CONFIG="", RUNTIME_ENV=str(runtime_env)), "submitted successfully")
+                         cli_env(mn, CONFIG="", RUNTIME_ENV=str(runtime_env)), "submitted successfully",
+                         run_timeout=SUBMIT_TIMEOUT_S)
     wall = time.monotonic() - start
     assert run.returncode == 0 and "succeeded" in run.stdout, (run.stdout + run.stderr)[-3000:]
     assert "48 rows (48 ok, 0 failed)" in run.stdout
