@@ -3,9 +3,11 @@
 A Qwen3-4B-shaped target and a Huang2020/Qwen3-4B-Domino-b16-shaped draft (5 layers, block 16, GRU
 head, full 151936 vocabulary), random weights, so nothing is downloaded. It reports, printed and as JSON:
 
-  - the slot count `max_batch_size: auto` chose, its memory plan, and the peak memory against the plan;
-  - target-only and speculative tokens/s at 1, 8, 32, 128 and the chosen rows, ~1k-token ragged prompts,
-    all rows admitted as production admits them (`max_prefill_tokens` 16384: in waves at high row counts);
+  - the production engine (adaptive width, `max_batch_size: auto`): the slot count it chose, its memory plan,
+    the peak memory against the plan, the CUDA graphs it captured at start and the seconds, and its tokens/s
+    beside target-only's at 1, 8, 32, 128 and the chosen rows (random weights: its draft is rejected, so
+    this shows the width policy falling back to target-only speed), ~1k-token ragged prompts, all rows
+    admitted as production admits them (`max_prefill_tokens` 16384: in waves at high row counts);
   - speculative at *forced* full acceptance: random drafts accept nothing, so the real draft step runs at
     full cost and its output is then replaced, on the device, by each row's reference continuation
     (`Forced`). The references are the speculative engine's own output (first taken from target-only, then
@@ -15,10 +17,11 @@ head, full 151936 vocabulary), random weights, so nothing is downloaded. It repo
   - losslessness in bf16 against target-only, with the near-tie rule: a row passes if it equals
     target-only output up to the first position where they differ and target-only's top-2 logits there
     are within `--tie-margin`; rows identical / parting at a near-tie / parting elsewhere (failures).
-    Checked for the forced runs at every row count and for the real (rejecting) draft at 8 rows;
-  - CUDA graphs on vs off: the real draft at 8 rows, eager against graphed, token for token;
-  - graphs captured and the seconds spent capturing, per engine; draft-step / verify-step time at the
-    largest bucket (graph replays).
+    Checked for the adaptive and the forced runs at every row count (the forced engine, a fixed K, plans
+    its own `auto` slots: without the graphs' width cap it holds fewer) and a fixed K's real draft at 8 rows;
+  - CUDA graphs on vs off: that real draft at 8 rows, eager against graphed, token for token;
+  - graphs captured at start (count, seconds) and lazily (a greedy run: none), per engine; draft-step /
+    verify-step time at the largest bucket (graph replays).
 
     python benchmarks/bench_gpu.py                  # on a CUDA machine; writes $OUT/bench_gpu.json if OUT is set
     python benchmarks/bench_gpu.py --smoke          # tiny shapes on CPU: checks the script runs
@@ -119,19 +122,10 @@ def track_admissions(engine, forced: Forced):
     engine._prefill = prefill_with_refs
 
 
-def time_captures(engine) -> list[float]:
-    """Seconds spent capturing CUDA graphs, accumulated in the returned one-element list."""
-    spent = [0.0]
-    if engine.graphs is not None:
-        capture = engine.graphs._capture
-
-        def timed(key, step):
-            start = time.perf_counter()
-            capture(key, step)
-            torch.cuda.synchronize(engine.device)
-            spent[0] += time.perf_counter() - start
-        engine.graphs._capture = timed
-    return spent
+def graph_counts(engine, at_start: int) -> dict:
+    """Graphs captured at engine start (and the seconds), and any captured lazily since (a greedy run: none)."""
+    total = len(engine.graphs.graphs) if engine.graphs else 0
+    return {"at_start": at_start, "capture_s": round(engine.graph_capture_s, 2), "lazily": total - at_start}
 
 
 def sync(device):
@@ -153,12 +147,14 @@ def generate(engine, prompts, max_new) -> tuple[float, list]:
 
 
 def time_steps(engine, steps, repeats=20) -> dict:
-    """ms per call of each step (its graph's replay when captured, else the eager function). Every slot
-    is free by now, so the calls change nothing."""
+    """ms per call of each step, captured as its own graph with graphs on (else the eager function). Every
+    slot is free by now, so the calls change nothing."""
     out = {}
-    for name, key, fn in steps:
-        graph = engine.graphs.graphs.get(key) if engine.graphs else None
-        call = graph.replay if graph is not None else fn
+    for name, fn in steps:
+        call = fn
+        if engine.graphs is not None:
+            engine.graphs.run(("bench", name), fn)  # runs once, captures
+            call = engine.graphs.graphs[("bench", name)].replay
         call()
         sync(engine.device)
         start = time.perf_counter()
@@ -228,45 +224,63 @@ def main():
             "max_new_tokens": args.max_new_tokens, "weights_GiB": weights / 2**30}
     print(json.dumps(info), flush=True)
 
-    def spec_engine(rows, cuda_graphs=graphs):
+    def spec_engine(rows, cuda_graphs=graphs, forced_on=True):
+        """A fixed-K engine on the real draft, its drafts replaced by the references when `forced_on` (set
+        before the engine captures its graphs at start: a graph replays the branch taken at capture)."""
         forced = Forced(DominoProposer(draft, target), rows if rows != "auto" else MAX_AUTO_SLOTS, max_len + k + 1, device)
+        forced.on = forced_on
         engine = SpecEngine(target, forced, max_rows=rows, max_model_len=max_len, cuda_graphs=cuda_graphs,
                             max_prefill_tokens=PRODUCTION_PREFILL_TOKENS)
         track_admissions(engine, forced)
         return engine, forced
 
-    # The slot count production would get: an engine with `auto`, dropped before the runs.
-    engine, _ = spec_engine("auto")
+    # The production engine (adaptive width, as configs/qwen3_4b.yaml) on the real draft, `auto` slots: its
+    # slot count, plan, graphs captured at start and peak memory; tok/s at every row count (random weights:
+    # the draft is rejected, so the width policy must fall back to target-only speed), lossless checked below.
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    engine = SpecEngine(target, DominoProposer(draft, target), max_rows="auto", max_model_len=max_len,
+                        cuda_graphs=graphs, adaptive=True, max_prefill_tokens=PRODUCTION_PREFILL_TOKENS)
     slots, plan = engine.max_rows, engine.memory_plan()
     info.update(auto_slots=slots, auto_report=engine.slot_report, plan_GiB={n: v / 2**30 for n, v in plan.items()})
-    del engine
-    release_memory()
-    print(f"max_batch_size=auto chose {slots} slots: {info['auto_report']}", flush=True)
+    print(f"max_batch_size=auto chose {slots} slots: {info['auto_report']}; {len(engine.graphs.graphs) if graphs == 'on' else 0}"
+          f" graphs captured at start in {engine.graph_capture_s:.1f} s", flush=True)
     row_counts = sorted({slots if r == "max" else int(r) for r in args.rows.split(",")} - {0})
     row_counts = [n for n in row_counts if n <= slots]
     prompts = {n: prompts_for(n, vocab, seed=n, shortest=shortest, longest=longest) for n in row_counts}
+    results, adaptive_out = {n: {} for n in row_counts}, {}
+    at_start = len(engine.graphs.graphs) if engine.graphs else 0
+    for n in row_counts:
+        seconds, adaptive_out[n] = generate(engine, prompts[n], args.max_new_tokens)
+        results[n]["adaptive_tok_s"] = n * args.max_new_tokens / seconds
+    graph_report = {"adaptive": graph_counts(engine, at_start)}
+    peak = {"allocated_GiB": (torch.cuda.max_memory_allocated(device) - weights) / 2**30,
+            "reserved_GiB": (torch.cuda.max_memory_reserved(device) - weights) / 2**30} if device.type == "cuda" else {}
+    del engine
+    release_memory()
 
-    # Target-only, every row count: a warm-up run (graph captures) then a timed one.
+    # Target-only, every row count, same slots: a warm-up run then a timed one.
     base_engine = SpecEngine(target, None, max_rows=slots, max_model_len=max_len, cuda_graphs=graphs,
                              max_prefill_tokens=PRODUCTION_PREFILL_TOKENS)
-    base_capture = time_captures(base_engine)
-    results, base = {}, {}
+    at_start, base = len(base_engine.graphs.graphs) if base_engine.graphs else 0, {}
     for n in row_counts:
         generate(base_engine, prompts[n], args.max_new_tokens)
         seconds, base[n] = generate(base_engine, prompts[n], args.max_new_tokens)
-        results[n] = {"target_only_tok_s": n * args.max_new_tokens / seconds}
-        print(f"rows {n}: target-only {results[n]['target_only_tok_s']:.0f} tok/s", flush=True)
-    base_graphs = {"graphs": len(base_engine.graphs.graphs) if base_engine.graphs else 0, "capture_s": base_capture[0]}
+        row = results[n]
+        row.update(target_only_tok_s=n * args.max_new_tokens / seconds,
+                   adaptive_lossless=tie_check(target, prompts[n], base[n], adaptive_out[n], args.tie_margin))
+        row["adaptive_vs_target_only"] = row["adaptive_tok_s"] / row["target_only_tok_s"]
+        print(f"rows {n}: target-only {row['target_only_tok_s']:.0f} tok/s, adaptive {row['adaptive_tok_s']:.0f}",
+              flush=True)
+    graph_report["target_only"] = graph_counts(base_engine, at_start)
     del base_engine
     release_memory()
 
-    # Speculative at forced full acceptance, every row count, on an engine of the same slots.
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    engine, forced = spec_engine(slots)
-    spec_capture = time_captures(engine)
-    forced.on = True
-    for n in row_counts:
+    # Speculative at forced full acceptance (fixed K: no width cap, so its own `auto` slots may be fewer).
+    engine, forced = spec_engine("auto")
+    forced_slots, at_start = engine.max_rows, len(engine.graphs.graphs) if engine.graphs else 0
+    info["forced_auto_slots"] = forced_slots
+    for n in [n for n in row_counts if n <= forced_slots]:
         forced.by_request = {i: p + c.token_ids for i, (p, c) in enumerate(zip(prompts[n], base[n]))}
         _, own = generate(engine, prompts[n], args.max_new_tokens)  # warm-up; its output is the engine's own
         forced.by_request = {i: p + c.token_ids for i, (p, c) in enumerate(zip(prompts[n], own))}
@@ -279,33 +293,30 @@ def main():
                    lossless_forced=tie_check(target, prompts[n], base[n], spec, args.tie_margin))
         print(f"rows {n}: " + json.dumps({key: round(v, 3) if isinstance(v, float) else v for key, v in row.items()}),
               flush=True)
-    peak = {"allocated_GiB": (torch.cuda.max_memory_allocated(device) - weights) / 2**30,
-            "reserved_GiB": (torch.cuda.max_memory_reserved(device) - weights) / 2**30} if device.type == "cuda" else {}
-    r, groups = engine.row_buckets[-1], ((engine.row_buckets[-1], engine.capacity),)  # one key bucket, as graphed
-    steps = time_steps(engine, [
-        ("draft_step_ms", ("draft", r, groups, k), lambda: engine._draft_step(r, groups, k)),
-        ("verify_step_ms", ("verify", r, groups, k, False, False, True),
-         lambda: engine._verify_step(r, groups, k, False, False))])
-    spec_graphs = {"graphs": len(engine.graphs.graphs) if engine.graphs else 0, "capture_s": spec_capture[0]}
-
-    # The real (rejecting) draft at 8 rows: lossless against target-only, and graphs on == graphs off.
-    n = min(8, slots)
-    check_prompts = prompts.get(n) or prompts_for(n, vocab, seed=n, shortest=shortest, longest=longest)
-    forced.on = False
-    _, real_on = generate(engine, check_prompts, args.max_new_tokens)
+    graph_report["forced"] = graph_counts(engine, at_start)
+    r = engine.row_buckets[-1]
+    groups = ((r, engine.capacity),)  # one key bucket, as graphed
+    steps = time_steps(engine, [("draft_step_ms", lambda: engine._draft_step(r, groups, k)),
+                                ("verify_step_ms", lambda: engine._verify_step(r, groups, k, False, False))])
     del engine, forced
     release_memory()
-    eager, _ = spec_engine(n, cuda_graphs="off")
-    _, real_off = generate(eager, check_prompts, args.max_new_tokens)
-    del eager
-    base_check = base.get(n)
-    checks = {"rows": n, "graphs_on_vs_off": tie_check(target, check_prompts, real_off, real_on, args.tie_margin),
-              "real_draft_lossless": (tie_check(target, check_prompts, base_check, real_on, args.tie_margin)
-                                      if base_check else None)}
+
+    # The real (rejecting) draft at a fixed K on 8 rows: CUDA graphs on == graphs off, token for token.
+    n = min(8, slots)
+    check_prompts = prompts.get(n) or prompts_for(n, vocab, seed=n, shortest=shortest, longest=longest)
+    real = {}
+    for mode in ("on", "off") if graphs == "on" else ("off",):
+        engine, _ = spec_engine(n, cuda_graphs=mode, forced_on=False)
+        _, real[mode] = generate(engine, check_prompts, args.max_new_tokens)
+        del engine
+        release_memory()
+    checks = {"rows": n, "graphs_on_vs_off": (tie_check(target, check_prompts, real["off"], real["on"], args.tie_margin)
+                                              if "on" in real else None),
+              "real_draft_lossless": (tie_check(target, check_prompts, base[n], real["off"], args.tie_margin)
+                                      if n in base else None)}
     report = {"info": info, "results": {str(n): row for n, row in results.items()}, "steps_at_max_bucket": steps,
               "draft_over_verify": steps["draft_step_ms"] / steps["verify_step_ms"], "checks": checks,
-              "peak_beyond_weights": peak, "plan_total_GiB": sum(plan.values()) / 2**30,
-              "graphs": {"target_only": base_graphs, "speculative": spec_graphs},
+              "peak_beyond_weights": peak, "plan_total_GiB": sum(plan.values()) / 2**30, "graphs": graph_report,
               "wall_s": time.perf_counter() - started}
     print_table(report)
     if os.environ.get("OUT"):
@@ -314,14 +325,17 @@ def main():
 
 
 def print_table(report: dict):
-    print(f"\n{'rows':>6} {'target-only tok/s':>18} {'forced spec tok/s':>18} {'speed-up':>9} {'tau':>6}  lossless (forced)")
+    print(f"\n{'rows':>6} {'target-only':>12} {'adaptive':>9} {'ratio':>6} {'forced spec':>12} {'speed-up':>9} "
+          f"{'tau':>6}  lossless (adaptive; forced)")
     for n, row in report["results"].items():
-        print(f"{n:>6} {row['target_only_tok_s']:>18.0f} {row['spec_forced_tok_s']:>18.0f} {row['speedup']:>9.2f} "
-              f"{row['mean_acceptance_length']:>6.2f}  {row['lossless_forced']}")
-    print(f"auto slots {report['info']['auto_slots']}; plan {report['plan_total_GiB']:.1f} GiB; peak beyond weights "
-          f"{report['peak_beyond_weights'] or 'n/a (CPU)'}; graphs {report['graphs']}; "
-          f"draft/verify {report['draft_over_verify']:.2f}; checks {report['checks']}; wall {report['wall_s']:.0f} s",
-          flush=True)
+        forced = (f"{row['spec_forced_tok_s']:>12.0f} {row['speedup']:>9.2f} {row['mean_acceptance_length']:>6.2f}"
+                  if "speedup" in row else f"{'-':>12} {'-':>9} {'-':>6}")
+        print(f"{n:>6} {row['target_only_tok_s']:>12.0f} {row['adaptive_tok_s']:>9.0f} "
+              f"{row['adaptive_vs_target_only']:>6.2f} {forced}  {row['adaptive_lossless']}; {row.get('lossless_forced')}")
+    print(f"auto slots {report['info']['auto_slots']} (forced fixed K: {report['info']['forced_auto_slots']}); plan "
+          f"{report['plan_total_GiB']:.1f} GiB; peak beyond weights {report['peak_beyond_weights'] or 'n/a (CPU)'}; "
+          f"graphs {report['graphs']}; draft/verify {report['draft_over_verify']:.2f}; checks {report['checks']}; "
+          f"wall {report['wall_s']:.0f} s", flush=True)
 
 
 if __name__ == "__main__":

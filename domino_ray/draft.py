@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from domino_ray.kv_cache import row_attention
+
 
 @dataclass(frozen=True)
 class DraftConfig:
@@ -128,11 +130,12 @@ class DraftAttention(nn.Module):
         return self.o_proj(attended.reshape(b, n, self.num_heads * self.head_dim))
 
     def attend(self, q, keys, values, mask) -> torch.Tensor:
-        """q `[b, H, q, D]` over keys/values `[b, Hkv, T, D]` under `mask [b, 1, q, T]` (bool or additive) -> `[b, q, C]`."""
-        a = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.head_dim ** -0.5,
-                                           enable_gqa=self.num_heads != self.num_kv_heads)
-        b, _, n, _ = a.shape
-        return self.o_proj(a.transpose(1, 2).reshape(b, n, self.num_heads * self.head_dim))
+        """q `[b, H, q, D]` over keys/values `[b, Hkv, T, D]` under `mask [b, 1, q, T]` (bool or additive) -> `[b, q, C]`.
+        Query heads folded per K/V head (`row_attention`): SDPA with a mask and `enable_gqa` has only the math
+        kernel on CUDA."""
+        groups = self.num_heads // self.num_kv_heads
+        visible = mask.expand(q.shape[0], 1, -1, -1).repeat(1, 1, groups, 1)  # [b, 1, G*q, T]
+        return self.output(row_attention(q, keys, values, visible, self.head_dim ** -0.5))
 
 
 def context_key_value_weights(layers) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:

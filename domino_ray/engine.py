@@ -22,20 +22,21 @@ does the draft's context. One step, for all active rows at once:
 Target-only decoding is the same loop with K = 0 (no proposer): the baseline.
 
 Steps 1-3 are pure device work on fixed-address buffers with fixed shapes per *bucket*: the active
-rows are padded to a row bucket (1, 2, 4, 8, ... up to R) and the attended keys to a multiple of
-`kv_chunk`. Padding slots are free slots with `remaining == 0`: they compute but never advance, and
+rows are padded to a row bucket (1, 2, 4, 8, ... up to R) and the attended keys to a key bucket (a
+multiple of `kv_chunk`; `step_graphs.key_buckets`). Padding slots are free slots with `remaining == 0`: they compute but never advance, and
 the host never reads them. The slots are cut into a few contiguous ranges, each attending over its own
 key bucket, so a row's attention reads about what the row holds (`key_groups.py`; the slots are kept
-longest first for that, moving rows when it pays). On CUDA each bucket's draft step and verify step is
-captured once as a CUDA graph and replayed (`step_graphs.py`); with graphs the slots form one range over
-the longest row's bucket (the graph keys stay one per (r, t)). On CPU the same functions run eagerly.
+longest first for that, moving rows when it pays). On CUDA steps 1-3 are one CUDA graph per bucket and
+width, every greedy one captured at engine start (`step_graphs.py`); with graphs the slots form one range
+over the longest row's bucket (the graph keys stay one per (r, t)). On CPU the same functions run eagerly.
 """
 
 from __future__ import annotations
 
+import logging
 import time
+from bisect import bisect_left
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Callable, Hashable, Iterable
 
 import torch
@@ -44,36 +45,23 @@ from domino_ray.key_groups import Groups, KeyReads, keys_read
 from domino_ray.key_groups import plan as plan_key_groups
 from domino_ray.kv_cache import KVBuffers, group_masks
 from domino_ray.memory import auto_slots, check_memory_fits, free_device_memory, memory_plan
-from domino_ray.request import Completion, Request, StepEvent
+from domino_ray.request import Completion, Request, Row, StepEvent, check_prompt, prefill_groups
 from domino_ray.sampling import RowSampling, sampling_mode
 from domino_ray.stats import RowStats
-from domino_ray.step_graphs import StepGraphs, use_cuda_graphs
+from domino_ray.step_graphs import (StepGraphs, capture_steps, greedy_step_keys, key_buckets, row_buckets, use_cuda_graphs,
+                                   verify_positions)
 from domino_ray.target_forward import RowAttention, install, run_decoder
-from domino_ray.verify_width import StepCosts, WidthController, candidate_widths, measure_step_costs
+from domino_ray.verify_width import StepCosts, WidthController, measure_step_costs, step_widths
 
-
-@dataclass
-class _Row:
-    request: Request
-    max_new: int                     # generated tokens allowed (max_new_tokens capped by the model length)
-    stop_ids: frozenset
-    seed: int                        # per-row randomness for sampled decoding (rng.counter_uniforms)
-    stats: RowStats
-    arrival: float
-    tokens: list[int] = field(default_factory=list)
-    first_token_time: float = 0.0
-    finish_reason: str | None = None
-
-    @property
-    def committed(self) -> int:
-        return len(self.request.prompt_token_ids) + len(self.tokens)
+log = logging.getLogger(__name__)
 
 
 class SpecEngine:
     """Batched speculative (or, without a proposer, target-only) generation on one device.
 
-    `kv_chunk`: the attended key length is padded to a multiple of it (the key bucket); default 256 with
-    CUDA graphs (fewer graphs to capture), 32 without (less attention over padding).
+    `kv_chunk`: the key buckets (the attended key lengths, `step_graphs.key_buckets`) are multiples of it:
+    every multiple eagerly (default 32: little attention over padding), doubling from 512 with CUDA graphs
+    (default 256; few buckets, so few graphs).
     `max_key_groups`: slot ranges a decode step's attention is cut into, each over its own key bucket
     (`key_groups.py`); default 4, and 1 with CUDA graphs (a graph per group structure would be unbounded).
     `max_rows`: slots (rows decoded together), or "auto": as many as `gpu_memory_utilization` of the device
@@ -109,6 +97,8 @@ class SpecEngine:
         self.span = max(k + 1, proposer.block_size if proposer is not None else 1)
         self.kv_chunk = kv_chunk or (256 if graphs else 32)
         self.capacity = _round_up(self.max_model_len + self.span, self.kv_chunk)
+        self.key_buckets = key_buckets(self.capacity, self.kv_chunk, graphs)
+        self.adaptive = adaptive and k > 0
         self.groups = cfg.num_attention_heads // cfg.num_key_value_heads
         self.cuda_graphs = graphs
         self.max_key_groups = max_key_groups or (1 if graphs else 4)
@@ -127,15 +117,16 @@ class SpecEngine:
         if self.device.type == "cuda":  # before allocating anything
             check_memory_fits(self.memory_plan(), free_device_memory(self.device), self.device, gpu_memory_utilization)
         self._allocate(cfg, max_rows, k)
-        self.rows: list[_Row] = []      # active rows; rows[i] lives in slot i
-        self.pending: deque[_Row] = deque()
+        self.rows: list[Row] = []      # active rows; rows[i] lives in slot i
+        self.pending: deque[Row] = deque()
         self._running_ids: set = set()  # request ids of pending and active rows
         self.rng = torch.Generator().manual_seed(seed)
         self.graphs = StepGraphs(self.device, required=cuda_graphs == "on") if graphs else None
+        self.graph_capture_s = self._capture_graphs() if graphs else 0.0
         self.width: WidthController | None = None  # None: every step verifies K
-        if adaptive and k:
+        if self.adaptive:
             costs = (width_costs if isinstance(width_costs, StepCosts) else StepCosts(width_costs) if width_costs
-                     else self.measure_costs(candidate_widths(k, graphs)))
+                     else self.measure_costs(self.widths))
             self.width = WidthController(k, max_rows, costs)
 
     def _allocate(self, cfg, r: int, k: int):
@@ -152,7 +143,8 @@ class SpecEngine:
                                  f"{cfg.num_hidden_layers} layers: {bad}")
             self.proposer.allocate(r, self.capacity)
             self.tap_layers = tuple(layer_ids)
-        self.row_buckets = sorted({min(1 << i, r) for i in range(r.bit_length() + 1)})
+        self.row_buckets = row_buckets(r)
+        self.widths = step_widths(self.row_buckets, k, self.adaptive, self.cuda_graphs)  # {r: [W, ...]}
         dev = self.device
         self.lens = torch.zeros(r, dtype=torch.long, device=dev)       # [R] committed positions in the KV
         self.anchor = torch.zeros(r, dtype=torch.long, device=dev)     # [R] last committed token
@@ -166,23 +158,19 @@ class SpecEngine:
 
     def memory_plan(self, rows: int | None = None) -> dict[str, int]:
         """Bytes beyond the weights for this engine's sizes with `rows` slots (default: its own), `memory.memory_plan`."""
+        rows = rows or self.max_rows
         return memory_plan(self.target.config, getattr(self.proposer, "config", None),
-                           max_rows=rows or self.max_rows, num_spec_tokens=self.num_spec_tokens,
+                           max_rows=rows, num_spec_tokens=self.num_spec_tokens,
                            capacity=self.capacity, max_prefill_tokens=self.max_prefill_tokens,
-                           itemsize=self.dtype.itemsize, cuda_graphs=self.cuda_graphs)
+                           itemsize=self.dtype.itemsize, cuda_graphs=self.cuda_graphs,
+                           verify_positions=verify_positions(rows, self.num_spec_tokens, self.adaptive, self.cuda_graphs))
 
     # ---- requests ---------------------------------------------------------------------------------
 
     def add_request(self, request: Request):
         """Queue a request; raises ValueError (naming the field) for a request that cannot run."""
         ids, params = request.prompt_token_ids, request.params
-        if not isinstance(ids, (list, tuple)) or not ids:
-            raise ValueError("prompt_token_ids must be a non-empty list of token ids")
-        if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in ids):
-            raise ValueError(f"prompt_token_ids must be ints in [0, {self.vocab_size})")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(ids)} tokens; the model's limit is {self.max_model_len} "
-                             "tokens including at least one generated token")
+        check_prompt(ids, self.vocab_size, self.max_model_len)
         if request.request_id in self._running_ids:
             raise ValueError(f"request_id {request.request_id!r} is already running")
         params.validate()
@@ -191,10 +179,10 @@ class SpecEngine:
             seed = params.seed if params.seed is not None else int(torch.randint(2**62, (1,), generator=self.rng))
         stop = params.stop_ids(self.eos_token_ids)
         self._running_ids.add(request.request_id)
-        self.pending.append(_Row(request=Request(request.request_id, list(ids), params),
-                                 max_new=min(params.max_new_tokens, self.max_model_len - len(ids)),
-                                 stop_ids=frozenset(stop), seed=int(seed),
-                                 stats=RowStats(self.num_spec_tokens), arrival=time.perf_counter()))
+        self.pending.append(Row(request=Request(request.request_id, list(ids), params),
+                                max_new=min(params.max_new_tokens, self.max_model_len - len(ids)),
+                                stop_ids=frozenset(stop), seed=int(seed),
+                                stats=RowStats(self.num_spec_tokens), arrival=time.perf_counter()))
 
     def abort(self, request_id: Hashable) -> bool:
         """Drop a pending request or end an active one at the next step (its slot is freed then)."""
@@ -254,7 +242,7 @@ class SpecEngine:
             return
         batch.sort(key=lambda r: len(r.request.prompt_token_ids))  # rows are independent: any slot order works
         lo, firsts = len(self.rows), []
-        for group in _length_groups(batch):
+        for group in prefill_groups(batch):
             firsts.append(self._prefill(group, slice(lo, lo + len(group))))
             lo += len(group)
         first_tokens = torch.cat(firsts).tolist()  # host sync: the admitted rows' first tokens
@@ -262,9 +250,9 @@ class SpecEngine:
         for row, token in zip(batch, first_tokens):
             row.first_token_time = now
             self.rows.append(row)
-            self._commit(row, [token], events, now)
+            events.append(row.commit([token], now))
 
-    def _prefill(self, batch: list[_Row], rows: slice) -> torch.Tensor:
+    def _prefill(self, batch: list[Row], rows: slice) -> torch.Tensor:
         """One target forward over right-padded prompts into slots `rows`; returns first tokens `[k]`."""
         k, longest = len(batch), max(len(r.request.prompt_token_ids) for r in batch)
         ids = torch.zeros(k, longest, dtype=torch.long)
@@ -301,40 +289,59 @@ class SpecEngine:
         usable = [row.max_new - len(row.tokens) - 1 for row in self.rows]  # drafts each budget allows
         w, context = self.width.choose(r, t, usable) if self.width else (self.num_spec_tokens, True)
         started = time.perf_counter()
-        self._device_step(r, key_groups, w, sampled, filtered, context)
+        timed = self._device_step(r, key_groups, w, sampled, filtered, context)
         packed = self._read_packed(n, w)  # the step's one host sync
         now = time.perf_counter()
-        if self.width is not None:
-            self.width.learn(r, t, w, now - started, [a for a, *_ in packed], usable)
+        if self.width is not None:  # a step that captured a graph says nothing about its width's cost
+            self.width.learn(r, t, w, now - started if timed else None, [a for a, *_ in packed], usable)
         for row, (a, *row_tokens), u in zip(self.rows, packed, usable):
-            self._commit(row, row_tokens[:a + 1], events, now, drafted=min(w, u), width=w)
+            events.append(row.commit(row_tokens[:a + 1], now, drafted=min(w, u), width=w))
 
     def _key_groups(self, r: int) -> Groups:
         """The step's key groups for slots `0..r` (`key_groups.plan`), after moving the rows it says to move.
         Host-side, from the rows' committed lengths: no device sync."""
         n = len(self.rows)
         # A step writes up to `span` positions past `committed - 1` (the KV's length); padding slots from 0.
-        buckets = [min(_round_up(row.committed - 1 + self.span, self.kv_chunk), self.capacity) for row in self.rows]
-        buckets += [min(_round_up(self.span, self.kv_chunk), self.capacity)] * (r - n)
+        buckets = [self._key_bucket(row.committed - 1 + self.span) for row in self.rows]
+        buckets += [self._key_bucket(self.span)] * (r - n)
         key_groups, src, dst = plan_key_groups(buckets, n, self.max_key_groups, self.group_cost)
         self._move_rows(src, dst)
         self.key_reads.observe(key_groups, sum(row.committed - 1 + self.span for row in self.rows), max(buckets),
                                len(src))
         return key_groups
 
-    def _device_step(self, r: int, key_groups: Groups, w: int, sampled: bool, filtered: bool, context: bool):
-        """Draft `w` tokens (none when 0), then verify and accept them, for slots `0..r` over `key_groups`."""
-        if w:
-            if getattr(self.proposer, "graph_safe", False):
-                self._run(("draft", r, key_groups, w), lambda: self._draft_step(r, key_groups, w))
-            else:  # host-side drafts (test proposers): they need the rows' ids
-                self._draft_step(r, key_groups, w, [row.committed for row in self.rows],
-                                 [row.request.request_id for row in self.rows])
-        self._run(("verify", r, key_groups, w, sampled, filtered, context),
-                  lambda: self._verify_step(r, key_groups, w, sampled, filtered, context))
+    def _key_bucket(self, length: int) -> int:
+        """The shortest key bucket holding `length` positions."""
+        return self.key_buckets[bisect_left(self.key_buckets, min(length, self.capacity))]
+
+    def _device_step(self, r: int, key_groups: Groups, w: int, sampled: bool, filtered: bool, context: bool) -> bool:
+        """Draft `w` tokens (none when 0), then verify and accept them, for slots `0..r` over `key_groups`: one
+        CUDA graph with graphs. False when that graph was captured now (the step's time is not a step's cost)."""
+        def step():
+            if w:
+                self._draft_step(r, key_groups, w)
+            self._verify_step(r, key_groups, w, sampled, filtered, context)
+
+        if w and not getattr(self.proposer, "graph_safe", False):  # host-side drafts (test proposers): eager
+            self._draft_step(r, key_groups, w, [row.committed for row in self.rows],
+                             [row.request.request_id for row in self.rows])
+            self._verify_step(r, key_groups, w, sampled, filtered, context)
+            return True
+        if self.graphs is None:
+            step()
+            return True
+        return self.graphs.run(("step", r, key_groups, w, sampled, filtered, context), step)
+
+    def _capture_graphs(self) -> float:
+        """Every greedy step key captured now, while every slot is free (padding rows: the steps leave them
+        unchanged); the seconds taken. Host-side proposers (tests) have no graphs."""
+        if self.proposer is not None and not getattr(self.proposer, "graph_safe", False):
+            return 0.0
+        keys = greedy_step_keys(self.row_buckets, self.key_buckets, self.widths)
+        return capture_steps(self.graphs, keys, lambda key: self._device_step(*key[1:]))
 
     @torch.inference_mode()
-    def measure_costs(self, widths: list[int], repeats: int = 3) -> StepCosts:
+    def measure_costs(self, widths: dict[int, list[int]], repeats: int = 3) -> StepCosts:
         """Step costs for the adaptive width, timed on `_device_step` (what real steps run) while every slot is
         free: padding rows, which the steps leave unchanged."""
         def run_step(r: int, t: int, w: int):
@@ -343,14 +350,8 @@ class SpecEngine:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
 
-        lengths = (min(_round_up(self.span, self.kv_chunk), self.capacity), self.capacity)
-        return measure_step_costs(run_step, self.row_buckets, widths, lengths, repeats)
-
-    def _run(self, key: tuple, step: Callable[[], None]):
-        if self.graphs is None:
-            step()
-        else:
-            self.graphs.run(key, step)
+        lengths = (self._key_bucket(self.span), self.capacity)
+        return measure_step_costs(run_step, widths, lengths, repeats)
 
     # ---- the fixed-shape steps (device work only: no host syncs, no shape that varies within a bucket) ----
 
@@ -394,27 +395,6 @@ class SpecEngine:
 
     # ---- host bookkeeping -------------------------------------------------------------------------
 
-    def _commit(self, row: _Row, new_tokens: list[int], events: list[StepEvent], now: float,
-                drafted: int | None = None, width: int | None = None):
-        """Append a step's tokens to a row on the host: stop tokens, budget, statistics."""
-        cut = next((i + 1 for i, t in enumerate(new_tokens) if t in row.stop_ids), None)
-        if cut is not None:
-            new_tokens, row.finish_reason = new_tokens[:cut], "stop"
-        if drafted is not None:  # decode step (not the prefill token)
-            row.stats.observe_step(drafted, len(new_tokens) - 1, width)
-        row.tokens.extend(new_tokens)
-        if row.finish_reason is None and len(row.tokens) >= row.max_new:
-            row.finish_reason = "length"
-        events.append(StepEvent(row.request.request_id, new_tokens, None))
-        if row.finish_reason is not None:
-            events[-1].completion = self._completion(row, now)
-
-    def _completion(self, row: _Row, now: float) -> Completion:
-        return Completion(request_id=row.request.request_id, prompt_token_ids=row.request.prompt_token_ids,
-                          token_ids=list(row.tokens), finish_reason=row.finish_reason, stats=row.stats,
-                          time_to_first_token_s=(row.first_token_time or now) - row.arrival,
-                          time_taken_s=now - row.arrival)
-
     def _evict(self, events: list[StepEvent]):
         """Free the slots of finished rows, moving the last active row into each hole."""
         for slot in reversed(range(len(self.rows))):
@@ -422,7 +402,7 @@ class SpecEngine:
             if row.finish_reason is None:
                 continue
             if row.finish_reason == "abort":
-                events.append(StepEvent(row.request.request_id, [], self._completion(row, time.perf_counter())))
+                events.append(StepEvent(row.request.request_id, [], row.completion(time.perf_counter())))
             last = len(self.rows) - 1
             if slot != last:
                 self._move_rows([last], [slot])
@@ -456,19 +436,3 @@ class SpecEngine:
 
 def _round_up(x: int, multiple: int) -> int:
     return -(-x // multiple) * multiple
-
-
-def _length_groups(rows: list[_Row], slack: float = 1.25) -> list[list[_Row]]:
-    """Split rows sorted by prompt length so that padding stays within `slack` of the real tokens:
-    ragged prompts prefill in a few forwards instead of one mostly padded one."""
-    groups: list[list[_Row]] = []
-    real = 0
-    for row in rows:
-        m = len(row.request.prompt_token_ids)
-        if groups and (len(groups[-1]) + 1) * m <= slack * (real + m):
-            groups[-1].append(row)
-            real += m
-        else:
-            groups.append([row])
-            real = m
-    return groups

@@ -20,12 +20,15 @@ MAX_AUTO_SLOTS = 1024
 
 
 def memory_plan(target_config, draft_config, *, max_rows: int, num_spec_tokens: int, capacity: int,
-                max_prefill_tokens: int, itemsize: int, cuda_graphs: bool = False) -> dict[str, int]:
+                max_prefill_tokens: int, itemsize: int, cuda_graphs: bool = False,
+                verify_positions: int | None = None) -> dict[str, int]:
     """Bytes the engine preallocates or peaks at beyond the weights. `draft_config`: a DraftConfig or None
     (target only); `capacity`: KV positions per slot; `itemsize`: bytes per element of the model dtype;
-    `cuda_graphs`: the captured steps keep their own pool (about one decode step) beside the eager cache."""
+    `cuda_graphs`: the captured steps keep their own pool (about one decode step) beside the eager cache;
+    `verify_positions`: the most positions a verify forward takes (rows x (W+1)), default all rows at K+1."""
     cfg, elt = target_config, itemsize
-    r, q, t = max_rows, num_spec_tokens + 1, capacity
+    r, t = max_rows, capacity
+    p = verify_positions or r * (num_spec_tokens + 1)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     groups = cfg.num_attention_heads // cfg.num_key_value_heads
     draft = draft_config
@@ -33,9 +36,8 @@ def memory_plan(target_config, draft_config, *, max_rows: int, num_spec_tokens: 
     # The largest decode bucket's intermediates. Logits, and when sampling fp32 probabilities + a float64
     # CDF (12 bytes); with top-k/top-p also the sort (fp32 values + int64 indices) and two fp32 masked
     # copies (20 bytes). The widest activations, one layer's attention scores and the additive key mask.
-    logits = r * q * cfg.vocab_size * (elt + 12 + 20)
-    step = logits + r * q * 4 * cfg.intermediate_size * elt + r * cfg.num_attention_heads * q * t * 4 \
-        + r * groups * q * t * elt
+    logits = p * cfg.vocab_size * (elt + 12 + 20)
+    step = logits + p * 4 * cfg.intermediate_size * elt + p * cfg.num_attention_heads * t * 4 + p * groups * t * elt
     if draft:  # the draft block's base logits (fp32 for the correction loop) and its attention scores
         vocab = draft.draft_vocab_size or draft.vocab_size
         step += r * draft.block_size * (vocab * (elt + 4) + draft.num_attention_heads * t * 4)

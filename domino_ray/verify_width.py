@@ -163,6 +163,13 @@ class StepCosts:
         self.base[r][w] += rate * (base - self.base[r][w])
 
 
+# With CUDA graphs, widths whose verify would exceed this many positions (rows x (W+1)) are left out of a row
+# bucket: on an H100/H200 a Qwen3-4B-sized verify is compute-bound past ~200-400 positions (the issue's
+# arithmetic: width 16 past ~13 rows, width 8 past ~34), and beyond that its cost grows with the positions
+# as fast as full acceptance could repay it. Fewer widths are also fewer graphs and a smaller step peak.
+MAX_VERIFY_POSITIONS = 1024
+
+
 def candidate_widths(num_spec_tokens: int, graphs: bool) -> list[int]:
     """Every width 0..K eagerly; with CUDA graphs a few (each width is its own set of graphs)."""
     if not graphs:
@@ -170,20 +177,31 @@ def candidate_widths(num_spec_tokens: int, graphs: bool) -> list[int]:
     return sorted({0, num_spec_tokens} | {1 << i for i in range(num_spec_tokens.bit_length()) if 1 << i < num_spec_tokens})
 
 
-def measure_step_costs(run_step: Callable[[int, int, int], None], row_buckets: Sequence[int], widths: Sequence[int],
+def step_widths(row_buckets: Sequence[int], num_spec_tokens: int, adaptive: bool, graphs: bool) -> dict[int, list[int]]:
+    """The verify widths a step of each row bucket may run: K alone for a fixed width; adaptively
+    `candidate_widths`, and with graphs only those within `MAX_VERIFY_POSITIONS` (W = 0 always)."""
+    if not adaptive:
+        return {r: [num_spec_tokens] for r in row_buckets}
+    widths = candidate_widths(num_spec_tokens, graphs)
+    return {r: [w for w in widths if not graphs or w == 0 or r * (w + 1) <= MAX_VERIFY_POSITIONS]
+            for r in row_buckets}
+
+
+def measure_step_costs(run_step: Callable[[int, int, int], None], widths: Mapping[int, Sequence[int]],
                        key_lengths: tuple[int, int], repeats: int = 3) -> StepCosts:
-    """Seconds per step for every row bucket and width at the shortest and the longest key length.
+    """Seconds per step for every row bucket and its widths (`widths[r]`) at the shortest and the longest
+    key length.
 
     `run_step(r, t, w)` is the engine's own device step (the one a real step runs) for `r` padding rows over
     `t` keys at width `w`, returning once the device is done. The fastest of `repeats` runs after a warm-up
-    run (which also captures the step's graphs); widths interleaved so each sees the same machine state."""
+    run; widths interleaved so each sees the same machine state."""
     tables = []
     for t in key_lengths:
         table: dict[int, dict[int, float]] = {}
-        for r in row_buckets:
-            times: dict[int, list[float]] = {w: [] for w in widths}
+        for r, bucket_widths in widths.items():
+            times: dict[int, list[float]] = {w: [] for w in bucket_widths}
             for _ in range(repeats + 1):
-                for w in widths:
+                for w in bucket_widths:
                     start = time.perf_counter()
                     run_step(r, t, w)
                     times[w].append(time.perf_counter() - start)
@@ -211,12 +229,14 @@ class WidthController:
         w = best_width(width_rates(self.costs.at(r, t), accept, usable))
         return w, w > 0 or not self.estimates.draft_is_useless()
 
-    def learn(self, r: int, t: int, w: int, seconds: float, accepted: Sequence[int], usable: Sequence[int]):
-        """Fold one step into the acceptance estimates and the cost table (a decaying average)."""
+    def learn(self, r: int, t: int, w: int, seconds: float | None, accepted: Sequence[int], usable: Sequence[int]):
+        """Fold one step into the acceptance estimates and the cost table (a decaying average); `seconds`
+        None: the step's time says nothing about its width (it captured a CUDA graph)."""
         self.estimates.start_step()
         for i, (a, u) in enumerate(zip(accepted, usable)):
             self.estimates.observe(min(w, u), a, self.succeeded[i], self.tried[i])
-        self.costs.observe(r, w, t, seconds)
+        if seconds is not None:
+            self.costs.observe(r, w, t, seconds)
 
     def reset_slot(self, slot: int):
         self.tried[slot], self.succeeded[slot] = [0.0] * self.k, [0.0] * self.k

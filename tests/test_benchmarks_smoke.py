@@ -57,23 +57,26 @@ def test_engine_cpu_benchmark_smoke(tmp_path):
 @pytest.mark.slow
 def test_gpu_check_smoke_on_cpu(tmp_path):
     """bench_gpu --smoke (CPU): forced full acceptance holds (every step but the budget-capped last one
-    commits K + 1 tokens, also for the rows `auto` adds), the forced and the real draft's output pass the
-    lossless check against target-only (fp32 here: no row may part away from a near-tie), and the figures are
-    consistent with their parts."""
+    commits K + 1 tokens, also for the rows `auto` adds), the forced, the adaptive and the real draft's output
+    pass the lossless check against target-only (fp32 here: no row may part away from a near-tie), and the
+    figures are consistent with their parts."""
     run_script("bench_gpu.py", "--smoke", env={"OUT": str(tmp_path)})
     report = json.loads((tmp_path / "bench_gpu.json").read_text())
     info = report["info"]
     k, max_new, slots = info["K"], info["max_new_tokens"], info["auto_slots"]
     assert set(report["results"]) == {"1", "4", str(slots)} and k >= 1 and slots > 4
+    assert info["forced_auto_slots"] == slots  # tiny shapes: the host's 8 per thread either way
     for n, row in report["results"].items():
-        check = row["lossless_forced"]
-        assert check["differ"] == 0 and check["identical"] + check["near_tie"] == int(n)
+        for check in (row["lossless_forced"], row["adaptive_lossless"]):
+            assert check["differ"] == 0 and check["identical"] + check["near_tie"] == int(n)
         assert row["steps"] == math.ceil((max_new - 1) / (k + 1))
-        assert all(positive(row[key]) for key in ("target_only_tok_s", "spec_forced_tok_s", "speedup"))
+        assert all(positive(row[key]) for key in ("target_only_tok_s", "spec_forced_tok_s", "speedup", "adaptive_tok_s"))
         assert row["speedup"] == pytest.approx(row["spec_forced_tok_s"] / row["target_only_tok_s"])
+        assert row["adaptive_vs_target_only"] == pytest.approx(row["adaptive_tok_s"] / row["target_only_tok_s"])
     checks = report["checks"]
-    for name in ("graphs_on_vs_off", "real_draft_lossless"):
-        assert checks[name]["differ"] == 0 and sum(checks[name].values()) == checks["rows"]
+    assert checks["graphs_on_vs_off"] is None  # no CUDA here: nothing to compare
+    assert checks["real_draft_lossless"]["differ"] == 0 and sum(checks["real_draft_lossless"].values()) == checks["rows"]
+    assert report["graphs"]["adaptive"] == {"at_start": 0, "capture_s": 0.0, "lazily": 0}
     steps = report["steps_at_max_bucket"]
     assert report["draft_over_verify"] == pytest.approx(steps["draft_step_ms"] / steps["verify_step_ms"])
     assert sum(info_plan for info_plan in info["plan_GiB"].values()) == pytest.approx(report["plan_total_GiB"])

@@ -9,6 +9,7 @@ from transformers import Qwen3Config
 
 from domino_ray.draft import DraftConfig
 from domino_ray.memory import check_memory_fits, memory_plan, plan_slots
+from domino_ray.step_graphs import verify_positions
 
 REPO = Path(__file__).resolve().parents[1]
 GiB = 2**30
@@ -21,9 +22,11 @@ WEIGHTS = int((4.02e9 + 0.55e9) * 2)  # bf16 target (4.02B parameters) + draft (
 
 
 def production_plan(rows: int, *, max_model_len=4096, k=16, graphs=True):
+    """The plan of configs/qwen3_4b.yaml's engine: adaptive width (num_draft_tokens: auto), graphs on CUDA."""
     capacity = -(-(max_model_len + 17) // 256) * 256  # the engine's T: max_model_len + span, to the key chunk
     return memory_plan(QWEN3_4B, DOMINO_B16, max_rows=rows, num_spec_tokens=k, capacity=capacity,
-                       max_prefill_tokens=16384, itemsize=2, cuda_graphs=graphs)
+                       max_prefill_tokens=16384, itemsize=2, cuda_graphs=graphs,
+                       verify_positions=verify_positions(rows, k, adaptive=True, graphs=graphs))
 
 
 def test_target_kv_is_144_kib_per_token_per_row():

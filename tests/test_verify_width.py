@@ -197,3 +197,17 @@ def test_step_costs_grow_with_the_context_and_learn_from_real_steps():
     for _ in range(20):
         costs.observe(1, 0, 300, 1.0)  # faster steps bring it down quickly
     assert costs.at(1, 300)[0] == pytest.approx(1.0, abs=0.01)
+
+
+def test_a_step_that_captured_a_graph_teaches_acceptance_not_cost():
+    """`learn(seconds=None)` (the engine's first use of a lazily captured graph: a stall, not a step's cost)
+    updates the acceptance counts and leaves the cost table as it was; a timed step moves it."""
+    from domino_ray.verify_width import StepCosts, WidthController
+
+    width = WidthController(4, 2, StepCosts({2: {0: 1.0, 4: 2.0}}))
+    before = width.costs.at(2, 0)
+    width.learn(2, 0, 4, None, [4, 0], [4, 4])
+    assert width.costs.at(2, 0) == before
+    assert width.tried[0] == [1.0] * 4 and width.succeeded[0] == [1.0] * 4 and width.succeeded[1] == [0.0] * 4
+    width.learn(2, 0, 4, 0.5, [4, 4], [4, 4])
+    assert width.costs.at(2, 0)[4] < before[4]
