@@ -95,3 +95,44 @@ def test_model_max_length_caps_generation(qwen3):
 def test_draft_without_slots_is_refused(qwen3):
     with pytest.raises(ValueError, match="num_draft_tokens=0 is out of range"):
         DominoProposer(tiny_draft(qwen3, block_size=1, shift_label=False), qwen3)
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "llama"])
+def test_fused_layers_compute_hf_layers_and_share_their_weights(kind, prompts):
+    """Our pass over fused q/k/v and gate/up weights equals HF's own forward (hidden states within float64
+    rounding, greedy tokens equal), the stock modules' weights are views of the fused ones (no copy), and HF's
+    generate on the installed model is what it was before."""
+    from domino_ray.target_forward import RowAttention, install, run_decoder
+
+    target = tiny_target(kind, seed=7)
+    before = [hf_greedy(target, p, MAX_NEW) for p in prompts[:3]]
+    engine = SpecEngine(target, None, max_rows=3)  # installs: fuses
+    for layer in target.model.layers:
+        weight, _ = layer.fused_qkv
+        assert layer.self_attn.q_proj.weight.data_ptr() == weight.data_ptr()
+        assert layer.self_attn.v_proj.weight.untyped_storage().data_ptr() == weight.untyped_storage().data_ptr()
+        assert layer.mlp.up_proj.weight.untyped_storage().data_ptr() == layer.fused_gate_up[0].untyped_storage().data_ptr()
+    assert [hf_greedy(target, p, MAX_NEW) for p in prompts[:3]] == before
+    ids = torch.tensor([prompts[0][:6]])
+    positions = torch.arange(6)[None]
+    with torch.inference_mode():
+        ours, _ = run_decoder(target.model, ids, positions,
+                              RowAttention(engine.kv, write_index=positions, prefill_rows=slice(0, 1)), ())
+        hf = target.model(input_ids=ids).last_hidden_state
+    torch.testing.assert_close(ours, hf, rtol=1e-12, atol=1e-12)  # float64: only summation order differs
+    assert [c.token_ids for c in run(target, None, prompts[:3])] == before
+
+
+def test_other_layer_families_run_hf_layers_unchanged(prompts):
+    """A decoder whose layers we do not reproduce (Qwen2: biased q/k/v) keeps HF's layers and still equals HF."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(2)
+    target = Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                          eos_token_id=None, bos_token_id=None, pad_token_id=None)).double().eval()
+    target.generation_config.eos_token_id = None
+    reference = [hf_greedy(target, [t % 64 for t in p], MAX_NEW) for p in prompts[:3]]
+    out = run(target, None, [[t % 64 for t in p] for p in prompts[:3]])
+    assert not hasattr(target.model.layers[0], "fused_qkv")
+    assert [c.token_ids for c in out] == reference
