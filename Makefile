@@ -83,7 +83,8 @@ $(VLLM_VENV)/bin/.installed:
 peers-venv: $(VLLM_VENV)/bin/.installed
 
 # Ours vs vLLM CPU on the demo pair (BENCHMARKS.md "Peers"). Extra flags: make bench-peers ARGS="--repeats 2".
-bench-peers: setup peers-venv
+# On the SmolLM2 pair: make bench-peers ARGS="--pair smollm2" (converts SmolLM2 first, as `make smollm2`).
+bench-peers: setup peers-venv $(if $(findstring smollm2,$(ARGS)),smollm2)
 	$(BIN)/python benchmarks/bench_peers.py --vllm-python $(VLLM_VENV)/bin/python $(ARGS)
 
 clean:

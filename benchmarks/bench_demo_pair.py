@@ -28,17 +28,16 @@ from pathlib import Path
 import torch
 
 from domino_ray.checkpoint import load_draft
-from domino_ray.config import DEMO_ASSETS
 from domino_ray.draft import resolve_num_spec_tokens
 from domino_ray.engine import SpecEngine
 from domino_ray.request import Request
 from domino_ray.proposer import DominoProposer
 from domino_ray.sampling_params import SamplingParams
 from domino_ray.stats import per_position_acceptance, total_stats
-from domino_ray.target import encode_prompt, load_target, load_tokenizer, stop_token_ids
+from domino_ray.target import stop_token_ids
 from domino_ray.train_draft import backbone_only
 
-SMOLLM2_ASSETS = Path(__file__).resolve().parents[1] / "domino_ray" / "assets" / "smollm2"
+from common import load_pair
 
 
 def run(target, draft, prompts, *, rows, max_new_tokens, eos, num_draft_tokens=None, max_model_len=None):
@@ -109,28 +108,8 @@ def main(argv=None):
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    import pyarrow.parquet as pq
-
-    if args.pair == "smollm2":
-        from domino_ray.smollm2 import cache_dir, is_converted
-
-        if not is_converted():
-            raise SystemExit(f"error: SmolLM2 is not converted at {cache_dir()}: run `make smollm2` first")
-        assets, target_dir = args.assets or SMOLLM2_ASSETS, str(cache_dir())
-    else:
-        assets = args.assets or DEMO_ASSETS
-        target_dir = str(assets / "target")
-    target = load_target(target_dir, dtype="float32" if args.pair == "smollm2" else "auto", device="cpu")
-    tokenizer = load_tokenizer(target_dir)
+    target, domino, tokenizer, prompts = load_pair(args.pair, args.assets, args.prompts)[:4]
     eos = stop_token_ids(target, tokenizer)
-    domino = load_draft(assets / "draft", target_config=target.config, dtype=target.dtype)
-    table = pq.read_table(assets / "prompts.parquet")
-    if "messages" in table.column_names:  # chat prompts: the chat template path
-        prompts = [encode_prompt(tokenizer, messages=m)
-                   for m in table.column("messages").to_pylist()[:args.prompts or None]]
-    else:
-        prompts = [encode_prompt(tokenizer, prompt=t, chat_template=False)
-                   for t in table.column("prompt").to_pylist()[:args.prompts or None]]
     # the KV cache is reserved for rows x max_model_len: bound it by what these prompts need
     max_model_len = max(len(p) for p in prompts) + args.max_new_tokens
     drafts = {"target-only": (None, None), "domino": (domino, None), "domino-base-only": (backbone_only(domino), None)}

@@ -1,15 +1,22 @@
-"""Ours vs vLLM's CPU build on the shipped demo pair: tokens/s and greedy agreement, in one run.
+"""Ours vs vLLM's CPU build on a shipped pair: tokens/s and greedy agreement, in one run.
 
     make peers-venv                                             # vLLM CPU in its own venv, .venv-vllm
     python benchmarks/bench_peers.py --repeats 2 --json out/peers.json
+    python benchmarks/bench_peers.py --pair smollm2 --json out/peers_smollm2.json        # after `make smollm2`
     python benchmarks/bench_peers.py --ours-only --prompts 4 --max-new-tokens 12   # no vLLM needed
 
-Workload (issue 9): the demo pair's bundled prompts as plain text (`chat_template=False`), 128 greedy new
-tokens each with `ignore_eos`, 16 sequences at a time, 2 threads. Modes: ours target-only and ours Domino
-(in this process, through SpecEngine/DominoProposer); vLLM target-only, vLLM ngram speculation and vLLM
-dflash on our draft (each in its own `.venv-vllm` subprocess, which gets the same token ids, writes token
-ids and timings as JSON, and excludes its start-up compile from tokens/s; the start-up is reported).
-Our modes run in interleaved repeats; each vLLM mode starts once and runs its repeats back to back.
+`--pair demo` (issue 9, the default): the demo pair's bundled prompts as plain text (`chat_template=False`),
+128 greedy new tokens each with `ignore_eos`, 16 sequences at a time, 2 threads; ours target-only and Domino
+at fixed K; vLLM target-only, ngram speculation and dflash on our draft.
+`--pair smollm2` (issue 20): SmolLM2-135M-Instruct (converted by `make smollm2`) with its Domino draft, 32
+held-out chat prompts (chat template), up to 128 greedy new tokens stopping at EOS, at 1 and 16 sequences
+at a time; ours target-only, Domino at the adaptive width and at fixed K; vLLM target-only and ngram.
+
+Ours runs in this process (the engine `domino_ray.llm.build_engine` assembles, as jobs and Serve do); each
+vLLM mode and batch size in its own `.venv-vllm` subprocess, which gets the same token ids and EOS ids,
+writes token ids and timings as JSON, and excludes its start-up compile from tokens/s (reported apart).
+vLLM runs with Intel OpenMP preloaded, as its CPU docs ask (`--no-vllm-preload-iomp`: without). Per batch
+size our modes run in interleaved repeats; each vLLM mode starts once and runs its repeats back to back.
 
 The same file is the vLLM worker (`--vllm-worker SPEC OUT`): that side imports vllm only, never
 domino_ray or our torch, so the top of this file imports nothing but the standard library.
@@ -18,6 +25,7 @@ domino_ray or our torch, so the top of this file imports nothing but the standar
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import platform
@@ -36,73 +44,93 @@ VLLM_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": 
 # which is all vLLM's DFlash loader knows of a Domino checkpoint.
 VLLM_MODES = ("vllm-target-only", "vllm-ngram", "vllm-dflash", "vllm-dflash-no-head")
 HEAD_CONFIG_KEYS = ("projector_type", "pure_draft_prefix_len", "emb_dim", "gru_hidden_dim")
+# Each pair's workload (flags left unset take these). `domino_widths`: our Domino modes, "auto" (the adaptive
+# verify width) or a fixed K ("max": the most the draft proposes). `vllm_modes`: the ones that can run it
+# (the dflash ones stay on the demo pair: the SmolLM2 draft, speculators layout with a pruned vocabulary, is
+# not one vLLM's DFlash loader is known to take, and is not tried).
+PAIRS = {
+    "demo": {"prompts": 300, "rows": "16", "max_model_len": 256, "ignore_eos": True, "domino_widths": "max",
+             "vllm_modes": VLLM_MODES},
+    "smollm2": {"prompts": 32, "rows": "1,16", "max_model_len": 1024, "ignore_eos": False,
+                "domino_widths": "auto,max", "vllm_modes": ("vllm-target-only", "vllm-ngram")},
+}
 
 
 # ---- ours (our venv) --------------------------------------------------------------------------------
 
-def load_pair(assets: Path, num_prompts: int):
-    import pyarrow.parquet as pq
-
-    from domino_ray.checkpoint import load_draft
-    from domino_ray.target import encode_prompt, load_target, load_tokenizer
-
-    target = load_target(str(assets / "target"), dtype="auto", device="cpu")
-    tokenizer = load_tokenizer(str(assets / "target"))
-    draft = load_draft(assets / "draft", target_config=target.config, dtype=target.dtype)
-    texts = pq.read_table(assets / "prompts.parquet").column("prompt").to_pylist()
-    if num_prompts > len(texts):
-        raise ValueError(f"--prompts {num_prompts}: the pair ships only {len(texts)} prompts")
-    prompts = [encode_prompt(tokenizer, prompt=t, chat_template=False) for t in texts[:num_prompts]]
-    return target, draft, prompts
+def our_modes(pair, widths: str) -> dict:
+    """{mode name: (draft, num_draft_tokens)}: target-only, then one Domino mode per entry of `widths`."""
+    modes = {"ours-target-only": (None, None)}
+    for width in filter(None, widths.split(",")):
+        k = width if width == "auto" else pair.draft.config.max_draft_tokens if width == "max" else int(width)
+        modes[f"ours-domino-{'auto' if k == 'auto' else f'k{k}'}"] = (pair.draft, k)
+    return modes
 
 
-def run_ours(target, draft, prompts, *, rows: int, max_new_tokens: int) -> dict:
-    from domino_ray.engine import SpecEngine
+def our_engine(pair, mode: tuple, *, rows: int, max_model_len: int, width_costs=None):
+    """`width_costs`: an adaptive engine's step costs as another engine of this shape measured them at its
+    start (None: measure them, the engine's start-up); copied, since real steps refine the engine's table."""
+    from domino_ray.llm import build_engine
+
+    draft, num_draft_tokens = mode
+    return build_engine(pair.target, draft, pair.tokenizer, num_draft_tokens=num_draft_tokens, max_batch_size=rows,
+                        max_model_len=max_model_len, width_costs=copy.deepcopy(width_costs))
+
+
+def start_costs(engine):
+    """An adaptive engine's step costs as measured at its start (None for a fixed width): call before any step,
+    since real steps refine them."""
+    return copy.deepcopy(engine.width.costs) if engine.width else None
+
+
+def run_ours(pair, mode: tuple, prompts, *, rows: int, max_new_tokens: int, ignore_eos: bool, max_model_len: int,
+             width_costs=None) -> dict:
     from domino_ray.request import Request
-    from domino_ray.proposer import DominoProposer
     from domino_ray.sampling_params import SamplingParams
     from domino_ray.stats import total_stats
 
-    proposer = DominoProposer(draft, target) if draft is not None else None
-    engine = SpecEngine(target, proposer, max_rows=rows)
-    params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
+    start = time.perf_counter()
+    engine = our_engine(pair, mode, rows=rows, max_model_len=max_model_len, width_costs=width_costs)
+    startup_s = time.perf_counter() - start
+    measured_costs = start_costs(engine)
+    params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=ignore_eos)
     start = time.perf_counter()
     out = engine.generate([Request(i, p, params) for i, p in enumerate(prompts)])
     seconds = time.perf_counter() - start
     total = total_stats(c.stats for c in out)
     return {"seconds": seconds, "tokens": sum(len(c.token_ids) for c in out), "token_ids": [c.token_ids for c in out],
-            "mean_acceptance_length": total.mean_acceptance_length if proposer else None}
+            "mean_acceptance_length": total.mean_acceptance_length if engine.proposer else None,
+            "startup_s": startup_s, "width_costs": measured_costs}
 
 
-def profile_ours_step(target, draft, prompts, *, rows: int, steps: int = 8, max_new_tokens: int = 128) -> dict:
-    """Where one steady-state decode step at `rows` rows spends its time: wall time per step (no profiler),
-    and under torch.profiler the self CPU time of the aten ops by kind. What the ops do not account for is
-    Python and dispatch overhead (the profiler's own cost included, so that share is an upper bound)."""
-    import torch
+def profile_ours_step(pair, name: str, mode: tuple, prompts, *, rows: int, max_model_len: int, steps: int = 8,
+                      max_new_tokens: int = 128) -> dict:
+    """Where one steady-state decode step of mode `name` at `rows` rows spends its time: wall time per step (no
+    profiler), and under torch.profiler the self CPU time of the aten ops by kind. What the ops do not account
+    for is Python and dispatch overhead (the profiler's own cost included, so that share is an upper bound).
+    The rows ignore EOS: a steady state needs them all running."""
     from torch.profiler import ProfilerActivity, profile
 
-    from domino_ray.engine import SpecEngine
     from domino_ray.request import Request
-    from domino_ray.proposer import DominoProposer
     from domino_ray.sampling_params import SamplingParams
 
-    def started_engine():
-        proposer = DominoProposer(draft, target) if draft is not None else None
-        engine = SpecEngine(target, proposer, max_rows=rows)
+    def started_engine(width_costs=None):
+        engine = our_engine(pair, mode, rows=rows, max_model_len=max_model_len, width_costs=width_costs)
+        costs = start_costs(engine)
         params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
         for i, p in enumerate(prompts[:rows]):
             engine.add_request(Request(i, p, params))
         engine.step()  # admission (prefill) and the first decode step stay out of the profile
         engine.step()
-        return engine
+        return engine, costs
 
-    engine = started_engine()
+    engine, costs = started_engine()  # an adaptive engine measures its step costs here, once
     start = time.perf_counter()
     for _ in range(steps):
         engine.step()
     wall_ms = (time.perf_counter() - start) * 1e3 / steps
     assert len(engine.rows) == rows, "rows finished inside the timed window: lower --profile-steps"
-    engine = started_engine()
+    engine, _ = started_engine(costs)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         start = time.perf_counter()
         for _ in range(steps):
@@ -119,14 +147,14 @@ def profile_ours_step(target, draft, prompts, *, rows: int, steps: int = 8, max_
         top.append((event.self_cpu_time_total / 1e3 / steps, event.count / steps, event.key))
     ops_ms = sum(by_kind.values())
     top.sort(reverse=True)
-    return {"rows": rows, "steps": steps, "wall_ms_per_step": round(wall_ms, 2),
+    return {"mode": name, "rows": rows, "steps": steps, "wall_ms_per_step": round(wall_ms, 2),
             "profiled_ms_per_step": round(profiled_ms, 2),
             "self_cpu_ms_per_step": {k: round(v, 2) for k, v in by_kind.items()},
             "python_and_dispatch_ms_per_step": round(profiled_ms - ops_ms, 2),
             "aten_calls_per_step": round(sum(c for _, c, _ in top), 1),
             "top_ops": [{"op": name, "ms_per_step": round(ms, 3), "calls_per_step": round(c, 1)}
                         for ms, c, name in top[:12]],
-            "speculative": draft is not None}
+            "speculative": mode[0] is not None}
 
 
 # ---- vLLM (a .venv-vllm subprocess) -------------------------------------------------------------------
@@ -152,7 +180,10 @@ def vllm_worker(spec_path: Path, out_path: Path):
         llm = LLM(model=spec["target"], dtype="float32", max_model_len=spec["max_model_len"],
                   max_num_seqs=spec["rows"], seed=0, enable_prefix_caching=False, disable_log_stats=False,
                   speculative_config=speculative)
-        greedy = SamplingParams(temperature=0.0, max_tokens=spec["max_new_tokens"], ignore_eos=True)
+        # stop_token_ids: our engine's EOS ids, so both sides stop on the same set (vLLM alone reads them
+        # from the model's files; with ignore_eos it would still stop on these, hence none then)
+        greedy = SamplingParams(temperature=0.0, max_tokens=spec["max_new_tokens"], ignore_eos=spec["ignore_eos"],
+                                stop_token_ids=[] if spec["ignore_eos"] else spec["stop_token_ids"])
         prompts = [TokensPrompt(prompt_token_ids=ids) for ids in spec["prompts"]]
         # Warm-up at full batch: the first steps compile; that stays out of tokens/s.
         llm.generate(prompts[:spec["rows"]], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
@@ -198,18 +229,27 @@ def draft_without_head(draft_dir: Path, out_dir: Path) -> Path:
     return out_dir
 
 
-def run_vllm(mode: str, args, prompts: list[list[int]], workdir: Path) -> dict:
-    spec = {"mode": mode, "target": str(args.assets / "target"), "draft": str(args.assets / "draft"),
+def iomp_library(vllm_python: Path) -> Path:
+    """The Intel OpenMP runtime the vLLM CPU wheel installs into its venv (what vLLM's CPU docs preload)."""
+    return vllm_python.parent.parent / "lib" / "libiomp5.so"
+
+
+def run_vllm(mode: str, args, pair, rows: int, workdir: Path) -> dict:
+    from domino_ray.target import stop_token_ids
+
+    spec = {"mode": mode, "target": pair.target_dir, "draft": str(pair.draft_dir),
             "draft_no_head": str(workdir / "draft-no-head"),
-            "prompts": prompts, "rows": args.rows, "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
+            "prompts": pair.prompts, "rows": rows, "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
+            "ignore_eos": args.ignore_eos, "stop_token_ids": sorted(stop_token_ids(pair.target, pair.tokenizer)),
             "ngram_tokens": args.ngram_tokens, "dflash_tokens": args.dflash_tokens,
             "max_model_len": args.max_model_len}
-    spec_path, out_path, log_path = (workdir / f"{mode}.{x}" for x in ("spec.json", "out.json", "log"))
+    spec_path, out_path, log_path = (workdir / f"{mode}.rows{rows}.{x}" for x in ("spec.json", "out.json", "log"))
+    out_path.unlink(missing_ok=True)  # never a previous run's output
     spec_path.write_text(json.dumps(spec))
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # never our packages in vLLM's venv
     env.update(VLLM_ENV)
-    if args.vllm_preload_iomp:  # what vLLM's CPU docs ask for (it warns that speculation is slow without it)
-        env["LD_PRELOAD"] = str(args.vllm_python.parent.parent / "lib" / "libiomp5.so")
+    if args.vllm_preload_iomp:  # vLLM warns that speculation is slow without it
+        env["LD_PRELOAD"] = str(iomp_library(args.vllm_python))
     start = time.perf_counter()
     with open(log_path, "w") as log:
         proc = subprocess.run([str(args.vllm_python), __file__, "--vllm-worker", str(spec_path), str(out_path)],
@@ -242,23 +282,94 @@ def summarize(name: str, runs: list[dict], **extra) -> dict:
             "tokens": runs[0]["tokens"], "mean_acceptance_length": round(taus[0], 2) if taus else None, **extra}
 
 
+def measure_batch(pair, modes: dict, vllm_modes: list, args, rows: int, loads: dict) -> tuple[list, dict]:
+    """Every mode at `rows` sequences at a time: (table entries, vLLM results by mode). Asserts that our
+    modes generate our target-only tokens."""
+    run = dict(rows=rows, ignore_eos=args.ignore_eos, max_model_len=args.max_model_len)
+    # Warm-up: first-call costs (hooks, allocator) stay out of timing, and the adaptive engine's start-up (it
+    # times every step width) happens once per batch size, reported as its start-up; later engines reuse it.
+    warm = {name: run_ours(pair, mode, pair.prompts[:rows], max_new_tokens=8, **run) for name, mode in modes.items()}
+    ours_runs = {name: [] for name in modes}
+    for repeat in range(args.repeats):  # interleaved: our modes see the same machine state
+        for name, mode in modes.items():
+            r = run_ours(pair, mode, pair.prompts, max_new_tokens=args.max_new_tokens,
+                         width_costs=warm[name]["width_costs"], **run)
+            ours_runs[name].append(r)
+            print(f"{name} at {rows} rows, repeat {repeat}: {r['tokens'] / r['seconds']:.0f} tok/s", file=sys.stderr,
+                  flush=True)
+    loads[f"after ours at {rows} rows"] = os.getloadavg()[0]
+    reference = ours_runs["ours-target-only"][0]["token_ids"]
+    for name, runs in ours_runs.items():  # lossless: every run of every mode gives target-only's greedy tokens
+        assert all(r["token_ids"] == reference for r in runs), \
+            f"{name} at {rows} rows: output differs from our target-only"
+    entries = [summarize(name, runs, batch_size=rows, startup_s=round(warm[name]["startup_s"], 1),
+                         greedy_agreement_with_ours=agreement(reference, runs[-1]["token_ids"]))
+               for name, runs in ours_runs.items()]
+    vllm_results = {}
+    for mode in vllm_modes:
+        res = vllm_results[mode] = run_vllm(mode, args, pair, rows, args.workdir)
+        print(f"{mode} at {rows} rows: {[round(r['tokens'] / r['seconds']) for r in res['runs']]} tok/s, "
+              f"{res.get('error', 'ok')}", file=sys.stderr, flush=True)
+        loads[f"after {mode} at {rows} rows"] = os.getloadavg()[0]
+        if not res.get("error"):
+            entries.append(summarize(mode, res["runs"], batch_size=rows, startup_s=round(res["startup_s"], 1),
+                                     greedy_agreement_with_ours=agreement(reference, res["runs"][0]["token_ids"])))
+    by_mode = {e["mode"]: e for e in entries}
+    vllm_base, ours_base = by_mode.get("vllm-target-only"), by_mode["ours-target-only"]
+    for e in entries:
+        e["vs_vllm_target_only"] = (round(e["median_tokens_per_s"] / vllm_base["median_tokens_per_s"], 2)
+                                    if vllm_base else None)
+        e["vs_ours_target_only"] = round(e["median_tokens_per_s"] / ours_base["median_tokens_per_s"], 2)
+    return entries, vllm_results
+
+
+def print_table(entries: list, vllm_results: dict, args, rows: int, loads: dict):
+    stopping = "ignore_eos" if args.ignore_eos else "stopping at EOS"
+    print(f"\n{args.pair} pair, {rows} rows: {args.prompts} prompts x {args.max_new_tokens} greedy new tokens at most "
+          f"({stopping}), {args.threads} threads, {args.repeats} repeat(s), "
+          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}; "
+          + (f"vLLM with Intel OpenMP {'preloaded' if args.vllm_preload_iomp else 'not preloaded'}; "
+             if vllm_results else "") + f"load average {loads}")
+    print(f"{'mode':<18} {'tok/s (each repeat)':>24} {'tokens':>7} {'vs vLLM':>8} {'vs ours':>8} {'tau':>5} "
+          f"{'start-up':>9}  agreement")
+    for e in entries:
+        tps = " / ".join(f"{x:.0f}" for x in e["tokens_per_s"])
+        vs = f"{e['vs_vllm_target_only']:.2f}" if e["vs_vllm_target_only"] else "-"
+        tau = f"{e['mean_acceptance_length']:.2f}" if e["mean_acceptance_length"] else "-"
+        up = f"{e['startup_s']:.1f} s"
+        agree = e["greedy_agreement_with_ours"]
+        print(f"{e['mode']:<18} {tps:>24} {e['tokens']:>7} {vs:>8} {e['vs_ours_target_only']:>8.2f} {tau:>5} {up:>9}  "
+              f"{agree['equal']}/{agree['total']} equal to ours, mean common prefix {agree['mean_common_prefix']}")
+    for mode, res in vllm_results.items():
+        if res.get("error"):
+            print(f"{mode:<18} did not run: {res['error'][:300]}")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--assets", type=Path, default=ROOT / "domino_ray" / "assets" / "demo")
-    p.add_argument("--prompts", type=int, default=300)
+    p.add_argument("--pair", choices=tuple(PAIRS), default="demo", help="the workload: see the module docstring")
+    p.add_argument("--assets", type=Path, default=None, help="draft + prompts directory (default: the pair's)")
+    p.add_argument("--prompts", type=int, default=None, help="default: the pair's (demo 300, smollm2 32)")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--rows", type=int, default=16, help="sequences at a time (our max_rows, vLLM max_num_seqs)")
+    p.add_argument("--rows", default=None, help="sequences at a time (our max_rows, vLLM max_num_seqs), a list: "
+                                                "each is measured for every mode (default: demo 16, smollm2 1,16)")
+    p.add_argument("--domino-widths", default=None,
+                   help="our Domino modes: auto (adaptive width), max (fixed K, the most the draft proposes) or a K "
+                        "(default: demo max, smollm2 auto,max)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--ngram-tokens", type=int, default=8)
     p.add_argument("--dflash-tokens", type=int, default=7, help="vLLM's DFlash verifies block_size - 1 drafts")
-    p.add_argument("--max-model-len", type=int, default=256, help="vLLM max_model_len (the target's positions)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="positions per sequence, ours and vLLM's (default: demo 256, the target's; smollm2 1024)")
     p.add_argument("--vllm-python", type=Path, default=ROOT / ".venv-vllm" / "bin" / "python")
-    p.add_argument("--vllm-modes", default=",".join(VLLM_MODES))
+    p.add_argument("--vllm-modes", default=None, help="default: the ones that can run the pair")
     p.add_argument("--vllm-timeout", type=int, default=1800)
-    p.add_argument("--vllm-preload-iomp", action="store_true", help="LD_PRELOAD the venv's Intel OpenMP for vLLM")
+    p.add_argument("--vllm-preload-iomp", action=argparse.BooleanOptionalAction, default=True,
+                   help="LD_PRELOAD the venv's Intel OpenMP for vLLM, as its CPU docs ask")
     p.add_argument("--ours-only", action="store_true", help="skip vLLM (no .venv-vllm needed)")
-    p.add_argument("--profile", action="store_true", help="also profile one of our decode steps at --rows rows")
+    p.add_argument("--profile", action="store_true", help="also profile one decode step of each of our modes at "
+                                                          "the largest --rows")
     p.add_argument("--profile-steps", type=int, default=16, help="steady-state steps timed and profiled")
     p.add_argument("--workdir", type=Path, default=ROOT / "out" / "bench_peers", help="vLLM specs, outputs, logs")
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
@@ -266,74 +377,52 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.vllm_worker:
         return vllm_worker(*args.vllm_worker)
-    args.assets, args.workdir = args.assets.resolve(), args.workdir.resolve()  # the worker runs in workdir
+    workload = PAIRS[args.pair]
+    for key in ("prompts", "rows", "max_model_len", "domino_widths"):
+        if getattr(args, key) is None:
+            setattr(args, key, workload[key])
+    args.ignore_eos = workload["ignore_eos"]
+    args.vllm_modes = ",".join(workload["vllm_modes"]) if args.vllm_modes is None else args.vllm_modes
+    args.workdir = args.workdir.resolve()  # the worker runs in workdir
+    batch_sizes = [int(r) for r in str(args.rows).split(",") if r]
     vllm_modes = [] if args.ours_only else [m for m in args.vllm_modes.split(",") if m]
-    unknown = sorted(set(vllm_modes) - set(VLLM_MODES))
-    if unknown:
-        raise SystemExit(f"--vllm-modes: unknown {unknown}; choose from {', '.join(VLLM_MODES)}")
+    unavailable = sorted(set(vllm_modes) - set(workload["vllm_modes"]))
+    if unavailable:
+        raise SystemExit(f"--vllm-modes: {unavailable} cannot run --pair {args.pair}; choose from "
+                         f"{', '.join(workload['vllm_modes'])}")
     if vllm_modes and not args.vllm_python.exists():
         raise SystemExit(f"{args.vllm_python} is missing: run `make peers-venv` first, or pass --ours-only")
+    if vllm_modes and args.vllm_preload_iomp and not iomp_library(args.vllm_python).exists():
+        raise SystemExit(f"{iomp_library(args.vllm_python)} is missing (vLLM's CPU wheel installs it): reinstall with "
+                         "`make peers-venv`, or pass --no-vllm-preload-iomp")
 
     import torch
-    torch.set_num_threads(args.threads)
-    target, draft, prompts = load_pair(args.assets, args.prompts)
-    modes = {"ours-target-only": None, "ours-domino": draft}
-    loads = {"start": os.getloadavg()[0]}
-    for name, d in modes.items():  # warm-up: first-call costs (hooks, allocator) stay out of timing
-        run_ours(target, d, prompts[:args.rows], rows=args.rows, max_new_tokens=8)
-    ours_runs = {name: [] for name in modes}
-    for repeat in range(args.repeats):  # interleaved: both our modes see the same machine state
-        for name, d in modes.items():
-            ours_runs[name].append(run_ours(target, d, prompts, rows=args.rows, max_new_tokens=args.max_new_tokens))
-            r = ours_runs[name][-1]
-            print(f"{name} repeat {repeat}: {r['tokens'] / r['seconds']:.0f} tok/s", file=sys.stderr, flush=True)
-    loads["after ours"] = os.getloadavg()[0]
-    reference = ours_runs["ours-target-only"][0]["token_ids"]
-    for name, runs in ours_runs.items():  # lossless: every run of every mode gives target-only's greedy tokens
-        assert all(r["token_ids"] == reference for r in runs), f"{name}: output differs from our target-only"
-    rows = [summarize(name, runs, greedy_agreement_with_ours=agreement(reference, runs[-1]["token_ids"]))
-            for name, runs in ours_runs.items()]
 
-    vllm_results = {}
+    from common import load_pair
+
+    torch.set_num_threads(args.threads)
+    pair = load_pair(args.pair, args.assets and args.assets.resolve(), args.prompts)
+    longest = max(map(len, pair.prompts)) + args.max_new_tokens
+    if longest > args.max_model_len:
+        raise SystemExit(f"--max-model-len {args.max_model_len}: the longest prompt plus {args.max_new_tokens} new "
+                         f"tokens needs {longest}")
+    modes = our_modes(pair, args.domino_widths)
     if vllm_modes:
         args.workdir.mkdir(parents=True, exist_ok=True)
-        draft_without_head(args.assets / "draft", args.workdir / "draft-no-head")
-    for mode in vllm_modes:
-        res = vllm_results[mode] = run_vllm(mode, args, prompts, args.workdir)
-        print(f"{mode}: {[round(r['tokens'] / r['seconds']) for r in res['runs']]} tok/s, "
-              f"{res.get('error', 'ok')}", file=sys.stderr, flush=True)
-        loads[f"after {mode}"] = os.getloadavg()[0]
-        if res.get("error"):
-            print(f"{mode}: did not run: {res['error']}", file=sys.stderr)
-            continue
-        vllm_reference = res["runs"][0]["token_ids"]
-        rows.append(summarize(mode, res["runs"], startup_s=round(res["startup_s"], 1),
-                              greedy_agreement_with_ours=agreement(reference, vllm_reference)))
-    by_mode = {r["mode"]: r for r in rows}
-    base = by_mode.get("vllm-target-only")
-    for r in rows:
-        r["vs_vllm_target_only"] = (round(r["median_tokens_per_s"] / base["median_tokens_per_s"], 2) if base else None)
-        r["vs_ours_target_only"] = round(r["median_tokens_per_s"] / by_mode["ours-target-only"]["median_tokens_per_s"], 2)
-    profiles = [profile_ours_step(target, d, prompts, rows=args.rows, steps=args.profile_steps)
-                for d in modes.values()] if args.profile else []
-
-    print(f"\n{len(prompts)} prompts x {args.max_new_tokens} greedy new tokens (ignore_eos), {args.rows} rows, "
-          f"{args.threads} threads, {args.repeats} repeat(s), OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}; "
-          f"load average {loads}")
-    print(f"{'mode':<18} {'tok/s (each repeat)':>24} {'vs vLLM':>8} {'vs ours':>8} {'tau':>5} {'start-up':>9}  agreement")
-    for r in rows:
-        tps = " / ".join(f"{x:.0f}" for x in r["tokens_per_s"])
-        vs = f"{r['vs_vllm_target_only']:.2f}" if r["vs_vllm_target_only"] else "-"
-        tau = f"{r['mean_acceptance_length']:.2f}" if r["mean_acceptance_length"] else "-"
-        up = f"{r['startup_s']:.0f} s" if "startup_s" in r else "-"
-        agree = r.get("greedy_agreement_with_ours")
-        agree = f"{agree['equal']}/{agree['total']} equal to ours" if agree else "-"
-        print(f"{r['mode']:<18} {tps:>24} {vs:>8} {r['vs_ours_target_only']:>8.2f} {tau:>5} {up:>9}  {agree}")
-    for mode, res in vllm_results.items():
-        if res.get("error"):
-            print(f"{mode:<18} did not run: {res['error'][:300]}")
+    if "vllm-dflash-no-head" in vllm_modes:
+        draft_without_head(pair.draft_dir, args.workdir / "draft-no-head")
+    loads = {"start": os.getloadavg()[0]}
+    entries, vllm_results = [], {}
+    for rows in batch_sizes:
+        batch_entries, batch_vllm = measure_batch(pair, modes, vllm_modes, args, rows, loads)
+        entries += batch_entries
+        vllm_results.update({(mode, rows): res for mode, res in batch_vllm.items()})
+        print_table(batch_entries, batch_vllm, args, rows, loads)
+    profiles = [profile_ours_step(pair, name, mode, pair.prompts, rows=max(batch_sizes), steps=args.profile_steps,
+                                  max_model_len=args.max_model_len)
+                for name, mode in modes.items()] if args.profile else []
     for prof in profiles:
-        print(f"\nprofile, ours {'domino' if prof['speculative'] else 'target-only'}, {prof['rows']} rows: "
+        print(f"\nprofile, {prof['mode']}, {prof['rows']} rows: "
               f"{prof['wall_ms_per_step']} ms/step ({prof['profiled_ms_per_step']} under the profiler), "
               f"{prof['aten_calls_per_step']} aten calls/step; self CPU ms/step {prof['self_cpu_ms_per_step']}, "
               f"python+dispatch {prof['python_and_dispatch_ms_per_step']}")
@@ -341,13 +430,14 @@ def main(argv=None):
             print(f"    {op['op']:<40} {op['ms_per_step']:>8.3f} ms {op['calls_per_step']:>7.1f} calls")
     meta = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
             "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "load_average": loads,
-            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "vllm_env": VLLM_ENV if vllm_modes else None,
+            "vllm_ld_preload": str(iomp_library(args.vllm_python)) if vllm_modes and args.vllm_preload_iomp else None,
             "args": {k: str(v) for k, v in vars(args).items()}}
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        errors = {m: {k: r[k] for k in ("error", "traceback", "log") if k in r} for m, r in vllm_results.items()
-                  if r.get("error")}
-        args.json.write_text(json.dumps({"meta": meta, "results": rows, "vllm_errors": errors,
+        errors = [{"mode": mode, "batch_size": rows, **{k: r[k] for k in ("error", "traceback", "log") if k in r}}
+                  for (mode, rows), r in vllm_results.items() if r.get("error")]
+        args.json.write_text(json.dumps({"meta": meta, "results": entries, "vllm_errors": errors,
                                          "profiles": profiles}, indent=1) + "\n")
 
 

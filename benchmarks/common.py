@@ -1,4 +1,4 @@
-"""Shared by the benchmarks: the shipped demo pair and its prompts, and what every run records next to its
+"""Shared by the benchmarks: the shipped pairs and their prompts, and what every run records next to its
 figures (the machine, torch, the date and the command's arguments)."""
 
 from __future__ import annotations
@@ -7,6 +7,7 @@ import json
 import platform
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -22,15 +23,51 @@ def write_results(path: Path | None, results: dict, args) -> None:
         path.write_text(json.dumps({"meta": run_meta(args), "results": results}, indent=1, default=str) + "\n")
 
 
-def demo_pair(assets: Path):
-    """(target, draft, tokenizer, prompt token ids) of the pair in `assets` (plain prompts, no chat template)."""
+SMOLLM2_ASSETS = Path(__file__).resolve().parents[1] / "domino_ray" / "assets" / "smollm2"
+
+
+class Pair(NamedTuple):
+    target: object
+    draft: object
+    tokenizer: object
+    prompts: list     # prompt token ids
+    target_dir: str   # the checkpoints' directories (what a peer engine loads)
+    draft_dir: Path
+
+
+def load_pair(name: str = "demo", assets: Path | None = None, num_prompts: int = 0) -> Pair:
+    """A shipped pair: `demo` (domino_ray/assets/demo, plain prompts, no chat template) or `smollm2` (the target
+    converted by `make smollm2`, float32, with the draft and held-out chat prompts of domino_ray/assets/smollm2).
+    `assets`: another draft + prompts directory; `num_prompts` 0: all. Exits saying what to run when SmolLM2
+    is not converted."""
     import pyarrow.parquet as pq
 
     from domino_ray.checkpoint import load_draft
+    from domino_ray.config import DEMO_ASSETS
     from domino_ray.target import encode_prompt, load_target, load_tokenizer
 
-    target = load_target(str(assets / "target"), dtype="auto", device="cpu")
-    tokenizer = load_tokenizer(str(assets / "target"))
+    if name == "smollm2":
+        from domino_ray.smollm2 import cache_dir, is_converted
+
+        if not is_converted():
+            raise SystemExit(f"error: SmolLM2 is not converted at {cache_dir()}: run `make smollm2` first")
+        assets, target_dir = assets or SMOLLM2_ASSETS, str(cache_dir())
+    else:
+        assets = assets or DEMO_ASSETS
+        target_dir = str(assets / "target")
+    target = load_target(target_dir, dtype="float32" if name == "smollm2" else "auto", device="cpu")
+    tokenizer = load_tokenizer(target_dir)
     draft = load_draft(assets / "draft", target_config=target.config, dtype=target.dtype)
-    texts = pq.read_table(assets / "prompts.parquet").column("prompt").to_pylist()
-    return target, draft, tokenizer, [encode_prompt(tokenizer, prompt=t, chat_template=False) for t in texts]
+    table = pq.read_table(assets / "prompts.parquet")
+    chat = "messages" in table.column_names  # chat prompts: the chat template path
+    texts = table.column("messages" if chat else "prompt").to_pylist()
+    if num_prompts > len(texts):
+        raise ValueError(f"{num_prompts} prompts asked: {assets} ships only {len(texts)}")
+    prompts = [encode_prompt(tokenizer, messages=t) if chat else encode_prompt(tokenizer, prompt=t, chat_template=False)
+               for t in texts[:num_prompts or None]]
+    return Pair(target, draft, tokenizer, prompts, target_dir, assets / "draft")
+
+
+def demo_pair(assets: Path):
+    """(target, draft, tokenizer, prompt token ids) of the pair in `assets` (plain prompts, no chat template)."""
+    return tuple(load_pair("demo", assets)[:4])

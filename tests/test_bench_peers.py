@@ -1,5 +1,6 @@
-"""bench_peers without vLLM (`--ours-only`, toy sizes): our two modes generate the same greedy tokens, the
-figures obey their invariants, the step profile adds up; and a missing vLLM venv is a clear error."""
+"""bench_peers without vLLM (`--ours-only`, toy sizes), on the demo pair and on the SmolLM2 pair: our modes
+generate the same greedy tokens, the figures obey their invariants, the step profile adds up; and a missing
+vLLM venv or SmolLM2 conversion is a clear error."""
 
 import json
 import math
@@ -13,40 +14,78 @@ import pytest
 SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_peers.py"
 
 
-def run(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+def run(*args: str, timeout: int = 300, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout,
-                          cwd=SCRIPT.parent.parent, env=os.environ)
+                          cwd=SCRIPT.parent.parent, env={**os.environ, **(env or {})})
 
 
 @pytest.mark.slow
 def test_peers_ours_only_smoke(tmp_path):
+    """The demo pair at two batch sizes, with the adaptive mode beside today's two (`--domino-widths auto,max`)."""
     out = tmp_path / "peers.json"
-    result = run("--ours-only", "--prompts", "4", "--max-new-tokens", "12", "--rows", "2", "--threads", "1",
-                 "--profile", "--profile-steps", "4", "--json", str(out))
+    result = run("--ours-only", "--prompts", "4", "--max-new-tokens", "12", "--rows", "1,2", "--threads", "1",
+                 "--domino-widths", "auto,max", "--profile", "--profile-steps", "4", "--json", str(out))
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(out.read_text())
-    rows = {r["mode"]: r for r in report["results"]}
-    assert set(rows) == {"ours-target-only", "ours-domino"} and report["vllm_errors"] == {}
-    for r in rows.values():
+    modes = ("ours-target-only", "ours-domino-auto", "ours-domino-k8")  # the demo draft: K = 8
+    entries = {(r["batch_size"], r["mode"]): r for r in report["results"]}
+    assert set(entries) == {(rows, mode) for rows in (1, 2) for mode in modes} and report["vllm_errors"] == []
+    for (rows, mode), r in entries.items():
         assert r["tokens"] == 4 * 12  # ignore_eos: every prompt gets its full budget
         assert r["greedy_agreement_with_ours"] == {"equal": 4, "total": 4, "mean_common_prefix": 12.0}
         assert all(math.isfinite(x) and x > 0 for x in r["tokens_per_s"]) and r["vs_vllm_target_only"] is None
-    assert rows["ours-target-only"]["vs_ours_target_only"] == 1.0
-    assert rows["ours-domino"]["vs_ours_target_only"] == pytest.approx(
-        rows["ours-domino"]["median_tokens_per_s"] / rows["ours-target-only"]["median_tokens_per_s"], abs=0.01)
-    assert rows["ours-target-only"]["mean_acceptance_length"] is None
-    assert 1.0 < rows["ours-domino"]["mean_acceptance_length"] <= 8 + 1  # the demo draft: K = 8, and it accepts
-    assert [p["speculative"] for p in report["profiles"]] == [False, True]
+        assert r["vs_ours_target_only"] == pytest.approx(
+            r["median_tokens_per_s"] / entries[rows, "ours-target-only"]["median_tokens_per_s"], abs=0.01)
+        if mode == "ours-target-only":
+            assert r["mean_acceptance_length"] is None and r["vs_ours_target_only"] == 1.0
+        else:
+            assert 1.0 < r["mean_acceptance_length"] <= 8 + 1  # and the demo draft accepts
+    assert [(p["mode"], p["rows"], p["speculative"]) for p in report["profiles"]] == [
+        ("ours-target-only", 2, False), ("ours-domino-auto", 2, True), ("ours-domino-k8", 2, True)]
     for prof in report["profiles"]:
         parts = prof["self_cpu_ms_per_step"]
         assert prof["wall_ms_per_step"] > 0 and parts["gemm"] > 0 and all(v >= 0 for v in parts.values())
         assert prof["profiled_ms_per_step"] == pytest.approx(
             sum(parts.values()) + prof["python_and_dispatch_ms_per_step"], abs=0.05)
-    assert "ours-domino" in result.stdout and "4/4 equal to ours" in result.stdout
+    assert "ours-domino-auto" in result.stdout and result.stdout.count("4/4 equal to ours") == 6
 
 
-def test_peers_without_vllm_venv_says_how_to_get_it(tmp_path):
+@pytest.mark.slow
+def test_peers_smollm2_ours_only_smoke(tmp_path):
+    """`--pair smollm2`: chat prompts stopping at EOS, every batch size of `--rows` for every mode, our
+    target-only and fixed-K modes token for token equal. The adaptive mode is left to the demo smoke: at
+    start-up it times every step width, a minute of SmolLM2 steps here."""
+    from domino_ray.smollm2 import cache_dir, is_converted
+
+    if not is_converted():
+        pytest.skip(f"SmolLM2 is not converted at {cache_dir()}: run `make smollm2` (`make test` does)")
+    out = tmp_path / "peers.json"
+    result = run("--ours-only", "--pair", "smollm2", "--prompts", "2", "--max-new-tokens", "8", "--rows", "1,2",
+                 "--domino-widths", "max", "--threads", "1", "--json", str(out))
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["vllm_errors"] == [] and report["meta"]["vllm_ld_preload"] is None
+    assert report["meta"]["args"]["ignore_eos"] == "False"
+    entries = {(r["batch_size"], r["mode"]): r for r in report["results"]}
+    modes = ("ours-target-only", "ours-domino-k8")  # the draft proposes at most K = 8
+    assert set(entries) == {(rows, mode) for rows in (1, 2) for mode in modes}
+    for (rows, mode), r in entries.items():
+        assert r["tokens"] <= 2 * 8 and r["tokens"] == entries[rows, "ours-target-only"]["tokens"]
+        assert r["greedy_agreement_with_ours"]["equal"] == r["greedy_agreement_with_ours"]["total"] == 2
+        assert r["startup_s"] >= 0 and all(math.isfinite(x) and x > 0 for x in r["tokens_per_s"])
+        if mode == "ours-target-only":
+            assert r["mean_acceptance_length"] is None and r["vs_ours_target_only"] == 1.0
+        else:
+            assert 1.0 <= r["mean_acceptance_length"] <= 8 + 1
+    assert result.stdout.count("stopping at EOS") == 2
+
+
+def test_peers_without_vllm_venv_or_smollm2_says_how_to_get_it(tmp_path):
     result = run("--vllm-python", str(tmp_path / "missing" / "python"))
     assert result.returncode != 0 and "make peers-venv" in result.stderr and "--ours-only" in result.stderr
     result = run("--vllm-modes", "vllm-eagle")
-    assert result.returncode != 0 and "--vllm-modes: unknown ['vllm-eagle']" in result.stderr
+    assert result.returncode != 0 and "--vllm-modes: ['vllm-eagle'] cannot run --pair demo" in result.stderr
+    result = run("--pair", "smollm2", "--vllm-modes", "vllm-dflash")  # its draft's pruned vocabulary
+    assert result.returncode != 0 and "['vllm-dflash'] cannot run --pair smollm2" in result.stderr
+    result = run("--pair", "smollm2", "--ours-only", env={"DOMINO_RAY_SMOLLM2_DIR": str(tmp_path / "none")})
+    assert result.returncode != 0 and "run `make smollm2` first" in result.stderr
