@@ -6,8 +6,8 @@ against the same engine called directly in one process on the same prompts and s
 Without --target/--draft it uses domino_ray/assets/demo when present, else a saved tiny random pair
 (tests/tiny_models.save_tiny_pair) and says which. Both sides use the same number of torch threads
 (`--threads`, = the actor's CPUs); the job also needs CPU for reading and writing, so the cluster gets
-one CPU more. Direct: a fresh Python process that imports, loads the models, tokenizes and generates
-(its whole wall time). Job: `run_job` in a driver whose Ray cluster is already up (pre-flight, actor
+one CPU more (`--ray-address` joins a running cluster instead). Direct: a fresh Python process that
+imports, loads the models, tokenizes and generates (its whole wall time). Job: `run_job` in a driver whose Ray cluster is already up (pre-flight, actor
 start and model load, generation, writing, summary). Each size runs direct then job, `--repeat` times.
 """
 
@@ -127,6 +127,8 @@ def main():
     parser.add_argument("--max-batch-size", type=int, default=32)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--ray-address", default="local",
+                        help="join this running cluster (the smoke test's) instead of starting one of --threads + 1 CPUs")
     args = parser.parse_args()
     if args.direct_only:
         print(json.dumps(direct(args.target, args.draft, make_prompts(args.direct_only), args)))
@@ -140,8 +142,11 @@ def main():
         target, draft, which = models(args, tmp)
         print(f"models: {which}: {target} {draft}", flush=True)
         start = time.perf_counter()
-        ray.init(address="local", num_cpus=args.threads + 1, object_store_memory=300 * 1024**2,
-                 include_dashboard=False, logging_level="WARNING")
+        if args.ray_address == "local":
+            ray.init(address="local", num_cpus=args.threads + 1, object_store_memory=300 * 1024**2,
+                     include_dashboard=False, logging_level="WARNING")
+        else:
+            ray.init(address=args.ray_address, logging_level="WARNING")
         print(f"ray.init: {time.perf_counter() - start:.1f} s", flush=True)
         for rep in range(args.repeat):
             for n in args.sizes:

@@ -2,13 +2,12 @@
 crashes the engine itself fails the job naming the row instead of restarting actors forever."""
 
 import asyncio
-import subprocess
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from batch_fixtures import job_config, job_overrides, python, ray_cluster, REPO, tiny_pair  # noqa: F401
+from batch_fixtures import job_config, ray_cluster, REPO, tiny_pair  # noqa: F401
 from domino_ray.engine import SpecEngine
 from domino_ray.request import Request
 from domino_ray.engine_loop import EngineLoop
@@ -17,8 +16,6 @@ from domino_ray.ray_predictor import RowCrashesEngine
 from domino_ray.sampling_params import SamplingParams
 from faulty_predictor import faulty_predictor
 from tiny_models import tiny_target
-
-GENERATE = [python(), str(REPO / "jobs" / "generate.py")]
 
 
 def test_any_error_adding_a_request_fails_only_that_request():
@@ -41,21 +38,16 @@ def test_any_error_adding_a_request_fails_only_that_request():
 JOB = {"generation.max_new_tokens": 4, "runtime.batch_size": 2}
 
 
-def _run_job(tiny_pair, ray_cluster, tmp_path, rows: dict, timeout=150):
-    pq.write_table(pa.table(rows), tmp_path / "in.parquet")
-    command = [*GENERATE, *job_overrides(tiny_pair, tmp_path / "in.parquet", tmp_path / "out", **{
-        "runtime.ray_address": ray_cluster, **JOB})]
-    return subprocess.run(command, capture_output=True, text=True, timeout=timeout)
-
-
 @pytest.mark.ray
 def test_seed_torch_refuses_is_an_error_row_and_the_job_finishes(ray_cluster, tiny_pair, tmp_path):
     """Issue 12 item 11: `{"seed": true}` passed validation, torch's manual_seed(True) raised RuntimeError
-    in add_request, the engine loop died and Ray restarted the actor forever."""
-    run = _run_job(tiny_pair, ray_cluster, tmp_path, {
-        "id": ["s", "ok"], "prompt": ["x =", "the lazy dog"],
-        "sampling_params": ['{"seed": true, "temperature": 0.5}', None]})
-    assert run.returncode == 0, run.stdout + run.stderr
+    in add_request, the engine loop died and Ray restarted the actor forever. (run_job in this process: the
+    loop's failure is the actor's, and a CLI driver would only add its own start-up.)"""
+    pq.write_table(pa.table({"id": ["s", "ok"], "prompt": ["x =", "the lazy dog"],
+                             "sampling_params": ['{"seed": true, "temperature": 0.5}', None]}), tmp_path / "in.parquet")
+    cfg = job_config(tiny_pair, str(tmp_path / "in.parquet"), str(tmp_path / "out"), **JOB)
+    summary = run_job(cfg, log=lambda *_: None)
+    assert summary["rows"] == {"total": 2, "ok": 1, "failed": 1, "unique_ids": 2}
     rows = {r["id"]: r for r in pq.read_table(tmp_path / "out").to_pylist()}
     assert rows["s"]["finish_reason"] == "error" and "seed" in rows["s"]["error"]
     assert rows["ok"]["finish_reason"] == "length" and rows["ok"]["error"] is None

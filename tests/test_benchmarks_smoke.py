@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from batch_fixtures import ray_cluster  # noqa: F401
+
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
@@ -82,14 +84,23 @@ def test_gpu_check_smoke_on_cpu(tmp_path):
     assert sum(info_plan for info_plan in info["plan_GiB"].values()) == pytest.approx(report["plan_total_GiB"])
 
 
+DEMO_PAIR_RUN = ["--prompts", "3", "--max-new-tokens", "12", "--batch-sizes", "2", "--threads", "1",
+                 "--num-draft-tokens", "3"]
+
+
+@pytest.fixture(scope="module")
+def demo_pair_timed(tmp_path_factory) -> dict:
+    """One timed bench_demo_pair run for both tests below (each run is a fresh process loading the pair)."""
+    out = tmp_path_factory.mktemp("demo_bench") / "demo.json"
+    run_script("bench_demo_pair.py", *DEMO_PAIR_RUN, "--repeats", "2", "--json", str(out))
+    return json.loads(out.read_text())["results"]["batch 2"]
+
+
 @pytest.mark.slow
-def test_demo_pair_benchmark_smoke(tmp_path):
+def test_demo_pair_benchmark_smoke(demo_pair_timed):
     """bench_demo_pair on the shipped pair at toy sizes: every draft variant generates the tokens
     target-only does, its acceptance figures are consistent, and the trained draft accepts."""
-    out = tmp_path / "demo.json"
-    run_script("bench_demo_pair.py", "--prompts", "3", "--max-new-tokens", "12", "--batch-sizes", "2",
-               "--repeats", "2", "--threads", "1", "--num-draft-tokens", "3", "--json", str(out))
-    results = json.loads(out.read_text())["results"]["batch 2"]
+    results = demo_pair_timed
     drafts = results["drafts"]
     assert set(drafts) == {"target-only", "domino", "domino-base-only", "domino-K3"}
     assert len({d["tokens"] for d in drafts.values()}) == 1 and drafts["target-only"]["tokens"] > 0
@@ -105,20 +116,17 @@ def test_demo_pair_benchmark_smoke(tmp_path):
     assert 0.0 <= results["repeated_4gram_fraction"] <= 1.0
 
 
-def test_demo_pair_benchmark_acceptance_only(tmp_path):
+def test_demo_pair_benchmark_acceptance_only(tmp_path, demo_pair_timed):
     """`--acceptance-only`: each fixed-K draft's tau without timing, the same figures the timed run gives;
     auto and target-only have no draft acceptance of their own and are left out."""
     out = tmp_path / "acc.json"
-    common = ["--prompts", "2", "--max-new-tokens", "8", "--batch-sizes", "2", "--threads", "1"]
-    run_script("bench_demo_pair.py", *common, "--num-draft-tokens", "auto,3", "--acceptance-only", "--json", str(out))
+    run_script("bench_demo_pair.py", *DEMO_PAIR_RUN[:-1], "auto,3", "--acceptance-only", "--json", str(out))
     acceptance = json.loads(out.read_text())["results"]["acceptance"]
     assert set(acceptance) == {"domino", "domino-base-only", "domino-K3"}
-    timed = tmp_path / "timed.json"
-    run_script("bench_demo_pair.py", *common, "--repeats", "1", "--json", str(timed))
-    drafts = json.loads(timed.read_text())["results"]["batch 2"]["drafts"]
-    for name in ("domino", "domino-base-only"):
-        assert acceptance[name]["mean_acceptance_length"] == drafts[name]["mean_acceptance_length"]
-        assert acceptance[name]["tokens"] == drafts[name]["tokens"]
+    drafts = demo_pair_timed["drafts"]
+    for name in acceptance:
+        assert acceptance[name]["mean_acceptance_length"] == drafts[name]["mean_acceptance_length"], name
+        assert acceptance[name]["tokens"] == drafts[name]["tokens"], name
 
 
 @pytest.mark.slow
@@ -139,11 +147,13 @@ def test_demo_pair_benchmark_takes_the_smollm2_pair(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.ray
-def test_batch_job_benchmark_smoke():
+def test_batch_job_benchmark_smoke(ray_cluster):
     """bench_batch_job at a toy size: the job and the direct engine generate the same number of tokens
-    (same engine settings, greedy) and the job writes every row."""
+    (same engine settings, greedy) and the job writes every row. It joins the session's cluster: a cluster
+    start-up of its own is most of a toy run's time and proves nothing about the benchmark."""
     stdout = run_script("bench_batch_job.py", "--sizes", "6", "--max-new-tokens", "6", "--max-batch-size", "4",
-                        "--batch-size", "3", "--threads", "1", env={"RAY_AUTH_MODE": "disabled"}, timeout=600)
+                        "--batch-size", "3", "--threads", "1", "--ray-address", ray_cluster,
+                        env={"RAY_AUTH_MODE": "disabled"}, timeout=600)
     runs = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
     direct = next(r for r in runs if r["mode"] == "direct")
     job = next(r for r in runs if r["mode"] == "job")
@@ -154,14 +164,15 @@ def test_batch_job_benchmark_smoke():
 
 @pytest.mark.slow
 @pytest.mark.ray
-def test_serve_benchmark_smoke(tmp_path):
+def test_serve_benchmark_smoke(ray_cluster, tmp_path):
     """bench_serve on a tiny pair: every request answered with max_tokens tokens (ignore_eos), percentiles
     ordered, and the speculative mode's acceptance within [1, K+1]. One mode: the target-only mode is the
-    same deployment without a draft, and each mode costs a Serve start-up."""
+    same deployment without a draft, and each mode costs a Serve start-up. On the session's cluster
+    (`runtime.ray_address`), as on a user's running cluster: no cluster start-up of its own."""
     out = tmp_path / "serve.json"
     run_script("bench_serve.py", "--tiny", str(tmp_path / "pair"), "--concurrency", "2", "--requests", "4",
                "--max-tokens", "6", "--time-limit", "120", "--modes", "spec", "--json", str(out),
-               "runtime.ray_address=local", env={"RAY_AUTH_MODE": "disabled"}, timeout=600)
+               f"runtime.ray_address={ray_cluster}", env={"RAY_AUTH_MODE": "disabled"}, timeout=600)
     rows = {r["mode"]: r for r in json.loads(out.read_text())}
     assert set(rows) == {"spec"}
     for r in rows.values():

@@ -64,25 +64,6 @@ def test_jsonl_in_parquet_out_equals_the_command(ray_cluster, tiny_pair, tmp_pat
     assert all(len(ids) == n for ids, n in zip(ours["prompt_token_ids"], ours["num_input_tokens"]))
 
 
-def test_pandas_in_and_out_with_stages_around_it_through_rays_build_processor(ray_cluster, tiny_pair):
-    """`ray.data.llm.build_processor(our config)` (Ray's registry), a `map` before and a `filter` after:
-    input columns carried, rows never leak into each other (each equals the target alone on its prompt)."""
-    from ray.data.llm import build_processor as rays_build_processor
-
-    prompts = make_prompts(9, seed=4)
-    df = pd.DataFrame({"prompt": prompts, "topic": [f"t{i % 3}" for i in range(len(prompts))]})
-    processor = rays_build_processor(processor_config(tiny_pair, chat_template_stage=False))
-    ds = ray.data.from_pandas(df).map(lambda row: {**row, "chars": len(row["prompt"])})
-    out = processor(ds).filter(lambda row: row["topic"] != "t0").to_pandas()
-    assert sorted(out["prompt"]) == sorted(p for i, p in enumerate(prompts) if i % 3)
-    assert (out["chars"] == out["prompt"].str.len()).all() and out["error"].isna().all()
-
-    alone = DominoLLM.from_pretrained(tiny_pair[0], chat_template=False)  # the target without a draft
-    expected = alone.generate(list(out["prompt"]), SamplingParams(max_new_tokens=MAX_NEW))
-    assert [list(t) for t in out["generated_tokens"]] == [e.token_ids for e in expected]
-    assert list(out["generated_text"]) == [e.text for e in expected]
-
-
 def _bad_rows():
     good = make_prompts(4, seed=5)
     rows = [{"id": f"g{i}", "prompt": p, "sampling_params": None} for i, p in enumerate(good)]
@@ -98,21 +79,42 @@ BAD_REASONS = {"null": "prompt is null", "params": r"unknown keys \['temprature'
                "vllm-only": r"unknown keys \['presence_penalty'\]", "long": "the model's limit is 512 tokens"}
 
 
-def test_bad_rows_become_error_rows_and_the_pipeline_finishes(ray_cluster, tiny_pair):
+def test_pandas_in_and_out_through_rays_build_processor_with_stages_around_it_and_bad_rows(ray_cluster, tiny_pair):
+    """`ray.data.llm.build_processor(our config)` (Ray's registry), a `map` before and a `filter` after:
+    input columns carried, rows never leak into each other (each good row equals the target alone on its
+    prompt), and bad rows become error rows in Ray Data LLM's error column while the pipeline finishes.
+    (One pipeline for both: each costs an engine actor's start-up.)"""
     import re
 
-    processor = build_processor(processor_config(tiny_pair, chat_template_stage=False,
-                                                 error_column="__inference_error__"))
-    out = {r["id"]: r for r in processor(ray.data.from_items(_bad_rows())).take_all()}
-    assert sorted(out) == sorted(r["id"] for r in _bad_rows())
-    for row_id, row in out.items():
-        if row_id in BAD_REASONS:
-            assert re.search(BAD_REASONS[row_id], row["__inference_error__"]), row["__inference_error__"]
-            assert row["finish_reason"] == "error" and row["generated_text"] == "" and row["generated_tokens"] == []
-            assert row["num_generated_tokens"] == 0 and len(row["acceptance_histogram"]) == 4
-        else:
-            assert row["__inference_error__"] is None and row["num_generated_tokens"] > 0
-    assert "error" not in next(iter(out.values()))
+    from ray.data.llm import build_processor as rays_build_processor
+
+    prompts = make_prompts(9, seed=4)
+    rows = [{"id": f"p{i}", "prompt": p, "sampling_params": None, "topic": f"t{i % 3}"} for i, p in enumerate(prompts)]
+    rows += [{**r, "topic": "bad"} for r in _bad_rows()]
+    processor = rays_build_processor(processor_config(tiny_pair, chat_template_stage=False,
+                                                      error_column="__inference_error__"))
+    # Missing values reach the map as pandas' NaN (a float): the map hands them on as nulls, so the processor
+    # sees the rows that the other inputs give.
+    def chars(row):
+        row = {k: None if isinstance(v, float) and v != v else v for k, v in row.items()}
+        return {**row, "chars": len(row["prompt"] or "")}
+
+    ds = ray.data.from_pandas(pd.DataFrame(rows)).map(chars)
+    out = processor(ds).filter(lambda row: row["topic"] != "t0").to_pandas()
+    assert sorted(out["id"]) == sorted(r["id"] for r in rows if r["topic"] != "t0")  # one row per input row
+    assert (out["chars"] == out["prompt"].fillna("").str.len()).all() and "error" not in out.columns
+
+    failed = out[out["id"].isin(list(BAD_REASONS))]
+    for row in failed.to_dict("records"):
+        assert re.search(BAD_REASONS[row["id"]], row["__inference_error__"]), row["__inference_error__"]
+        assert row["finish_reason"] == "error" and row["generated_text"] == "" and len(row["generated_tokens"]) == 0
+        assert row["num_generated_tokens"] == 0 and len(row["acceptance_histogram"]) == 4
+    ok = out[~out["id"].isin(list(BAD_REASONS))]
+    assert len(failed) == len(BAD_REASONS) and ok["__inference_error__"].isna().all()
+    alone = DominoLLM.from_pretrained(tiny_pair[0], chat_template=False)  # the target without a draft
+    expected = alone.generate(list(ok["prompt"]), SamplingParams(max_new_tokens=MAX_NEW))
+    assert [list(t) for t in ok["generated_tokens"]] == [e.token_ids for e in expected]
+    assert list(ok["generated_text"]) == [e.text for e in expected]
 
 
 def test_should_continue_on_error_false_fails_naming_the_row(ray_cluster, tiny_pair):
