@@ -390,6 +390,7 @@ def main(argv=None):
     if unavailable:
         raise SystemExit(f"--vllm-modes: {unavailable} cannot run --pair {args.pair}; choose from "
                          f"{', '.join(workload['vllm_modes'])}")
+    args.vllm_python = args.vllm_python.absolute()  # the worker runs in the workdir; not resolve(): a venv's python is a link
     if vllm_modes and not args.vllm_python.exists():
         raise SystemExit(f"{args.vllm_python} is missing: run `make peers-venv` first, or pass --ours-only")
     if vllm_modes and args.vllm_preload_iomp and not iomp_library(args.vllm_python).exists():
