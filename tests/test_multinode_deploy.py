@@ -38,6 +38,7 @@ MODEL = "tiny-domino"
 CLIENTS = 4              # concurrent loopback clients: 2 plain, 2 streaming
 REQUEST_TIMEOUT_S = 30   # a request that outlasts this is a hang, and fails the test
 HEALTH_TIMEOUT_S = 5
+ROUTING_WINDOW_S = 5     # kill -> the proxy stops routing to the lost replica (its connection breaks: ~2 s here)
 RECOVERY_BOUND_S = 20    # kill -> last failed request ended (the GCS declares a node dead after 5-7 s here)
 PROMPTS = ["the quick brown fox", "a batch of prompts", "Ray runs the job", "speculative decoding"]
 
@@ -288,7 +289,11 @@ def test_serve_keeps_answering_when_a_worker_node_is_lost(deploy_cluster, tiny_p
     in_flight = [o for o in outcomes if o.sent <= killed_at < o.done]
     assert not [o for o in outcomes if o.result == "timeout"], "a request hung until its client timeout"
     assert all(o.result.startswith(("http 5", "broken stream", "error event")) for o in failed), failed
-    assert all(o in in_flight for o in failed), (failed, in_flight)  # nothing sent after the loss failed
+    # Failures are the lost replica's: in flight at the kill, or routed to it in the moment before the proxy
+    # learns it is gone (seen once in 5 runs: 1 of 278 requests, sent 1.5 s after the kill); at most one a client.
+    routed_to_lost = [o for o in failed if o not in in_flight]
+    assert all(o.sent - killed_at < ROUTING_WINDOW_S for o in routed_to_lost), (routed_to_lost, in_flight)
+    assert len(routed_to_lost) <= CLIENTS, routed_to_lost
     assert report["recovery_s"] < RECOVERY_BOUND_S, report
     texts = {}
     for o in outcomes:
