@@ -81,6 +81,7 @@ class SpecEngine:
         cfg = target.config
         self.target, self.decoder, self.lm_head = target, target.get_decoder(), target.get_output_embeddings()
         self.proposer = proposer
+        self.host_drafts = proposer is not None and not getattr(proposer, "graph_safe", False)  # test proposers
         k = self.num_spec_tokens = proposer.num_spec_tokens if proposer is not None else 0  # K, per step at most
         limits = [x for x in (max_model_len, getattr(cfg, "max_position_embeddings", None)) if x]
         if not limits:
@@ -318,16 +319,14 @@ class SpecEngine:
         """Draft `w` tokens (none when 0), then verify and accept them, for slots `0..r` over `key_groups`: one
         CUDA graph with graphs. False when that graph was captured now (the step's time is not a step's cost)."""
         def step():
-            if w:
+            if w and not self.host_drafts:
                 self._draft_step(r, key_groups, w)
             self._verify_step(r, key_groups, w, sampled, filtered, context)
 
-        if w and not getattr(self.proposer, "graph_safe", False):  # host-side drafts (test proposers): eager
+        if w and self.host_drafts:  # test proposers: drafts from the rows' ids, so the whole step runs eagerly
             self._draft_step(r, key_groups, w, [row.committed for row in self.rows],
                              [row.request.request_id for row in self.rows])
-            self._verify_step(r, key_groups, w, sampled, filtered, context)
-            return True
-        if self.graphs is None:
+        if self.graphs is None or self.host_drafts:
             step()
             return True
         return self.graphs.run(("step", r, key_groups, w, sampled, filtered, context), step)
@@ -335,7 +334,7 @@ class SpecEngine:
     def _capture_graphs(self) -> float:
         """Every greedy step key captured now, while every slot is free (padding rows: the steps leave them
         unchanged); the seconds taken. Host-side proposers (tests) have no graphs."""
-        if self.proposer is not None and not getattr(self.proposer, "graph_safe", False):
+        if self.host_drafts:
             return 0.0
         keys = greedy_step_keys(self.row_buckets, self.key_buckets, self.widths)
         return capture_steps(self.graphs, keys, lambda key: self._device_step(*key[1:]))
