@@ -103,6 +103,42 @@ def run_ours(pair, mode: tuple, prompts, *, rows: int, max_new_tokens: int, igno
             "startup_s": startup_s, "width_costs": measured_costs}
 
 
+# Op kinds of a step profile, by op-name prefix, ours (aten) and vLLM's (its own CPU ops). vLLM's compiled
+# model runs its fused elementwise kernels (norms, rotary, SiLU, residual adds) inside the compiled graph's
+# call, so they show as that call's self time.
+OP_KINDS = {"gemm": ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear", "aten::baddbmm",
+                     "_C::onednn_mm", "_C::weight_packed_linear"),
+            "attention": ("aten::_scaled_dot_product", "aten::scaled_dot_product", "_C::cpu_attention",
+                          "_C::cpu_attn", "vllm::unified_attention", "vllm::unified_kv_cache"),
+            "gru": ("aten::gru",),
+            "fused elementwise (compiled)": ("## Call CompiledFxGraph",)}
+
+
+def ops_by_kind(events, steps: int) -> tuple[dict, list]:
+    """Self CPU ms per step by `OP_KINDS` (the rest: "other ops") and every op as (ms, calls, name) per step,
+    from `(name, self_cpu_us, calls)` triples of `steps` steps."""
+    by_kind = dict.fromkeys([*OP_KINDS, "other ops"], 0.0)
+    top = []
+    for name, self_us, calls in events:
+        kind = next((k for k, prefixes in OP_KINDS.items() if name.startswith(prefixes)), "other ops")
+        by_kind[kind] += self_us / 1e3 / steps
+        top.append((self_us / 1e3 / steps, calls / steps, name))
+    top.sort(reverse=True)
+    return by_kind, top
+
+
+def step_profile(name: str, rows: int, steps: int, wall_ms: float, profiled_ms: float, events) -> dict:
+    """One engine's step profile as the table prints it (`events`: see `ops_by_kind`)."""
+    by_kind, top = ops_by_kind(events, steps)
+    return {"mode": name, "rows": rows, "steps": steps, "wall_ms_per_step": round(wall_ms, 2),
+            "profiled_ms_per_step": round(profiled_ms, 2),
+            "self_cpu_ms_per_step": {k: round(v, 2) for k, v in by_kind.items() if v},
+            "python_and_dispatch_ms_per_step": round(profiled_ms - sum(by_kind.values()), 2),
+            "op_calls_per_step": round(sum(c for _, c, _ in top), 1),
+            "top_ops": [{"op": op, "ms_per_step": round(ms, 3), "calls_per_step": round(c, 1)}
+                        for ms, c, op in top[:12]]}
+
+
 def profile_ours_step(pair, name: str, mode: tuple, prompts, *, rows: int, max_model_len: int, steps: int = 8,
                       max_new_tokens: int = 128) -> dict:
     """Where one steady-state decode step of mode `name` at `rows` rows spends its time: wall time per step (no
@@ -136,25 +172,8 @@ def profile_ours_step(pair, name: str, mode: tuple, prompts, *, rows: int, max_m
         for _ in range(steps):
             engine.step()
         profiled_ms = (time.perf_counter() - start) * 1e3 / steps
-    kinds = {"gemm": ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear", "aten::baddbmm"),
-             "attention": ("aten::_scaled_dot_product", "aten::scaled_dot_product"),
-             "gru": ("aten::gru",)}
-    by_kind = dict.fromkeys([*kinds, "other ops"], 0.0)
-    top = []
-    for event in prof.key_averages():
-        kind = next((k for k, prefixes in kinds.items() if event.key.startswith(prefixes)), "other ops")
-        by_kind[kind] += event.self_cpu_time_total / 1e3 / steps
-        top.append((event.self_cpu_time_total / 1e3 / steps, event.count / steps, event.key))
-    ops_ms = sum(by_kind.values())
-    top.sort(reverse=True)
-    return {"mode": name, "rows": rows, "steps": steps, "wall_ms_per_step": round(wall_ms, 2),
-            "profiled_ms_per_step": round(profiled_ms, 2),
-            "self_cpu_ms_per_step": {k: round(v, 2) for k, v in by_kind.items()},
-            "python_and_dispatch_ms_per_step": round(profiled_ms - ops_ms, 2),
-            "aten_calls_per_step": round(sum(c for _, c, _ in top), 1),
-            "top_ops": [{"op": name, "ms_per_step": round(ms, 3), "calls_per_step": round(c, 1)}
-                        for ms, c, name in top[:12]],
-            "speculative": mode[0] is not None}
+    events = [(e.key, e.self_cpu_time_total, e.count) for e in prof.key_averages()]
+    return {**step_profile(name, rows, steps, wall_ms, profiled_ms, events), "speculative": mode[0] is not None}
 
 
 # ---- vLLM (a .venv-vllm subprocess) -------------------------------------------------------------------
@@ -189,6 +208,8 @@ def vllm_worker(spec_path: Path, out_path: Path):
         llm.generate(prompts[:spec["rows"]], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
                      use_tqdm=False)
         result["startup_s"] = time.perf_counter() - start
+        if spec.get("profile_steps"):
+            result["profile"] = vllm_step_profile(llm, prompts[:spec["rows"]], spec["mode"], spec["profile_steps"])
         for _ in range(spec["repeats"]):
             before = spec_counters(llm)
             start = time.perf_counter()
@@ -205,6 +226,30 @@ def vllm_worker(spec_path: Path, out_path: Path):
         result["error"] = f"{type(exc).__name__}: {exc}"
         result["traceback"] = traceback.format_exc()[-4000:]
     out_path.write_text(json.dumps(result) + "\n")
+
+
+def vllm_step_profile(llm, batch: list, name: str, steps: int) -> dict:
+    """`profile_ours_step` for vLLM (in-process engine: VLLM_ENABLE_V1_MULTIPROCESSING=0): a decode step is
+    the difference between generating 1 + `steps` tokens and 1 token for `batch` (prefill and the first token
+    cancel out), in wall time and op by op under torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+    from vllm import SamplingParams
+
+    def timed(tokens: int) -> float:
+        start = time.perf_counter()
+        llm.generate(batch, SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True), use_tqdm=False)
+        return time.perf_counter() - start
+
+    timed(1 + steps)
+    wall_ms = (timed(1 + steps) - timed(1)) * 1e3 / steps
+    runs = []
+    for tokens in (1, 1 + steps):
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            seconds = timed(tokens)
+        runs.append((seconds, {e.key: (e.self_cpu_time_total, e.count) for e in prof.key_averages()}))
+    (short_s, short), (long_s, long) = runs
+    events = [(op, us - short.get(op, (0, 0))[0], calls - short.get(op, (0, 0))[1]) for op, (us, calls) in long.items()]
+    return step_profile(name, len(batch), steps, wall_ms, (long_s - short_s) * 1e3 / steps, events)
 
 
 def spec_counters(llm) -> dict:
@@ -234,22 +279,27 @@ def iomp_library(vllm_python: Path) -> Path:
     return vllm_python.parent.parent / "lib" / "libiomp5.so"
 
 
-def run_vllm(mode: str, args, pair, rows: int, workdir: Path) -> dict:
+def run_vllm(mode: str, args, pair, rows: int, workdir: Path, profile_steps: int = 0) -> dict:
+    """`profile_steps`: profile a decode step instead of timing runs (`vllm_step_profile`)."""
     from domino_ray.target import stop_token_ids
 
     spec = {"mode": mode, "target": pair.target_dir, "draft": str(pair.draft_dir),
             "draft_no_head": str(workdir / "draft-no-head"),
-            "prompts": pair.prompts, "rows": rows, "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
+            "prompts": pair.prompts, "rows": rows, "max_new_tokens": args.max_new_tokens,
+            "repeats": 0 if profile_steps else args.repeats, "profile_steps": profile_steps,
             "ignore_eos": args.ignore_eos, "stop_token_ids": sorted(stop_token_ids(pair.target, pair.tokenizer)),
             "ngram_tokens": args.ngram_tokens, "dflash_tokens": args.dflash_tokens,
             "max_model_len": args.max_model_len}
-    spec_path, out_path, log_path = (workdir / f"{mode}.rows{rows}.{x}" for x in ("spec.json", "out.json", "log"))
+    stem = f"{mode}.rows{rows}{'.profile' if profile_steps else ''}"
+    spec_path, out_path, log_path = (workdir / f"{stem}.{x}" for x in ("spec.json", "out.json", "log"))
     out_path.unlink(missing_ok=True)  # never a previous run's output
     spec_path.write_text(json.dumps(spec))
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # never our packages in vLLM's venv
     env.update(VLLM_ENV)
     if args.vllm_preload_iomp:  # vLLM warns that speculation is slow without it
         env["LD_PRELOAD"] = str(iomp_library(args.vllm_python))
+    if profile_steps:  # the engine core in the worker's own process, where its profiler sees the ops
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     start = time.perf_counter()
     with open(log_path, "w") as log:
         proc = subprocess.run([str(args.vllm_python), __file__, "--vllm-worker", str(spec_path), str(out_path)],
@@ -368,8 +418,8 @@ def main(argv=None):
     p.add_argument("--vllm-preload-iomp", action=argparse.BooleanOptionalAction, default=True,
                    help="LD_PRELOAD the venv's Intel OpenMP for vLLM, as its CPU docs ask")
     p.add_argument("--ours-only", action="store_true", help="skip vLLM (no .venv-vllm needed)")
-    p.add_argument("--profile", action="store_true", help="also profile one decode step of each of our modes at "
-                                                          "the largest --rows")
+    p.add_argument("--profile", action="store_true", help="also profile one decode step of each of our modes and "
+                                                          "of vLLM target-only at the largest --rows")
     p.add_argument("--profile-steps", type=int, default=16, help="steady-state steps timed and profiled")
     p.add_argument("--workdir", type=Path, default=ROOT / "out" / "bench_peers", help="vLLM specs, outputs, logs")
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
@@ -422,10 +472,16 @@ def main(argv=None):
     profiles = [profile_ours_step(pair, name, mode, pair.prompts, rows=max(batch_sizes), steps=args.profile_steps,
                                   max_model_len=args.max_model_len)
                 for name, mode in modes.items()] if args.profile else []
+    if args.profile and "vllm-target-only" in vllm_modes:
+        res = run_vllm("vllm-target-only", args, pair, max(batch_sizes), args.workdir, args.profile_steps)
+        if res.get("error"):
+            print(f"vLLM's step profile did not run: {res['error'][:300]}", file=sys.stderr)
+        else:
+            profiles.append(res["profile"])
     for prof in profiles:
         print(f"\nprofile, {prof['mode']}, {prof['rows']} rows: "
               f"{prof['wall_ms_per_step']} ms/step ({prof['profiled_ms_per_step']} under the profiler), "
-              f"{prof['aten_calls_per_step']} aten calls/step; self CPU ms/step {prof['self_cpu_ms_per_step']}, "
+              f"{prof['op_calls_per_step']} op calls/step; self CPU ms/step {prof['self_cpu_ms_per_step']}, "
               f"python+dispatch {prof['python_and_dispatch_ms_per_step']}")
         for op in prof["top_ops"][:8]:
             print(f"    {op['op']:<40} {op['ms_per_step']:>8.3f} ms {op['calls_per_step']:>7.1f} calls")

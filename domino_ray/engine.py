@@ -123,7 +123,11 @@ class SpecEngine:
         self._running_ids: set = set()  # request ids of pending and active rows
         self.rng = torch.Generator().manual_seed(seed)
         self.graphs = StepGraphs(self.device, required=cuda_graphs == "on") if graphs else None
-        self.graph_capture_s = self._capture_graphs() if graphs else 0.0
+        # Every greedy step key captured now, while every slot is free (padding rows: the steps leave them
+        # unchanged). Host-side proposers (tests) have no graphs.
+        self.graph_capture_s = capture_steps(
+            self.graphs, greedy_step_keys(self.row_buckets, self.key_buckets, self.widths),
+            lambda key: self._device_step(*key[1:])) if graphs and not self.host_drafts else 0.0
         self.width: WidthController | None = None  # None: every step verifies K
         if self.adaptive:
             costs = (width_costs if isinstance(width_costs, StepCosts) else StepCosts(width_costs) if width_costs
@@ -330,14 +334,6 @@ class SpecEngine:
             step()
             return True
         return self.graphs.run(("step", r, key_groups, w, sampled, filtered, context), step)
-
-    def _capture_graphs(self) -> float:
-        """Every greedy step key captured now, while every slot is free (padding rows: the steps leave them
-        unchanged); the seconds taken. Host-side proposers (tests) have no graphs."""
-        if self.host_drafts:
-            return 0.0
-        keys = greedy_step_keys(self.row_buckets, self.key_buckets, self.widths)
-        return capture_steps(self.graphs, keys, lambda key: self._device_step(*key[1:]))
 
     @torch.inference_mode()
     def measure_costs(self, widths: dict[int, list[int]], repeats: int = 3) -> StepCosts:

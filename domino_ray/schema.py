@@ -80,7 +80,7 @@ class RowInput:
 def read_row(row: dict, cfg: InputConfig) -> RowInput:
     """The prompt or the chat of one input row; raises RowError saying what is wrong with it."""
     messages = row.get(cfg.messages_column)
-    if messages is not None:
+    if not is_null(messages):
         messages = _plain_messages(messages)
         try:
             check_messages(messages)
@@ -90,7 +90,7 @@ def read_row(row: dict, cfg: InputConfig) -> RowInput:
     if cfg.prompt_column not in row:
         raise RowError(f"{cfg.messages_column} is null and there is no {cfg.prompt_column!r} column")
     prompt = row[cfg.prompt_column]
-    if prompt is None:
+    if is_null(prompt):
         raise RowError(f"{cfg.prompt_column} is null")
     if isinstance(prompt, (bytes, bytearray)):
         try:
@@ -102,6 +102,11 @@ def read_row(row: dict, cfg: InputConfig) -> RowInput:
     if not prompt.strip():
         raise RowError(f"{cfg.prompt_column} is empty")
     return RowInput(prompt=prompt)
+
+
+def is_null(value) -> bool:
+    """None, or the NaN pandas puts in a missing cell (a float NaN reaches us from pandas-built datasets)."""
+    return value is None or (isinstance(value, float) and value != value)
 
 
 def _plain_messages(messages):
@@ -129,7 +134,7 @@ def row_params(overrides, base: SamplingParams, base_seed: int | None, row_id) -
             overrides = json.loads(overrides)
         except json.JSONDecodeError as exc:
             raise RowError(f"sampling_params is not valid JSON: {exc.msg}") from None
-    if overrides is None:
+    if is_null(overrides):
         overrides = {}
     if not isinstance(overrides, dict):
         raise RowError(f"sampling_params must be an object, got {type(overrides).__name__}")

@@ -17,7 +17,7 @@ import pyarrow as pa
 
 from domino_ray.config import JobConfig
 from domino_ray.sampling_params import generation_defaults
-from domino_ray.schema import RowError, output_table, read_row, row_params, with_columns
+from domino_ray.schema import RowError, is_null, output_table, read_row, row_params, with_columns
 
 
 class RowFailed(RuntimeError):
@@ -53,7 +53,7 @@ def _encode(row: dict, cfg: JobConfig, tokenizer, base) -> tuple[str | None, lis
     ic, m = cfg.input, cfg.model
     prompt = None
     try:
-        if ic.id_column in row and row[ic.id_column] is None:
+        if ic.id_column in row and is_null(row[ic.id_column]):
             raise RowError(f"{ic.id_column} is null (ids must be unique and non-null)")
         parsed = read_row(row, ic)
         prompt = parsed.prompt

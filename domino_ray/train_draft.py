@@ -265,10 +265,7 @@ def train_draft(draft: DominoDraft, target, sequences: list[tuple[list[int], int
     target.eval().requires_grad_(False)
     draft.to(device).train()
     generator = torch.Generator().manual_seed(cfg.seed)
-    optimizer = torch.optim.AdamW(draft.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
-    warmup = max(1, int(cfg.warmup_ratio * cfg.steps))
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (
-        1 + math.cos(math.pi * min(1.0, s / cfg.steps))))
+    optimizer, schedule = _optimizer(draft, cfg)
     k = draft.config.max_draft_tokens
     weights = position_weights(k, cfg.gamma, device)
     to_draft = target_to_draft_ids(draft, draft.config.vocab_size)
@@ -304,9 +301,8 @@ def train_draft(draft: DominoDraft, target, sequences: list[tuple[list[int], int
             entry = {"step": step + 1, "loss": round(loss.item(), 4), "lambda_base": round(lam, 3),
                      "seconds": round(time.perf_counter() - start, 1)}
             with torch.no_grad():
-                head_logits = final if final is not None else base
-                entry["train"] = _rounded(accuracy_stats(draft.to_target_ids(head_logits.argmax(-1)), labels),
-                                          accuracy_stats(draft.to_target_ids(base.argmax(-1)), labels))
+                entry["train"] = _rounded(*(accuracy_stats(draft.to_target_ids(logits.argmax(-1)), labels)
+                                            for logits in (base if final is None else final, base)))
                 if eval_sequences:
                     entry["eval"] = _rounded(*evaluate_blocks(draft, target, eval_sequences, cfg,
                                                               features=eval_features))
@@ -316,6 +312,15 @@ def train_draft(draft: DominoDraft, target, sequences: list[tuple[list[int], int
             _save(checkpoint, parts, generator, order, history, step + 1)
     draft.eval()
     return history
+
+
+def _optimizer(draft: DominoDraft, cfg: TrainConfig):
+    """AdamW with a linear warm-up then a cosine decay to zero over `cfg.steps`."""
+    optimizer = torch.optim.AdamW(draft.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    warmup = max(1, int(cfg.warmup_ratio * cfg.steps))
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (
+        1 + math.cos(math.pi * min(1.0, s / cfg.steps))))
+    return optimizer, schedule
 
 
 def _blended_loss(base, final, targets, weights, lam: float):

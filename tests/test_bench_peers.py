@@ -89,3 +89,21 @@ def test_peers_without_vllm_venv_or_smollm2_says_how_to_get_it(tmp_path):
     assert result.returncode != 0 and "['vllm-dflash'] cannot run --pair smollm2" in result.stderr
     result = run("--pair", "smollm2", "--ours-only", env={"DOMINO_RAY_SMOLLM2_DIR": str(tmp_path / "none")})
     assert result.returncode != 0 and "run `make smollm2` first" in result.stderr
+
+
+def test_step_profiles_sort_ours_and_vllms_ops_into_the_same_kinds():
+    """Both engines' step profiles (ours: aten ops; vLLM's: its own CPU ops and the compiled graph that runs its
+    fused elementwise kernels) add up to their profiled time, kind by kind."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        from bench_peers import step_profile
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    events = [("_C::onednn_mm", 8000.0, 484), ("_C::cpu_attention_with_kv_cache", 2000.0, 120),
+              ("## Call CompiledFxGraph abc ##", 600.0, 4), ("aten::mm", 400.0, 4), ("aten::slice", 100.0, 900)]
+    prof = step_profile("vllm-target-only", 16, 4, wall_ms=3.0, profiled_ms=3.1, events=events)
+    assert prof["self_cpu_ms_per_step"] == {"gemm": 2.1, "attention": 0.5, "fused elementwise (compiled)": 0.15,
+                                            "other ops": 0.03}
+    assert prof["python_and_dispatch_ms_per_step"] == pytest.approx(3.1 - 2.775, abs=0.01)
+    assert prof["op_calls_per_step"] == 378.0 and prof["top_ops"][0] == {
+        "op": "_C::onednn_mm", "ms_per_step": 2.0, "calls_per_step": 121.0}

@@ -68,6 +68,8 @@ def test_write_json_atomic(tmp_path):
 
 @pytest.mark.parametrize("row, reason", [
     ({"prompt": None}, "prompt is null"),
+    ({"prompt": float("nan")}, "prompt is null"),  # a missing cell of a pandas-built dataset
+    ({"prompt": float("nan"), "messages": float("nan")}, "prompt is null"),
     ({"prompt": ""}, "prompt is empty"),
     ({"prompt": " \n\t"}, "prompt is empty"),
     ({"prompt": b"\xff\xfehello"}, "not valid UTF-8"),
@@ -93,12 +95,14 @@ def test_good_rows():
     assert read_row({"prompt": "héllo".encode()}, IC).prompt == "héllo"
     chat = read_row({"prompt": None, "messages": [{"role": "user", "content": "hi", "name": None}]}, IC)
     assert chat.messages == [{"role": "user", "content": "hi"}]  # Arrow struct nulls dropped
+    assert read_row({"prompt": "hi", "messages": float("nan")}, IC).prompt == "hi"  # pandas' missing cell
     assert read_row({"messages": '[{"role": "user", "content": "hi"}]'}, IC).messages[0]["content"] == "hi"
 
 
 def test_row_params():
     base = SamplingParams(max_new_tokens=8)
     assert row_params(None, base, None, 1) == base
+    assert row_params(float("nan"), base, None, 1) == base  # a missing cell of a pandas-built dataset
     assert row_params({"temperature": None, "max_new_tokens": 3}, base, None, 1).max_new_tokens == 3
     assert row_params('{"top_k": 5, "stop_token_ids": [1, 2]}', base, None, 1).stop_token_ids == (1, 2)
     seeded = [row_params({"temperature": 1.0}, base, 7, i).seed for i in ("a", "a", "b")]

@@ -93,11 +93,9 @@ def test_pandas_in_and_out_through_rays_build_processor_with_stages_around_it_an
     rows += [{**r, "topic": "bad"} for r in _bad_rows()]
     processor = rays_build_processor(processor_config(tiny_pair, chat_template_stage=False,
                                                       error_column="__inference_error__"))
-    # Missing values reach the map as pandas' NaN (a float): the map hands them on as nulls, so the processor
-    # sees the rows that the other inputs give.
+    # A missing prompt reaches the map, and from it the processor, as pandas' NaN (a float): "prompt is null".
     def chars(row):
-        row = {k: None if isinstance(v, float) and v != v else v for k, v in row.items()}
-        return {**row, "chars": len(row["prompt"] or "")}
+        return {**row, "chars": len(row["prompt"]) if isinstance(row["prompt"], str) else 0}
 
     ds = ray.data.from_pandas(pd.DataFrame(rows)).map(chars)
     out = processor(ds).filter(lambda row: row["topic"] != "t0").to_pandas()
