@@ -41,7 +41,7 @@ from typing import Callable, Hashable, Iterable
 
 import torch
 
-from domino_ray.key_groups import Groups, KeyReads, keys_read
+from domino_ray.key_groups import Groups, KeyReads
 from domino_ray.key_groups import plan as plan_key_groups
 from domino_ray.kv_cache import KVBuffers, group_masks
 from domino_ray.memory import auto_slots, check_memory_fits, free_device_memory, memory_plan
@@ -288,11 +288,17 @@ class SpecEngine:
     def _decode(self, events: list[StepEvent]):
         n = len(self.rows)
         r = next(b for b in self.row_buckets if b >= n)
-        key_groups = self._key_groups(r)  # may move rows between slots first
-        t = keys_read(key_groups) // r    # the mean key length: what a step's cost grows with
         sampled, filtered = sampling_mode(row.request.params for row in self.rows)
         usable = [row.max_new - len(row.tokens) - 1 for row in self.rows]  # drafts each budget allows
-        w, context = self.width.choose(r, t, usable) if self.width else (self.num_spec_tokens, True)
+        w, context, t = self.num_spec_tokens, True, 0
+        if self.width is not None:
+            # t: the slots' mean key bucket at the widest step, what the cost table is indexed by
+            t = (sum(self._key_bucket(row.committed - 1 + self.span) for row in self.rows)
+                 + (r - n) * self._key_bucket(self.span)) // r
+            w, context = self.width.choose(r, t, usable)
+        # A W = 0 step writes one position (the anchor's), a drafting step up to `span` (draft block, verify)
+        key_groups = self._key_groups(r, self.span if w else 1)  # may move rows between slots first
+        usable = [row.max_new - len(row.tokens) - 1 for row in self.rows]  # in the slots' order now
         started = time.perf_counter()
         timed = self._device_step(r, key_groups, w, sampled, filtered, context)
         packed = self._read_packed(n, w)  # the step's one host sync
@@ -302,17 +308,16 @@ class SpecEngine:
         for row, (a, *row_tokens), u in zip(self.rows, packed, usable):
             events.append(row.commit(row_tokens[:a + 1], now, drafted=min(w, u), width=w))
 
-    def _key_groups(self, r: int) -> Groups:
+    def _key_groups(self, r: int, span: int) -> Groups:
         """The step's key groups for slots `0..r` (`key_groups.plan`), after moving the rows it says to move.
+        `span`: positions the step writes past `committed - 1` (the KV's length); padding slots from 0.
         Host-side, from the rows' committed lengths: no device sync."""
         n = len(self.rows)
-        # A step writes up to `span` positions past `committed - 1` (the KV's length); padding slots from 0.
-        buckets = [self._key_bucket(row.committed - 1 + self.span) for row in self.rows]
-        buckets += [self._key_bucket(self.span)] * (r - n)
+        buckets = [self._key_bucket(row.committed - 1 + span) for row in self.rows]
+        buckets += [self._key_bucket(span)] * (r - n)
         key_groups, src, dst = plan_key_groups(buckets, n, self.max_key_groups, self.group_cost)
         self._move_rows(src, dst)
-        self.key_reads.observe(key_groups, sum(row.committed - 1 + self.span for row in self.rows), max(buckets),
-                               len(src))
+        self.key_reads.observe(key_groups, sum(row.committed - 1 + span for row in self.rows), max(buckets), len(src))
         return key_groups
 
     def _key_bucket(self, length: int) -> int:

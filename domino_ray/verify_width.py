@@ -14,7 +14,8 @@ and refined per row from its own history. W = 0 is a plain target decode step (n
 the Domino correction loop stops at W, so a short width also drafts less. Verifying fewer drafts never changes what the target accepts: lossless by construction.
 
 While the draft is useless (`AcceptanceEstimates.draft_is_useless`: its first draft lands under 5% of the
-time, counted, not assumed), W = 0 steps also skip the draft's context update. The positions decoded then
+time, counted, not assumed; the verdict of the last drafting step, kept until the next one), W = 0 steps
+also skip the draft's context update. The positions decoded then
 are missing from that draft's context (a later probe sees the draft at its worst; rows admitted later
 start with their whole prompt as context). Exploration comes from the prior, which is optimistic (a new
 engine drafts at once; a few misses bring a bad draft's estimate down): estimates decay towards it while
@@ -81,7 +82,7 @@ class AcceptanceEstimates:
     a row's estimate shrinks its own counts towards the pooled one with `row_weight` pseudo-trials.
     """
 
-    def __init__(self, num_draft_tokens: int, *, decay: float = 0.995, prior: float = 0.8, prior_weight: float = 2.0,
+    def __init__(self, num_draft_tokens: int, *, decay: float = 0.998, prior: float = 0.8, prior_weight: float = 1.0,
                  row_weight: float = 4.0):
         self.k, self.decay, self.row_weight = num_draft_tokens, decay, row_weight
         self.prior_hits, self.prior_trials = prior * prior_weight, prior_weight
@@ -95,9 +96,10 @@ class AcceptanceEstimates:
         m = self.row_weight
         return [(s + m * p) / (n + m) for s, n, p in zip(row_success, row_trials, pooled)]
 
-    def draft_is_useless(self, min_trials: float = 2.0, max_rate: float = 0.05) -> bool:
+    def draft_is_useless(self, min_trials: float = 1.5, max_rate: float = 0.05) -> bool:
         """The evidence, not the prior, says the first draft almost never lands: W = 0 steps may then skip
-        keeping the draft's context current (the draft is useless, not merely too dear for this batch)."""
+        keeping the draft's context current (the draft is useless, not merely too dear for this batch).
+        `min_trials` 1.5: two tries, as the decay leaves them (1 + 0.998 < 2), are evidence enough."""
         return bool(self.k) and self.trials[0] >= min_trials and self.success[0] < max_rate * self.trials[0]
 
     def start_step(self):
@@ -220,6 +222,10 @@ class WidthController:
         self.estimates = AcceptanceEstimates(num_spec_tokens)
         self.tried = [[0.0] * num_spec_tokens for _ in range(max_rows)]      # [R][K] steps position i was verified
         self.succeeded = [[0.0] * num_spec_tokens for _ in range(max_rows)]  # [R][K] ... and accepted
+        # The verdict of the last drafting step's evidence (`draft_is_useless`): it stands through the W = 0
+        # steps after it, which add no evidence (the decayed counts alone would otherwise drop below the
+        # minimum and bring the context updates back without a single new draft being tried).
+        self.written_off = False
 
     def choose(self, r: int, t: int, usable: Sequence[int]) -> tuple[int, bool]:
         """(W, whether the step keeps the draft's context current: always unless the draft is useless) for the
@@ -227,7 +233,7 @@ class WidthController:
         pooled = self.estimates.pooled()
         accept = [self.estimates.for_row(self.succeeded[i], self.tried[i], pooled) for i in range(len(usable))]
         w = best_width(width_rates(self.costs.at(r, t), accept, usable))
-        return w, w > 0 or not self.estimates.draft_is_useless()
+        return w, w > 0 or not self.written_off
 
     def learn(self, r: int, t: int, w: int, seconds: float | None, accepted: Sequence[int], usable: Sequence[int]):
         """Fold one step into the acceptance estimates and the cost table (a decaying average); `seconds`
@@ -235,6 +241,8 @@ class WidthController:
         self.estimates.start_step()
         for i, (a, u) in enumerate(zip(accepted, usable)):
             self.estimates.observe(min(w, u), a, self.succeeded[i], self.tried[i])
+        if w > 0:
+            self.written_off = self.estimates.draft_is_useless()
         if seconds is not None:
             self.costs.observe(r, w, t, seconds)
 

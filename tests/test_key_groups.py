@@ -152,3 +152,31 @@ def test_rows_kept_apart_at_scale(pair, rows):
     assert out == small and drafts == small_drafts  # sampled rows too: per seed, whatever the batch
     assert most_groups >= 2 and engine.key_reads.moves > 0
     assert engine.key_reads.keys < 0.7 * engine.key_reads.one_bucket
+
+
+def test_adaptive_width_over_moving_rows_keeps_each_rows_budget_and_tokens(pair):
+    """The adaptive width where key groups move rows between slots and W = 0 steps plan their groups over a
+    shorter span than drafting steps: each row's budget, statistics and tokens stay its own (greedy rows equal
+    target-only; sampled ones the target-only sample for their seed)."""
+    from oracles import OracleProposer
+    from test_verify_width import check_stats
+
+    target, _ = pair
+    rng = random.Random(5)
+    prompts = ragged_prompts(40, seed=5, max_len=40)
+    for i in rng.sample(range(len(prompts)), 6):  # some long rows among the short: groups, moves
+        prompts[i] = prompts[i] * 8
+    reference, _, _, _ = run(pair, prompts, 16, speculative=False, max_key_groups=1)
+    k = 4
+    # Right drafts, or wrong from position 0 (W = 0 pays then): the width moves between 0 and K.
+    oracle = OracleProposer({i: p + reference[i] for i, p in enumerate(prompts)}, k, target.config.vocab_size,
+                            wrong_at={i: [k, 0, 0, k, 2, 0][i % 3:] for i in range(len(prompts))})
+    costs = {r: {w: 1.0 + 0.1 * w for w in range(k + 1)} for r in (1, 2, 4, 8, 16)}
+    engine = SpecEngine(target, oracle, max_rows=16, adaptive=True, width_costs=costs)
+    completions = engine.generate(requests(prompts))
+    assert [c.token_ids for c in completions] == [reference[i] for i in range(len(prompts))]
+    widths = [sum(c.stats.verify_width_histogram[w] for c in completions) for w in range(k + 1)]
+    assert widths[0] > 0 and sum(widths[1:]) > widths[0], widths
+    assert engine.key_reads.moves > 0
+    for c in completions:
+        check_stats(c, k)

@@ -10,7 +10,7 @@ from domino_ray.request import Request
 from domino_ray.proposer import DominoProposer
 from domino_ray.sampling_params import SamplingParams
 from domino_ray.verify_width import (AcceptanceEstimates, candidate_widths, choose_width, expected_tokens,
-                                     smooth_costs)
+                                     smooth_costs, StepCosts, WidthController)
 from oracles import OracleProposer
 from tiny_models import ragged_prompts, tiny_draft, tiny_target
 
@@ -211,3 +211,19 @@ def test_a_step_that_captured_a_graph_teaches_acceptance_not_cost():
     assert width.tried[0] == [1.0] * 4 and width.succeeded[0] == [1.0] * 4 and width.succeeded[1] == [0.0] * 4
     width.learn(2, 0, 4, 0.5, [4, 4], [4, 4])
     assert width.costs.at(2, 0)[4] < before[4]
+
+
+def test_a_written_off_draft_stays_written_off_until_a_drafting_step_says_otherwise():
+    """The verdict comes from drafting steps only: W = 0 steps add no evidence, so however far the decayed counts
+    fall meanwhile, they keep skipping the draft's context until the next drafting step decides again."""
+    costs = StepCosts({1: {w: 1.0 + 2.0 * w for w in range(5)}})  # dear drafts: W = 0 once the evidence is in
+    width = WidthController(4, 1, costs)
+    for _ in range(3):
+        width.learn(1, 64, 4, 9.0, [0], [100])  # drafting steps: the first draft rejected every time
+    assert width.written_off and width.choose(1, 64, [100]) == (0, False)
+    for _ in range(2000):  # the decayed counts fall far below the verdict's minimum of evidence
+        assert width.choose(1, 64, [100])[1] is False
+        width.learn(1, 64, 0, 1.0, [0], [100])
+    assert width.estimates.trials[0] < 0.1 and width.written_off
+    width.learn(1, 64, 4, 9.0, [3], [100])  # a probe that lands: the draft is back
+    assert not width.written_off and width.choose(1, 64, [100])[1] is True
