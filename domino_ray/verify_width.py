@@ -82,7 +82,7 @@ class AcceptanceEstimates:
     a row's estimate shrinks its own counts towards the pooled one with `row_weight` pseudo-trials.
     """
 
-    def __init__(self, num_draft_tokens: int, *, decay: float = 0.998, prior: float = 0.8, prior_weight: float = 1.0,
+    def __init__(self, num_draft_tokens: int, *, decay: float = 0.998, prior: float = 0.8, prior_weight: float = 2.0,
                  row_weight: float = 4.0):
         self.k, self.decay, self.row_weight = num_draft_tokens, decay, row_weight
         self.prior_hits, self.prior_trials = prior * prior_weight, prior_weight

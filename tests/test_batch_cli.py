@@ -30,14 +30,15 @@ def _complete_files(out):
     return files
 
 
-def _wait_for_idle_cluster(timeout=60):
-    """A killed driver's actors and tasks are torn down by Ray shortly after; wait for their CPUs."""
+def _wait_for_cpus(cpus: float, timeout=60):
+    """A killed driver's actors and tasks are torn down by Ray shortly after; wait until `cpus` are free again
+    (what was free before it started: another test of this session's cluster may hold some)."""
     deadline = time.time() + timeout
     while time.time() < deadline:
-        if ray.available_resources().get("CPU", 0) >= ray.cluster_resources().get("CPU", 0):
+        if ray.available_resources().get("CPU", 0) >= cpus:
             return
         time.sleep(0.5)
-    raise AssertionError(f"cluster still busy: {ray.available_resources()}")
+    raise AssertionError(f"cluster still busy: {ray.available_resources()}, {cpus} CPUs were free before")
 
 
 def test_bad_config_fails_naming_the_key():
@@ -58,13 +59,14 @@ def test_resume_after_killing_the_driver(ray_cluster, tiny_pair, tmp_path):
     command = [*GENERATE, *job_overrides(tiny_pair, tmp_path / "in", out, **{
         "runtime.ray_address": ray_cluster, "runtime.batch_size": 1, "runtime.max_concurrent_batches": 1,
         "generation.max_new_tokens": 200, "generation.max_batch_size": 1})]  # ~1 s per file: room to kill between
+    free_cpus = ray.available_resources().get("CPU", 0)
     driver = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + 180
     while len(_complete_files(out)) < 2 and time.time() < deadline and driver.poll() is None:
         time.sleep(0.2)
     driver.send_signal(signal.SIGKILL)  # the driver dies mid-job, with no chance to clean up
     driver.wait()
-    _wait_for_idle_cluster()
+    _wait_for_cpus(free_cpus)
     before = _complete_files(out)
     assert not (out / "_summary.json").exists() and 3 <= sum(map(len, before.values())) < n, before
 
