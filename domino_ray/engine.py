@@ -289,16 +289,13 @@ class SpecEngine:
         n = len(self.rows)
         r = next(b for b in self.row_buckets if b >= n)
         sampled, filtered = sampling_mode(row.request.params for row in self.rows)
-        usable = [row.max_new - len(row.tokens) - 1 for row in self.rows]  # drafts each budget allows
         w, context, t = self.num_spec_tokens, True, 0
         if self.width is not None:
-            # t: the slots' mean key bucket at the widest step, what the cost table is indexed by
-            t = (sum(self._key_bucket(row.committed - 1 + self.span) for row in self.rows)
-                 + (r - n) * self._key_bucket(self.span)) // r
-            w, context = self.width.choose(r, t, usable)
+            t = sum(self._slot_buckets(r, self.span)) // r  # the mean key bucket at the widest step: the cost table's t
+            w, context = self.width.choose(r, t, self._usable())
         # A W = 0 step writes one position (the anchor's), a drafting step up to `span` (draft block, verify)
         key_groups = self._key_groups(r, self.span if w else 1)  # may move rows between slots first
-        usable = [row.max_new - len(row.tokens) - 1 for row in self.rows]  # in the slots' order now
+        usable = self._usable()  # in the slots' order after any move (the width was chosen before them)
         started = time.perf_counter()
         timed = self._device_step(r, key_groups, w, sampled, filtered, context)
         packed = self._read_packed(n, w)  # the step's one host sync
@@ -312,13 +309,21 @@ class SpecEngine:
         """The step's key groups for slots `0..r` (`key_groups.plan`), after moving the rows it says to move.
         `span`: positions the step writes past `committed - 1` (the KV's length); padding slots from 0.
         Host-side, from the rows' committed lengths: no device sync."""
-        n = len(self.rows)
-        buckets = [self._key_bucket(row.committed - 1 + span) for row in self.rows]
-        buckets += [self._key_bucket(span)] * (r - n)
-        key_groups, src, dst = plan_key_groups(buckets, n, self.max_key_groups, self.group_cost)
+        buckets = self._slot_buckets(r, span)
+        key_groups, src, dst = plan_key_groups(buckets, len(self.rows), self.max_key_groups, self.group_cost)
         self._move_rows(src, dst)
         self.key_reads.observe(key_groups, sum(row.committed - 1 + span for row in self.rows), max(buckets), len(src))
         return key_groups
+
+    def _slot_buckets(self, r: int, span: int) -> list[int]:
+        """The key bucket of each of slots `0..r` for a step writing `span` positions past `committed - 1`
+        (padding slots from 0)."""
+        buckets = [self._key_bucket(row.committed - 1 + span) for row in self.rows]
+        return buckets + [self._key_bucket(span)] * (r - len(self.rows))
+
+    def _usable(self) -> list[int]:
+        """Drafts each active row's budget allows, in slot order (the bonus token always comes)."""
+        return [row.max_new - len(row.tokens) - 1 for row in self.rows]
 
     def _key_bucket(self, length: int) -> int:
         """The shortest key bucket holding `length` positions."""
