@@ -41,7 +41,7 @@ from typing import Callable, Hashable, Iterable
 
 import torch
 
-from domino_ray.key_groups import Groups, KeyReads
+from domino_ray.key_groups import GROUP_COST, Groups, KeyReads
 from domino_ray.key_groups import plan as plan_key_groups
 from domino_ray.kv_cache import KVBuffers, group_masks
 from domino_ray.memory import auto_slots, check_memory_fits, free_device_memory, memory_plan
@@ -107,10 +107,7 @@ class SpecEngine:
             raise ValueError(f"max_key_groups={max_key_groups} needs eager steps (cuda_graphs=off): a graph per "
                              "group structure would make the graph keys unbounded")
         self.key_reads = KeyReads()  # keys read per layer by decode steps (the step's key groups)
-        # What one more key group (an attention call and a mask per layer) is worth, in keys read: measured
-        # 600-2,600 on the 2-core CPU with the demo pair; on a GPU, eager, ~8 kernel launches per layer (~40 us)
-        # read ~40k keys of a Qwen3-4B layer (4 KiB each at ~4 TB/s).
-        self.group_cost = 1024 if self.device.type == "cpu" else 32768
+        self.group_cost = GROUP_COST["cpu" if self.device.type == "cpu" else "cuda"]
         self.slot_report: str | None = None  # how `max_rows="auto"` chose, for the edge to show
         if max_rows == "auto":
             max_rows, self.slot_report = auto_slots(self.device, gpu_memory_utilization, self.memory_plan)
@@ -140,14 +137,9 @@ class SpecEngine:
         self.kv = KVBuffers(cfg.num_hidden_layers, r, self.capacity, cfg.num_key_value_heads, head_dim,
                             self.dtype, self.device)
         self.tap_layers: tuple[int, ...] = ()
-        if self.proposer is not None:
-            layer_ids = list(self.proposer.target_layer_ids)
-            bad = [i for i in layer_ids if not 0 <= i < cfg.num_hidden_layers]
-            if bad:
-                raise ValueError(f"draft target_layer_ids {layer_ids} out of range for a target with "
-                                 f"{cfg.num_hidden_layers} layers: {bad}")
+        if self.proposer is not None:  # its target_layer_ids are in range: `DominoProposer` checks them
             self.proposer.allocate(r, self.capacity)
-            self.tap_layers = tuple(layer_ids)
+            self.tap_layers = tuple(self.proposer.target_layer_ids)
         self.row_buckets = row_buckets(r)
         self.widths = step_widths(self.row_buckets, k, self.adaptive, self.cuda_graphs)  # {r: [W, ...]}
         dev = self.device
@@ -260,9 +252,8 @@ class SpecEngine:
     def _prefill(self, batch: list[Row], rows: slice) -> torch.Tensor:
         """One target forward over right-padded prompts into slots `rows`; returns first tokens `[k]`."""
         k, longest = len(batch), max(len(r.request.prompt_token_ids) for r in batch)
-        ids = torch.zeros(k, longest, dtype=torch.long)
-        for i, row in enumerate(batch):
-            ids[i, :len(row.request.prompt_token_ids)] = torch.tensor(row.request.prompt_token_ids)
+        ids = torch.nn.utils.rnn.pad_sequence([torch.tensor(r.request.prompt_token_ids) for r in batch],
+                                              batch_first=True)  # [k, m], right-padded with 0
         ints = torch.tensor([[len(r.request.prompt_token_ids), r.max_new - 1] for r in batch]).to(self.device)
         lengths = ints[:, 0]
         self.sampling.load(rows, [r.request.params for r in batch], [r.seed for r in batch])

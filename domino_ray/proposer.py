@@ -40,6 +40,10 @@ class DominoProposer:
         self.draft, self.config, self.num_spec_tokens = draft, cfg, k
         self.block_size = cfg.block_size
         self.target_layer_ids = cfg.target_layer_ids
+        layers = target.config.num_hidden_layers
+        if bad := [i for i in cfg.target_layer_ids if not 0 <= i < layers]:
+            raise ValueError(f"draft target_layer_ids {list(cfg.target_layer_ids)} out of range for a target with "
+                             f"{layers} layers: {bad}")
         self.embed = target.get_input_embeddings()
         self.lm_head = target.get_output_embeddings()
         weight = next(draft.parameters())

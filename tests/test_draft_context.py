@@ -49,3 +49,12 @@ def test_incremental_context_matches_recompute(shift_label, draft_vocab):
     with torch.no_grad():
         for rid, committed, drafts in recorder.records:
             assert drafts == stateless_drafts(target, draft, sequences[rid], committed, k), (rid, committed)
+
+
+def test_a_draft_reading_layers_the_target_lacks_is_refused():
+    """A draft built for a deeper target (context from layer 5 of a 4-layer one) fails when it meets the target,
+    naming the ids, not deep inside the first step."""
+    target = tiny_target("qwen3")
+    draft = tiny_draft(target, layer_ids=(0, 5))
+    with pytest.raises(ValueError, match=r"target_layer_ids \[0, 5\] out of range for a target with 4 layers: \[5\]"):
+        DominoProposer(draft, target)
