@@ -55,7 +55,7 @@ def run(target, draft, prompts, *, rows, max_new_tokens, eos, num_draft_tokens=N
     return {"seconds": seconds, "tokens": sum(len(c.token_ids) for c in out),
             "token_ids": [c.token_ids for c in out], "num_spec_tokens": engine.num_spec_tokens,
             "mean_acceptance_length": total.mean_acceptance_length if proposer else None,
-            "histogram": total.acceptance_histogram if proposer else None}
+            "histogram": total.acceptance_histogram if proposer else None, "row_stats": [c.stats for c in out]}
 
 
 def repeated_fraction(rows: list[list[int]], n: int = 4) -> float:
@@ -72,7 +72,8 @@ def repeated_fraction(rows: list[list[int]], n: int = 4) -> float:
     return repeated / max(total, 1)
 
 
-def acceptance_only(target, drafts, prompts, args, eos, max_model_len, rows) -> dict:
+def acceptance_only(target, drafts, prompts, args, eos, max_model_len, rows, groups) -> dict:
+    """Each draft's tau over all prompts and per group of prompts (held out by source / by sample)."""
     results, reference = {}, None
     for name, (draft, k) in drafts.items():
         if draft is None or k == "auto":  # target-only has no acceptance; auto's tau is the policy's, not the draft's
@@ -85,6 +86,14 @@ def acceptance_only(target, drafts, prompts, args, eos, max_model_len, rows) -> 
                          "per_position_acceptance": [round(x, 3) for x in per_position_acceptance(r["histogram"])]}
         print(f"{name:<18} tau {r['mean_acceptance_length']:.3f} over {len(prompts)} prompts, {r['tokens']} tokens; "
               f"per position {' '.join(f'{x:.2f}' for x in results[name]['per_position_acceptance'])}", flush=True)
+        if len(set(groups)) > 1:
+            results[name]["by_group"] = {}
+            for group in sorted(set(groups)):
+                stats = total_stats(s for s, g in zip(r["row_stats"], groups) if g == group)
+                results[name]["by_group"][group] = {"prompts": groups.count(group),
+                                                    "mean_acceptance_length": round(stats.mean_acceptance_length, 3)}
+                print(f"{'':<18}   held out by {group:<22} {groups.count(group):>4} prompts  "
+                      f"tau {stats.mean_acceptance_length:.3f}", flush=True)
     return {"acceptance": results}
 
 
@@ -108,7 +117,8 @@ def main(argv=None):
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    target, domino, tokenizer, prompts = load_pair(args.pair, args.assets, args.prompts)[:4]
+    pair = load_pair(args.pair, args.assets, args.prompts)
+    target, domino, tokenizer, prompts = pair[:4]
     eos = stop_token_ids(target, tokenizer)
     # the KV cache is reserved for rows x max_model_len: bound it by what these prompts need
     max_model_len = max(len(p) for p in prompts) + args.max_new_tokens
@@ -120,7 +130,7 @@ def main(argv=None):
         drafts[name] = (load_draft(path, target_config=target.config, dtype=target.dtype), None)
 
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-    results = acceptance_only(target, drafts, prompts, args, eos, max_model_len, max(batch_sizes)) \
+    results = acceptance_only(target, drafts, prompts, args, eos, max_model_len, max(batch_sizes), pair.groups) \
         if args.acceptance_only else {}
     for rows in ([] if args.acceptance_only else batch_sizes):
         for name, (draft, k) in drafts.items():  # warm-up: first-call costs (hooks, allocator) stay out of timing

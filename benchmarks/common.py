@@ -33,6 +33,7 @@ class Pair(NamedTuple):
     prompts: list     # prompt token ids
     target_dir: str   # the checkpoints' directories (what a peer engine loads)
     draft_dir: Path
+    groups: list      # per prompt: how it is held out and its source group ("source: pkg"), when the file says
 
 
 def load_pair(name: str = "demo", assets: Path | None = None, num_prompts: int = 0) -> Pair:
@@ -65,7 +66,10 @@ def load_pair(name: str = "demo", assets: Path | None = None, num_prompts: int =
         raise ValueError(f"{num_prompts} prompts asked: {assets} ships only {len(texts)}")
     prompts = [encode_prompt(tokenizer, messages=t) if chat else encode_prompt(tokenizer, prompt=t, chat_template=False)
                for t in texts[:num_prompts or None]]
-    return Pair(target, draft, tokenizer, prompts, target_dir, assets / "draft")
+    groups = [f"{how}: {source.split(':')[0]}" for how, source in
+              zip(table.column("held_out").to_pylist(), table.column("source").to_pylist())] \
+        if {"held_out", "source"} <= set(table.column_names) else ["all"] * len(texts)
+    return Pair(target, draft, tokenizer, prompts, target_dir, assets / "draft", groups[:len(prompts)])
 
 
 def demo_pair(assets: Path):

@@ -39,16 +39,38 @@ def test_a_missing_package_names_the_install_command(monkeypatch):
         smollm2.gguf_path()
 
 
-def test_prompt_split_is_deterministic_and_disjoint():
+def test_prompt_sets_are_disjoint_by_source_and_by_sample(tmp_path):
+    """The held-out prompts never reach training: the held-out package's code and text not at all, other
+    sources' held-out units not either; the training mix follows `TRAIN_MIX`."""
+    import pyarrow.parquet as pq
+
     job = load_job("make_smollm2_prompts")
-    units = job.all_prompts()
-    assert units == job.all_prompts()  # no randomness in what the corpus gives
-    held = {u for u, _, _ in units if job.is_held_out(u)}
-    train = {u for u, _, _ in units if not job.is_held_out(u)}
-    assert held and train and not held & train and len(held) < len(units) / 5
-    assert {k for _, k, _ in units} == {"explain", "write", "summarize", "question"}
+    job.TRAIN_PACKAGES = ("click", "packaging", "jinja2")  # three are enough to show the rules, and quicker
+    job.main(["--out", str(tmp_path / "out"), "--work", str(tmp_path / "work"), "--num-held-out", "300",
+              "--num-train", "2000"])
+    held = pq.read_table(tmp_path / "out" / "prompts.parquet").to_pylist()
+    train = pq.read_table(tmp_path / "work" / "train_prompts.parquet").to_pylist()
+    assert len(held) == 300 and len(train) == 2000 and len({r["id"] for r in train}) == 2000
+    assert not {r["id"] for r in held} & {r["id"] for r in train}
+    by_source = [r for r in held if r["held_out"] == "source"]
+    assert len(by_source) == 100 and all(r["source"].endswith(":" + job.HELD_OUT_PACKAGE) for r in by_source)
+    assert not [r for r in train if job.held_out_source(r["source"]) or job.is_held_out(r["id"])]
+    assert all(job.is_held_out(r["id"]) for r in held if r["held_out"] == "sample")
+    assert {r["kind"] for r in train} == {"explain", "write", "complete", "summarize", "question", "request"}
+    count = {g: sum(job.source_group(r["source"]) == g for r in train) for g in job.TRAIN_MIX}
+    # Every source group trains; the large ones get at least their share (a short group's rest goes to them).
+    assert all(count.values())
+    assert all(count[g] >= job.TRAIN_MIX[g] * 2000 for g in ("stdlib", "pkg", "python-docs"))
     # The kind does not follow the split: the held-out mix of function prompts is the training one (it once
     # was not: with one hash for both, held-out functions that could be either kind were all "explain").
-    write_share = lambda names: (sum(1 for u, k, _ in units if u in names and k == "write")
-                                 / sum(1 for u, k, _ in units if u in names and k in ("write", "explain")))
-    assert abs(write_share(held) - write_share(train)) < 0.05
+    units = [r for r in held + train if r["kind"] in ("write", "explain") and r["source"] == "stdlib"]
+    share = lambda rows: sum(r["kind"] == "write" for r in rows) / len(rows)
+    assert abs(share([r for r in units if job.is_held_out(r["id"])]) - share(units)) < 0.1
+
+
+def test_the_training_sample_is_seeded():
+    job = load_job("make_smollm2_prompts")
+    units = job.instruction_prompts() + [(f"u{i}", f"pkg:p{i % 3}", "write", "x") for i in range(300)]
+    sample = lambda seed: job.mixed_sample(units, 100, job.random.Random(seed))
+    assert sample(0) == sample(0) != sample(1)
+    assert {u[1] for u in sample(0) if u[1].startswith("pkg:")} == {"pkg:p0", "pkg:p1", "pkg:p2"}  # sources take turns
