@@ -279,8 +279,7 @@ def main(argv=None):
     train = mixed_sample([u for u in rest if not is_held_out(u[0])], args.num_train, rng)
     write_parquet(args.out / "prompts.parquet", held, messages=True)
     write_parquet(args.work / "train_prompts.parquet", train, messages=False)
-    packages = {n: importlib.metadata.version(n) for n in (*TRAIN_PACKAGES, HELD_OUT_PACKAGE)
-                if importlib.util.find_spec(n.replace("-", "_")) is not None or _installed(n)}
+    packages = {n: importlib.metadata.version(n) for n in (*TRAIN_PACKAGES, HELD_OUT_PACKAGE) if _installed(n)}
     manifest = {"python": platform.python_version(), "packages": packages,
                 "sources": "stdlib *.py functions; pydoc_data/topics.py; the code and description of the packages "
                            "above; templated general requests (the `instructions` source)",
