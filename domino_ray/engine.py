@@ -137,7 +137,7 @@ class SpecEngine:
         self.kv = KVBuffers(cfg.num_hidden_layers, r, self.capacity, cfg.num_key_value_heads, head_dim,
                             self.dtype, self.device)
         self.tap_layers: tuple[int, ...] = ()
-        if self.proposer is not None:  # its target_layer_ids are in range: `DominoProposer` checks them
+        if self.proposer is not None:  # its target_layer_ids are in range: `checkpoint.check_against_target`
             self.proposer.allocate(r, self.capacity)
             self.tap_layers = tuple(self.proposer.target_layer_ids)
         self.row_buckets = row_buckets(r)

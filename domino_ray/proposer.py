@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from domino_ray.checkpoint import check_against_target
 from domino_ray.draft import DominoDraft, context_key_value_weights, context_keys_values, resolve_num_spec_tokens
 from domino_ray.kv_cache import KVBuffers, group_masks, grouped_attention
 
@@ -40,10 +41,7 @@ class DominoProposer:
         self.draft, self.config, self.num_spec_tokens = draft, cfg, k
         self.block_size = cfg.block_size
         self.target_layer_ids = cfg.target_layer_ids
-        layers = target.config.num_hidden_layers
-        if bad := [i for i in cfg.target_layer_ids if not 0 <= i < layers]:
-            raise ValueError(f"draft target_layer_ids {list(cfg.target_layer_ids)} out of range for a target with "
-                             f"{layers} layers: {bad}")
+        check_against_target(cfg, target.config)  # a draft built in code meets the loader's checks too
         self.embed = target.get_input_embeddings()
         self.lm_head = target.get_output_embeddings()
         weight = next(draft.parameters())

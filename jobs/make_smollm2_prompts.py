@@ -148,8 +148,8 @@ def package_prompts(name: str) -> list[tuple[str, str, str, str]]:
     out = [(f"pkg-docs:{name}", f"pkg-docs:{name}", "question", f"What is the Python package {name} used for?")]
     out += paragraph_prompts(name, dist.metadata.get_payload() or "", source=f"pkg-docs:{name}",
                              where=f"the documentation of the Python package {name}")
-    roots = {(Path(dist.locate_file(f)).parents[len(Path(f).parts) - 2]) for f in dist.files or ()
-             if f.suffix == ".py" and len(Path(f).parts) > 1 and ".dist-info" not in str(f)}
+    roots = {Path(dist.locate_file(f.parts[0])) for f in dist.files or ()  # its top-level package directories
+             if f.suffix == ".py" and len(f.parts) > 1 and ".dist-info" not in str(f)}
     for root in sorted(roots):
         for rel in python_files(root):
             text = (root / rel).read_text(encoding="utf-8", errors="replace")
@@ -280,7 +280,7 @@ def main(argv=None):
     write_parquet(args.out / "prompts.parquet", held, messages=True)
     write_parquet(args.work / "train_prompts.parquet", train, messages=False)
     packages = {n: importlib.metadata.version(n) for n in (*TRAIN_PACKAGES, HELD_OUT_PACKAGE) if _installed(n)}
-    manifest = {"python": platform.python_version(), "packages": packages,
+    manifest = {"python": platform.python_version(), "packages": packages, "held_out_package": HELD_OUT_PACKAGE,
                 "sources": "stdlib *.py functions; pydoc_data/topics.py; the code and description of the packages "
                            "above; templated general requests (the `instructions` source)",
                 "split_rule": f"held out by source: all of {HELD_OUT_PACKAGE!r} (code and description); by sample: a "

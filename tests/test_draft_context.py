@@ -56,5 +56,5 @@ def test_a_draft_reading_layers_the_target_lacks_is_refused():
     naming the ids, not deep inside the first step."""
     target = tiny_target("qwen3")
     draft = tiny_draft(target, layer_ids=(0, 5))
-    with pytest.raises(ValueError, match=r"target_layer_ids \[0, 5\] out of range for a target with 4 layers: \[5\]"):
+    with pytest.raises(ValueError, match=r"target_layer_ids \[0, 5\]: expected ids in \[0, 4\) .* found \[5\]"):
         DominoProposer(draft, target)

@@ -57,7 +57,7 @@ def test_held_out_prompts_are_chat_turns():
     modulus = int(manifest["split_rule"].split("% ")[1].split(" ")[0])
     by_sample = [r for r in rows if r["held_out"] == "sample"]
     assert all(int(hashlib.sha256(r["id"].encode()).hexdigest(), 16) % modulus == 0 for r in by_sample)
-    package = manifest["split_rule"].split("all of '")[1].split("'")[0]  # the held-out source: a whole package
+    package = manifest["held_out_package"]  # the held-out source: a whole package
     by_source = [r for r in rows if r["held_out"] == "source"]
     assert by_sample and by_source and all(r["source"].endswith(":" + package) for r in by_source)
     assert not [r for r in by_sample if r["source"].endswith(":" + package)]
