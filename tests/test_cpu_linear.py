@@ -1,0 +1,112 @@
+"""Linear layers over MKL-packed weights (`cpu_linear.py`): the same function as `nn.Linear`, in place."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from domino_ray.cpu_linear import PACKED_ROWS, PackedLinear, can_pack, pack_linears
+
+pytestmark = pytest.mark.skipif(not can_pack(nn.Linear(2, 2)), reason="torch without MKL's packed GEMM")
+
+# fp32 sums of 64 products reordered by another kernel: relative error ~1e-6; 1e-5 leaves room, a wrong
+# weight, bias or layout is off by O(1).
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+def small_model(seed: int = 0) -> nn.Sequential:
+    gen = torch.Generator().manual_seed(seed)
+    model = nn.Sequential(nn.Linear(64, 96), nn.SiLU(), nn.Linear(96, 48, bias=False))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen))
+    return model
+
+
+def test_packed_linear_is_the_same_function_in_place():
+    model, reference = small_model(), small_model()
+    first = model[0]
+    keys = set(model.state_dict())
+    assert pack_linears(model) == sum(m.weight.numel() * 4 for m in (model[0], model[2]))
+    assert model[0] is first and type(first) is PackedLinear and isinstance(first, nn.Linear)
+    assert set(model.state_dict()) == keys  # the packed copies are not state
+    gen = torch.Generator().manual_seed(1)
+    with torch.inference_mode():
+        for rows in (1, 3, PACKED_ROWS.start, 16, 17, PACKED_ROWS.stop - 1, PACKED_ROWS.stop, 300):
+            x = torch.randn(rows, 64, generator=gen)
+            torch.testing.assert_close(model(x), reference(x), **TOL)
+        # [b, q, C] inputs and a strided view: the rows are b*q
+        x = torch.randn(4, 5, 128, generator=gen)[..., ::2]
+        torch.testing.assert_close(model(x), reference(x), **TOL)
+
+
+def test_packed_path_is_taken():
+    """Within `PACKED_ROWS` the output comes from the packed copy: swapped for a packing of twice the weight
+    (the weight itself unchanged), the output doubles; outside, it is `F.linear` on the weight."""
+    layer = small_model()[0]
+    pack_linears(layer)
+    x = torch.randn(16, 64)
+    with torch.inference_mode():
+        before = layer(x)
+        layer.packed_weight = torch.ops.mkl._mkl_reorder_linear_weight(2 * layer.weight, 64)
+        torch.testing.assert_close(layer(x), 2 * before - layer.bias, **TOL)
+        torch.testing.assert_close(layer(x[:1]), before[:1], **TOL)
+
+
+def test_a_changed_weight_is_packed_again():
+    model, reference = small_model(), small_model()
+    pack_linears(model)
+    x = torch.randn(16, 64)
+    with torch.no_grad():
+        model[0].weight.mul_(2)   # in place (an optimizer step)
+        reference[0].weight.mul_(2)
+    torch.testing.assert_close(model(x), reference(x), **TOL)
+    model.load_state_dict(small_model(seed=3).state_dict())
+    torch.testing.assert_close(model(x), small_model(seed=3)(x), **TOL)
+    model[2].weight = nn.Parameter(torch.ones(48, 96))  # replaced
+    with torch.inference_mode():
+        torch.testing.assert_close(model[2](torch.ones(16, 96)), torch.full((16, 48), 96.0), **TOL)
+
+
+def test_training_runs_f_linear_with_gradients():
+    model, reference = small_model(), small_model()
+    pack_linears(model)
+    x = torch.randn(16, 64)
+    model(x).square().sum().backward()
+    reference(x).square().sum().backward()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, **TOL)
+
+
+def test_a_frozen_packed_layer_passes_gradients_to_its_input():
+    """A frozen target's packed head under a draft being trained: the gradient reaches the draft's output."""
+    model, reference = small_model().requires_grad_(False), small_model().requires_grad_(False)
+    pack_linears(model)
+    x, y = torch.randn(16, 64, requires_grad=True), torch.randn(16, 64, requires_grad=True)
+    with torch.no_grad():
+        y.copy_(x)
+    model(x).square().sum().backward()
+    reference(y).square().sum().backward()
+    torch.testing.assert_close(x.grad, y.grad, **TOL)
+
+
+def test_only_fp32_cpu_models_within_the_memory_budget():
+    assert pack_linears(small_model().to(torch.bfloat16)) == 0
+    model = small_model()
+    assert pack_linears(model, budget_share=0.0) == 0  # the copies would not fit: nothing packed
+    assert all(type(m) is nn.Linear for m in (model[0], model[2]))
+    assert pack_linears(nn.SiLU()) == 0  # no parameters
+
+
+def test_f_linear_agrees_on_a_real_shape():
+    """A decoder projection's shape (576 -> 1536) at the engine's row counts."""
+    gen = torch.Generator().manual_seed(2)
+    layer = nn.Linear(576, 1536)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(layer.weight.shape, generator=gen) / 24)
+    weight, bias = layer.weight.detach().clone(), layer.bias.detach().clone()
+    pack_linears(layer)
+    with torch.inference_mode():
+        for rows in (4, 16, 144):
+            x = torch.randn(rows, 576, generator=gen)
+            torch.testing.assert_close(layer(x), F.linear(x, weight, bias), **TOL)
