@@ -20,7 +20,7 @@ are missing from that draft's context (a later probe sees the draft at its worst
 start with their whole prompt as context). Exploration comes from the prior, which is optimistic (a new
 engine drafts at once; a few misses bring a bad draft's estimate down): estimates decay towards it while
 a position goes unverified, so a draft written off at W = 0 is tried again after a while (rarely: the
-decay is slow).
+decay is slow), at the narrowest width: whether its first draft lands is all the verdict asks.
 """
 
 from __future__ import annotations
@@ -232,7 +232,10 @@ class WidthController:
         active rows in slots `0..len(usable)` (`usable[i]`: drafts row i's budget allows), bucket `r`, `t` keys."""
         pooled = self.estimates.pooled()
         accept = [self.estimates.for_row(self.succeeded[i], self.tried[i], pooled) for i in range(len(usable))]
-        w = best_width(width_rates(self.costs.at(r, t), accept, usable))
+        costs = self.costs.at(r, t)
+        w = best_width(width_rates(costs, accept, usable))
+        if w > 0 and self.written_off:  # a probe of a written-off draft: its first draft is the whole question,
+            w = min(x for x in costs if x > 0)  # asked at the narrowest width (the least verify and correction)
         return w, w > 0 or not self.written_off
 
     def learn(self, r: int, t: int, w: int, seconds: float | None, accepted: Sequence[int], usable: Sequence[int]):

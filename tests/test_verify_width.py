@@ -9,8 +9,8 @@ from domino_ray.engine import SpecEngine
 from domino_ray.request import Request
 from domino_ray.proposer import DominoProposer
 from domino_ray.sampling_params import SamplingParams
-from domino_ray.verify_width import (AcceptanceEstimates, candidate_widths, choose_width, expected_tokens,
-                                     smooth_costs, StepCosts, WidthController)
+from domino_ray.verify_width import (AcceptanceEstimates, best_width, candidate_widths, choose_width, expected_tokens,
+                                     smooth_costs, StepCosts, WidthController, width_rates)
 from oracles import OracleProposer
 from tiny_models import ragged_prompts, tiny_draft, tiny_target
 
@@ -227,3 +227,23 @@ def test_a_written_off_draft_stays_written_off_until_a_drafting_step_says_otherw
     assert width.estimates.trials[0] < 0.1 and width.written_off
     width.learn(1, 64, 4, 9.0, [3], [100])  # a probe that lands: the draft is back
     assert not width.written_off and width.choose(1, 64, [100])[1] is True
+
+
+def test_a_written_off_draft_is_probed_at_the_narrowest_width():
+    """Drafting with a fixed cost and nearly free extra drafts: on the prior's optimism the policy would verify the
+    widest block, but while the draft is written off (its first draft never lands) a probe verifies the narrowest
+    width, since whether the first draft lands is the verdict's whole question; once it lands, the policy's own
+    choice again."""
+    def unclamped(width):
+        accept = width.estimates.for_row(width.succeeded[0], width.tried[0], width.estimates.pooled())
+        return best_width(width_rates(width.costs.at(1, 64), [accept], [100]))
+
+    for widths, narrowest in ((range(5), 1), ((0, 2, 4), 2)):  # every width, or a graphs-style subset
+        width = WidthController(4, 1, StepCosts({1: {w: 1.0 + 0.5 * (w > 0) + 0.01 * w for w in widths}}))
+        for _ in range(3):
+            width.learn(1, 64, 4, 1.54, [0], [100])  # the first draft rejected every time: written off
+        width.reset_slot(0)  # a new row in the slot: the pooled evidence and the prior decide
+        assert width.written_off and unclamped(width) == 4
+        assert width.choose(1, 64, [100]) == (narrowest, True)
+        width.learn(1, 64, narrowest, 1.5, [1], [100])  # it lands: the draft is back
+        assert not width.written_off and width.choose(1, 64, [100]) == (unclamped(width), True) == (4, True)
