@@ -181,3 +181,18 @@ def test_serve_benchmark_smoke(ray_cluster, tmp_path):
         assert r["latency_p50_s"] <= r["latency_p99_s"] and r["ttft_p50_s"] <= r["ttft_p99_s"]
         assert 0 < r["ttft_p50_s"] <= r["latency_p99_s"]
     assert 1.0 <= rows["spec"]["mean_acceptance_length"] <= 4 + 1  # save_tiny_pair: block size 4, K = 4
+
+
+def test_linear_benchmark_smoke():
+    """`bench_linear.py`: the sweep times every kind at every row count; `--engine` alternates packed and plain
+    steps of the SmolLM2 engine (when converted)."""
+    out = run_script("bench_linear.py", "--rows", "1,4", "--packed-for", "64")
+    table = {line[:16].strip(): line[16:].split() for line in out.splitlines()[1:]}
+    assert table["rows per call"] == ["1", "4"] and set(table) == {"rows per call", "F.linear", "packed for 64"}
+    assert all(positive(float(x)) for kind in ("F.linear", "packed for 64") for x in table[kind])
+    from domino_ray.smollm2 import is_converted
+    if is_converted():
+        out = run_script("bench_linear.py", "--engine", "2")
+        times = [line.split(":") for line in out.splitlines() if line.startswith("  ")]
+        assert [name.strip() for name, _ in times] == ["packed", "plain"] * 4
+        assert all(positive(float(t.split()[0])) for _, t in times)

@@ -1,0 +1,106 @@
+"""Packed-weight GEMMs on CPU (`domino_ray/cpu_linear.py`): `F.linear` against MKL's packed op.
+
+Two measurements (BENCHMARKS.md "Packed weights"):
+- `sweep` (default): the projections of a SmolLM2-shaped decoder (30 layers x q/k/v/o/gate/up/down + the LM
+  head, random fp32 weights, each read once per pass) at each row count, plain and packed for each batch;
+  median of 5 passes, in ms.
+- `--engine ROWS`: our engine's steady-state decode step on the SmolLM2 pair (make smollm2), target-only,
+  ROWS chat prompts, switching the same modules between packed and plain every few steps, in one process.
+
+    python benchmarks/bench_linear.py [--rows 1,4,16,64] [--packed-for 4,16,64,256]
+    python benchmarks/bench_linear.py --engine 16 [--packed-for 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.nn.functional as F
+
+# SmolLM2-135M: hidden 576, 3 K/V heads of 64, MLP 1536, 30 layers, vocabulary 49152 (out, in).
+LAYER_SHAPES = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]
+LAYERS, HEAD = 30, (49152, 576)
+
+
+def median_ms(fn, passes: int = 5) -> float:
+    fn()
+    times = []
+    for _ in range(passes):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2] * 1e3
+
+
+def sweep(rows: list[int], packed_for: list[int], seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    shapes = LAYER_SHAPES * LAYERS + [HEAD]
+    weights = [torch.randn(s, generator=gen) for s in shapes]
+
+    def passes(m: int, packed=None) -> float:
+        inputs = {k: torch.randn(m, k, generator=gen) for k in {w.shape[1] for w in weights}}
+        if packed is None:
+            return median_ms(lambda: [F.linear(inputs[w.shape[1]], w) for w in weights])
+        return median_ms(lambda: [torch.ops.mkl._mkl_linear(inputs[w.shape[1]], p, w, None, m)
+                                  for w, p in zip(weights, packed)])
+
+    threads = torch.get_num_threads()
+    print(f"{len(weights)} projections of a SmolLM2-shaped decoder, fp32, {threads} threads; ms per pass")
+    print(f"{'rows per call':>16}" + "".join(f"{m:>8}" for m in rows))
+    with torch.inference_mode():
+        print(f"{'F.linear':>16}" + "".join(f"{passes(m):8.1f}" for m in rows))
+        for batch in packed_for:
+            packed = [torch.ops.mkl._mkl_reorder_linear_weight(w, batch) for w in weights]
+            print(f"{f'packed for {batch}':>16}" + "".join(f"{passes(m, packed):8.1f}" for m in rows))
+        print(f"{'F.linear':>16}" + "".join(f"{passes(m):8.1f}" for m in rows))
+
+
+def engine_steps(rows: int, packed_for: int, rounds: int = 4, steps: int = 6):
+    from common import load_pair
+    from domino_ray import cpu_linear
+    from domino_ray.llm import build_engine
+    from domino_ray.request import Request
+    from domino_ray.sampling_params import SamplingParams
+
+    cpu_linear.PACKED_FOR = packed_for
+    pair = load_pair("smollm2", num_prompts=rows)
+    engine = build_engine(pair.target, None, pair.tokenizer, max_batch_size=rows, max_model_len=1024)
+    packed = [m for m in pair.target.modules() if isinstance(m, cpu_linear.PackedLinear)]
+    if not packed:
+        raise SystemExit("the engine packed nothing (not fp32 on CPU, no MKL, or not enough memory)")
+    params = SamplingParams(max_new_tokens=1 + 2 * rounds * (steps + 1) + 2, ignore_eos=True)
+    for i, prompt in enumerate(pair.prompts[:rows]):
+        engine.add_request(Request(i, prompt, params))
+    engine.step()  # prefill
+    engine.step()
+    print(f"SmolLM2 target-only decode step, {rows} rows, packed for {packed_for}, {torch.get_num_threads()} threads")
+    for _ in range(rounds):
+        for cls, name in ((cpu_linear.PackedLinear, "packed"), (torch.nn.Linear, "plain")):
+            for m in packed:
+                m.__class__ = cls
+            engine.step()
+            start = time.perf_counter()
+            for _ in range(steps):
+                engine.step()
+            print(f"  {name}: {(time.perf_counter() - start) / steps * 1e3:.1f} ms/step")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rows", default="1,2,4,8,16,32,64,144,256")
+    p.add_argument("--packed-for", default="4,16,64,256", help="sweep: batches to pack for; --engine: the first")
+    p.add_argument("--engine", type=int, default=0, metavar="ROWS", help="time our engine's step instead")
+    p.add_argument("--threads", type=int, default=2)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    batches = [int(b) for b in args.packed_for.split(",")]
+    if args.engine:
+        engine_steps(args.engine, batches[0] if args.packed_for != p.get_default("packed_for") else 64)
+    else:
+        sweep([int(r) for r in args.rows.split(",")], batches)
+
+
+if __name__ == "__main__":
+    main()
