@@ -7,7 +7,7 @@ Two measurements (BENCHMARKS.md "Packed weights"):
 - `--engine ROWS`: our engine's steady-state decode step on the SmolLM2 pair (make smollm2), target-only,
   ROWS chat prompts, switching the same modules between packed and plain every few steps, in one process.
 
-    python benchmarks/bench_linear.py [--rows 1,4,16,64] [--packed-for 4,16,64,256]
+    python benchmarks/bench_linear.py [--rows 1,4,16,64] [--packed-for 4,16,64,256] [--layers 30]
     python benchmarks/bench_linear.py --engine 16 [--packed-for 64]
 """
 
@@ -34,9 +34,9 @@ def median_ms(fn, passes: int = 5) -> float:
     return sorted(times)[len(times) // 2] * 1e3
 
 
-def sweep(rows: list[int], packed_for: list[int], seed: int = 0):
+def sweep(rows: list[int], packed_for: list[int], layers: int = LAYERS, seed: int = 0):
     gen = torch.Generator().manual_seed(seed)
-    shapes = LAYER_SHAPES * LAYERS + [HEAD]
+    shapes = LAYER_SHAPES * layers + [HEAD]
     weights = [torch.randn(s, generator=gen) for s in shapes]
 
     def passes(m: int, packed=None) -> float:
@@ -92,6 +92,7 @@ def main():
     p.add_argument("--rows", default="1,2,4,8,16,32,64,144,256")
     p.add_argument("--packed-for", default="4,16,64,256", help="sweep: batches to pack for; --engine: the first")
     p.add_argument("--engine", type=int, default=0, metavar="ROWS", help="time our engine's step instead")
+    p.add_argument("--layers", type=int, default=LAYERS, help="sweep: decoder layers (fewer: a quick look)")
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -99,7 +100,7 @@ def main():
     if args.engine:
         engine_steps(args.engine, batches[0] if args.packed_for != p.get_default("packed_for") else 64)
     else:
-        sweep([int(r) for r in args.rows.split(",")], batches)
+        sweep([int(r) for r in args.rows.split(",")], batches, args.layers)
 
 
 if __name__ == "__main__":

@@ -186,7 +186,7 @@ def test_serve_benchmark_smoke(ray_cluster, tmp_path):
 def test_linear_benchmark_smoke():
     """`bench_linear.py`: the sweep times every kind at every row count; `--engine` alternates packed and plain
     steps of the SmolLM2 engine (when converted)."""
-    out = run_script("bench_linear.py", "--rows", "1,4", "--packed-for", "64")
+    out = run_script("bench_linear.py", "--rows", "1,4", "--packed-for", "64", "--layers", "1")
     table = {line[:16].strip(): line[16:].split() for line in out.splitlines()[1:]}
     assert table["rows per call"] == ["1", "4"] and set(table) == {"rows per call", "F.linear", "packed for 64"}
     assert all(positive(float(x)) for kind in ("F.linear", "packed for 64") for x in table[kind])
