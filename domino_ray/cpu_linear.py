@@ -4,7 +4,7 @@ At the rows a CPU engine decodes (a few to a hundred positions per forward), fp3
 the weight-read bound: on the 2-core VM the 211 projections of a SmolLM2-shaped model take 47-49 ms at 16 rows
 against 20-22 ms at one. MKL's packed GEMM (each weight reordered once into its kernel's layout; torch
 exposes it as `mkl::_mkl_linear`, what inductor's freezing uses) takes 37 ms at 16 rows, 26-32 ms at 4-8,
-46 at 32 and 63 at 64 (F.linear 35-44, 54-59, 79-85): 15-30% less; at 1-2 rows and from ~144 it gains
+46 at 32 and 63 at 64 (F.linear 35-47, 54-59, 79-85): 15-30% less; at 1-2 rows and from ~144 it gains
 nothing, so those stay on `F.linear` (BENCHMARKS "Packed weights": a 16-row step 11% faster).
 
 The packed copy is the weight's size again, so `pack_linears` packs what the engine holds on CPU in fp32 when
