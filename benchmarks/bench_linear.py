@@ -90,17 +90,19 @@ def engine_steps(rows: int, packed_for: int, rounds: int = 4, steps: int = 6):
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", default="1,2,4,8,16,32,64,144,256")
-    p.add_argument("--packed-for", default="4,16,64,256", help="sweep: batches to pack for; --engine: the first")
+    p.add_argument("--packed-for", default=None,
+                   help="batches to pack for: the sweep's (default 4,16,64,256), --engine's one (default the engine's)")
     p.add_argument("--engine", type=int, default=0, metavar="ROWS", help="time our engine's step instead")
     p.add_argument("--layers", type=int, default=LAYERS, help="sweep: decoder layers (fewer: a quick look)")
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    batches = [int(b) for b in args.packed_for.split(",")]
     if args.engine:
-        engine_steps(args.engine, batches[0] if args.packed_for != p.get_default("packed_for") else 64)
+        from domino_ray.cpu_linear import PACKED_FOR
+        engine_steps(args.engine, int(args.packed_for or PACKED_FOR))
     else:
-        sweep([int(r) for r in args.rows.split(",")], batches, args.layers)
+        sweep([int(r) for r in args.rows.split(",")], [int(b) for b in (args.packed_for or "4,16,64,256").split(",")],
+              args.layers)
 
 
 if __name__ == "__main__":

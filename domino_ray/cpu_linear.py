@@ -60,12 +60,13 @@ def can_pack(model: nn.Module) -> bool:
             and torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear"))
 
 
-def pack_linears(*models: nn.Module, budget_share: float = 0.25) -> int:
-    """Turn every `nn.Linear` of `models` (those `can_pack`) into a `PackedLinear`, in place (the same module
-    objects: references held elsewhere see the packed path too). Only when the copies fit in `budget_share`
-    of the available host memory; otherwise nothing is packed and the reason is logged. Returns the bytes
-    the packed copies take (0: nothing packed)."""
-    linears = {id(m): m for model in models if can_pack(model) for m in model.modules() if type(m) is nn.Linear}
+def pack_linears(*models: nn.Module | None, budget_share: float = 0.25) -> int:
+    """Turn every `nn.Linear` of `models` (those `can_pack`; None is skipped) into a `PackedLinear`, in place
+    (the same module objects: references held elsewhere see the packed path too). Only when the copies fit in
+    `budget_share` of the available host memory; otherwise nothing is packed and the reason is logged. Returns
+    the bytes the packed copies take (0: nothing packed)."""
+    linears = {id(m): m for model in models if model is not None and can_pack(model)
+               for m in model.modules() if type(m) is nn.Linear}
     if not linears:
         return 0
     need = sum(m.weight.numel() * m.weight.element_size() for m in linears.values())

@@ -94,7 +94,7 @@ class SpecEngine:
         weight = next(target.parameters())
         self.device, self.dtype = weight.device, weight.dtype
         install(target)
-        pack_linears(target, *filter(None, [getattr(proposer, "draft", None)]))  # CPU, fp32: `cpu_linear.py`
+        pack_linears(target, getattr(proposer, "draft", None))  # on CPU in fp32: `cpu_linear.py`
         graphs = use_cuda_graphs(cuda_graphs, self.device)
         # A step writes up to `span` positions past a row's committed context (verify K+1, draft block B).
         self.span = max(k + 1, proposer.block_size if proposer is not None else 1)

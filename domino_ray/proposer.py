@@ -15,6 +15,8 @@ A proposer is any object with these members (duck-typed; the engine needs nothin
   `committed`/`request_ids` are the host's view of the real rows (test proposers use them).
 - `move_row(src, dst, length)`: slot `src` -> `dst` (ints: compaction), or slots `src[i]` -> `dst[i]`
   (index tensors `[m]`: regrouping; the pairs may form cycles).
+- optionally `draft`: its model (an `nn.Module`), whose linear layers the engine packs like the target's on
+  CPU (`cpu_linear.py`).
 
 `DominoProposer` runs a Domino/DFlash draft. (The tests' `OracleProposer` knows the target's continuation.)
 """

@@ -95,7 +95,7 @@ def test_only_fp32_cpu_models_within_the_memory_budget():
     model = small_model()
     assert pack_linears(model, budget_share=0.0) == 0  # the copies would not fit: nothing packed
     assert all(type(m) is nn.Linear for m in (model[0], model[2]))
-    assert pack_linears(nn.SiLU()) == 0  # no parameters
+    assert pack_linears(nn.SiLU(), None) == 0  # no parameters; None (a proposer without a draft model)
 
 
 def test_f_linear_agrees_on_a_real_shape():
