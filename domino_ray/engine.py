@@ -42,6 +42,7 @@ from typing import Callable, Hashable, Iterable
 import torch
 
 from domino_ray.cpu_linear import pack_linears
+from domino_ray.fused_layers import fuse_layers
 from domino_ray.key_groups import GROUP_COST, Groups, KeyReads
 from domino_ray.key_groups import plan as plan_key_groups
 from domino_ray.kv_cache import KVBuffers, group_masks
@@ -94,7 +95,8 @@ class SpecEngine:
         weight = next(target.parameters())
         self.device, self.dtype = weight.device, weight.dtype
         install(target)
-        pack_linears(target, getattr(proposer, "draft", None))  # on CPU in fp32: `cpu_linear.py`
+        self.layers = fuse_layers(self.decoder)  # the Llama family's layers over fused projections
+        pack_linears(self.layers, self.lm_head, getattr(proposer, "draft", None))  # on CPU in fp32: `cpu_linear.py`
         graphs = use_cuda_graphs(cuda_graphs, self.device)
         # A step writes up to `span` positions past a row's committed context (verify K+1, draft block B).
         self.span = max(k + 1, proposer.block_size if proposer is not None else 1)
@@ -263,7 +265,7 @@ class SpecEngine:
             for slot in range(rows.start, rows.stop):
                 self.width.reset_slot(slot)
         positions = self.key_positions[:longest].expand(k, longest)  # [k, m]: every prompt starts at 0
-        hidden, taps = run_decoder(self.decoder, ids.to(self.device), positions,
+        hidden, taps = run_decoder(self.decoder, self.layers, ids.to(self.device), positions,
                                    RowAttention(self.kv, write_index=positions, prefill_rows=rows), self.tap_layers)
         last = hidden[torch.arange(k, device=self.device), lengths - 1]  # [k, C]
         # The first token is an acceptance step with zero drafts at the prompt's last position.
@@ -366,7 +368,7 @@ class SpecEngine:
         positions = lens[:, None] + self.verify_offsets[:w + 1]                  # [r, W+1]
         # causal after the prefix
         visible = group_masks(positions + 1, self.groups, self.key_positions, key_groups, self.dtype)
-        hidden, taps = run_decoder(self.decoder, verify_ids, positions,
+        hidden, taps = run_decoder(self.decoder, self.layers, verify_ids, positions,
                                    RowAttention(self.kv, write_index=positions, visible=visible, key_groups=key_groups),
                                    self.tap_layers if context else ())
         logits = self.lm_head(hidden)  # [r, W+1, V]

@@ -35,12 +35,20 @@ class KVBuffers:
     def nbytes(self) -> int:
         return 2 * self.all_keys.numel() * self.all_keys.element_size()
 
-    def write(self, layer: int, rows: slice, index: torch.Tensor, keys: torch.Tensor, values: torch.Tensor):
-        """Scatter `keys/values [b, Hkv, q, D]` to positions `index [b, q]` of slots `rows`."""
-        b, h, q, d = keys.shape
-        idx = index[:, None, :, None].expand(b, h, q, d)
-        self.keys[layer][rows].scatter_(2, idx, keys)
-        self.values[layer][rows].scatter_(2, idx, values)
+    def flat_index(self, rows: slice, index: torch.Tensor) -> torch.Tensor:
+        """Where `write` puts positions `index [b, q]` of slots `rows`: `[b * q * Hkv]` rows of a layer's buffer
+        seen as `[R * Hkv * T, D]`, in (slot, position, head) order. Computed once per forward, for every layer."""
+        _, heads, length, _ = self.keys[0].shape
+        b, q = index.shape
+        slots = torch.arange(rows.start, rows.start + b, device=index.device)[:, None, None]  # [b, 1, 1]
+        head = torch.arange(heads, device=index.device)                                      # [Hkv]
+        return ((slots * heads + head) * length + index[:, :, None]).reshape(-1)
+
+    def write(self, layer: int, at: torch.Tensor, keys: torch.Tensor, values: torch.Tensor):
+        """`keys/values [b, Hkv, q, D]` to the positions `at` of layer `layer` (`flat_index`)."""
+        d = keys.shape[-1]
+        self.keys[layer].view(-1, d).index_copy_(0, at, keys.transpose(1, 2).reshape(-1, d))
+        self.values[layer].view(-1, d).index_copy_(0, at, values.transpose(1, 2).reshape(-1, d))
 
     def write_all_layers(self, rows: slice, index: torch.Tensor, keys: torch.Tensor, values: torch.Tensor):
         """`keys/values [L, b, Hkv, q, D]` of every layer to positions `index [b, q]` of slots `rows`, at once."""

@@ -81,12 +81,13 @@ class DominoProposer:
         key_limit = (offsets + block_size)[:, None].expand(r, block_size)  # [r, B]
         visible = group_masks(key_limit, self.groups, self.key_positions, key_groups, self.dtype)
         cos, sin = self.draft.rope(positions, self.dtype)
+        write_at = self.kv.flat_index(rows, positions)
 
         def attend_layer(i, layer, x, cos, sin):
             attn = layer.self_attn
             q = attn.query(x, cos, sin)
             k, v = attn.key_value(x, cos, sin)
-            self.kv.write(i, rows, positions, k, v)
+            self.kv.write(i, write_at, k, v)
             return attn.output(grouped_attention(q, self.kv, i, key_groups, visible, attn.head_dim ** -0.5))
 
         hidden = self.draft.run_layers(block, cos, sin, attend_layer)  # [r, B, C]

@@ -35,8 +35,12 @@ class RowAttention:
     key_groups: tuple[tuple[int, int], ...] = ()
     prefill_rows: slice | None = None
 
+    def __post_init__(self):
+        rows = self.prefill_rows or slice(0, self.write_index.shape[0])
+        self.write_at = self.buffers.flat_index(rows, self.write_index)  # every layer writes there
 
-def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, domino_rows=None, **kwargs):
+
+def engine_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, domino_rows=None, **kwargs):
     """HF attention-function signature: query `[r, H, q, D]`, key/value `[r, Hkv, q, D]` (rotated) ->
     (`[r, q, H, D]`, None)."""
     if domino_rows is None:
@@ -46,20 +50,18 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
                                       **kwargs)
     step, layer = domino_rows, module.layer_idx
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    step.buffers.write(layer, step.write_at, key, value)
     if step.prefill_rows is not None:
-        step.buffers.write(layer, step.prefill_rows, step.write_index, key, value)
         return causal_prefill_attention(query, key, value, scale), None
-    rows = slice(0, query.shape[0])
-    step.buffers.write(layer, rows, step.write_index, key, value)
     return grouped_attention(query, step.buffers, layer, step.key_groups, step.visible, scale), None
 
 
 def install(target) -> None:
-    """Route the target's attention through `_attention` (stock SDPA for callers other than the engine)."""
+    """Route the target's attention through `engine_attention` (stock SDPA for callers other than the engine)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    AttentionInterface.register(ATTENTION, _attention)
+    AttentionInterface.register(ATTENTION, engine_attention)
     AttentionMaskInterface.register(ATTENTION, sdpa_mask)  # HF's own forward still builds its SDPA masks
     layer_types = set(getattr(target.config, "layer_types", None) or ["full_attention"])
     if layer_types != {"full_attention"}:
@@ -67,21 +69,22 @@ def install(target) -> None:
     target.config._attn_implementation = ATTENTION
 
 
-def run_decoder(decoder, input_ids: torch.Tensor, positions: torch.Tensor, attention: RowAttention,
+def run_decoder(decoder, layers, input_ids: torch.Tensor, positions: torch.Tensor, attention: RowAttention,
                 tap_layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """input_ids/positions `[r, q]` -> (normed last hidden `[r, q, C]`, taps `[r, q, L*C]` or None).
 
-    `tap_layers`: decoder layers whose outputs feed the draft, as HF's `hidden_states[l + 1]` (which is
-    after the final norm for the last layer).
+    `layers`: the decoder's layers as the engine runs them (`fused_layers.fuse_layers`: ours for the Llama
+    family, HF's otherwise). `tap_layers`: decoder layers whose outputs feed the draft, as HF's
+    `hidden_states[l + 1]` (which is after the final norm for the last layer).
     """
     hidden = decoder.embed_tokens(input_ids)              # [r, q, C]
     rotary = decoder.rotary_emb(hidden, positions)        # cos, sin [r, q, D]
     taps = {}
-    for i, layer in enumerate(decoder.layers):
+    for i, layer in enumerate(layers):
         hidden = layer(hidden, attention_mask=None, position_ids=positions, position_embeddings=rotary,
                        domino_rows=attention)
         if i in tap_layers:
             taps[i] = hidden
     hidden = decoder.norm(hidden)
-    taps[len(decoder.layers) - 1] = hidden
+    taps[len(layers) - 1] = hidden
     return hidden, (torch.cat([taps[i] for i in tap_layers], -1) if tap_layers else None)

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
+                          Qwen3ForCausalLM)
 
 from domino_ray.draft import DominoDraft, DraftConfig
 
@@ -11,17 +12,20 @@ VOCAB = 96
 
 
 def tiny_target(kind: str = "qwen3", *, seed: int = 0, vocab: int = VOCAB, layers: int = 4,
-                dtype: torch.dtype = torch.float64, max_positions: int = 512):
+                dtype: torch.dtype = torch.float64, max_positions: int = 512, **config):
     """float64 by default: greedy equality tests compare argmaxes, and float64 keeps near-ties from
-    flipping between differently shaped (but mathematically equal) computations."""
+    flipping between differently shaped (but mathematically equal) computations. `config`: more config
+    fields (e.g. `attention_bias=True`)."""
     torch.manual_seed(seed)
     common = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=max_positions,
-                  eos_token_id=None, bos_token_id=None, pad_token_id=None)
+                  eos_token_id=None, bos_token_id=None, pad_token_id=None, **config)
     if kind == "qwen3":
         model = Qwen3ForCausalLM(Qwen3Config(**common))
     elif kind == "llama":
         model = LlamaForCausalLM(LlamaConfig(**common))
+    elif kind == "qwen2":  # q/k/v with biases
+        model = Qwen2ForCausalLM(Qwen2Config(**common))
     else:
         raise ValueError(kind)
     # Random init gives nearly flat logits; scaling the head up makes continuations less repetitive.

@@ -1,0 +1,126 @@
+"""Our forward for Llama-family decoder layers (Llama, Qwen2, Qwen3): fused projections, fewer ops.
+
+A decode step of a small target on CPU pays per op, not only per weight byte: HF's layer runs q, k, v, gate
+and up as five GEMMs and the rotary embedding as separate passes over q and k (about 200 op calls per layer
+with the engine's attention). `FusedLayer` runs the same math as one q/k/v GEMM, one gate/up GEMM and one
+rotary pass over the query and key heads together; the norms are HF's own modules and every elementwise op is
+HF's, in HF's order, so only the fused GEMMs' summation order may differ (fp32: ~1e-6 relative).
+
+No second copy of the weights: the fused `[q; k; v]` and `[gate; up]` matrices are built once and the HF
+projections' weights become row-slices (views) of them, so the stock layers keep working for other callers
+(HF `generate`, tests). One consequence: after `fuse_layers`, q/k/v (and gate/up) weights share storage, which
+`save_pretrained` refuses for untied weights: save a target before building an engine on it.
+
+Other architectures (and Llama-family layers with an unexpected structure) keep HF's layer (`fuse_layers`).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch import nn
+
+from domino_ray.target_forward import engine_attention
+
+# The layer classes whose forward `FusedLayer` reproduces: pre-norm residual blocks, q/k/v/o attention with the
+# rotary embedding on q and k (Qwen3: after a per-head RMSNorm of each), a gated MLP.
+FUSABLE = {"LlamaDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer"}
+
+
+def fuse_linears(*linears: nn.Linear) -> nn.Linear:
+    """One `nn.Linear` computing `linears` side by side (outputs concatenated); each of `linears` keeps working,
+    its weight and bias now views of the fused ones."""
+    weight = torch.cat([m.weight.detach() for m in linears])   # [sum out, in]
+    biased = [m.bias is not None for m in linears]
+    if any(biased) and not all(biased):
+        raise ValueError("fuse_linears: some of the layers have a bias and some do not")
+    bias = torch.cat([m.bias.detach() for m in linears]) if all(biased) else None
+    fused = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+    fused.weight = nn.Parameter(weight, requires_grad=False)
+    if bias is not None:
+        fused.bias = nn.Parameter(bias, requires_grad=False)
+    start = 0
+    for m in linears:
+        stop = start + m.out_features
+        m.weight = nn.Parameter(weight[start:stop], requires_grad=m.weight.requires_grad)
+        if bias is not None:
+            m.bias = nn.Parameter(bias[start:stop], requires_grad=m.bias.requires_grad)
+        start = stop
+    return fused
+
+
+class FusedLayer(nn.Module):
+    """One HF decoder layer's forward over fused q/k/v and gate/up projections; called as the HF layer is.
+
+    Holds the HF layer's norms, `o_proj`, `down_proj` and activation as submodules (shared, not copied) and not
+    the layer itself, so walking its modules (`pack_linears`) finds exactly the linears this forward calls.
+    """
+
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        attn, mlp = layer.self_attn, layer.mlp
+        self.layer_idx, self.scaling, self.head_dim = attn.layer_idx, attn.scaling, attn.head_dim
+        self.heads = attn.q_proj.out_features // attn.head_dim
+        self.kv_heads = attn.k_proj.out_features // attn.head_dim
+        self.qkv = fuse_linears(attn.q_proj, attn.k_proj, attn.v_proj)
+        self.gate_up = fuse_linears(mlp.gate_proj, mlp.up_proj)
+        self.intermediate = mlp.gate_proj.out_features
+        self.o_proj, self.down_proj, self.act_fn = attn.o_proj, mlp.down_proj, mlp.act_fn
+        self.input_layernorm, self.post_attention_layernorm = layer.input_layernorm, layer.post_attention_layernorm
+        self.q_norm, self.k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)  # Qwen3
+
+    def forward(self, hidden: torch.Tensor, *, position_embeddings: tuple[torch.Tensor, torch.Tensor], domino_rows,
+                **kwargs) -> torch.Tensor:
+        """hidden `[r, q, C]`, cos/sin `[r, q, D]`, the step's `RowAttention` -> `[r, q, C]` (the engine's
+        forward only: other keyword arguments of HF's layer call are ignored)."""
+        r, q, _ = hidden.shape
+        h, hkv, d = self.heads, self.kv_heads, self.head_dim
+        x = self.qkv(self.input_layernorm(hidden)).view(r, q, h + 2 * hkv, d)  # [r, q, H + 2Hkv, D]
+        query, key, value = x.split((h, hkv, hkv), 2)
+        if self.q_norm is not None:
+            query, key = self.q_norm(query), self.k_norm(key)
+        # The rotary embedding on the query and key heads at once, as HF's `apply_rotary_pos_emb` writes it
+        qk = torch.cat((query, key), 2) if self.q_norm is not None else x[:, :, :h + hkv]  # [r, q, H + Hkv, D]
+        cos, sin = (t[:, :, None] for t in position_embeddings)                          # [r, q, 1, D]
+        half = d // 2
+        qk = qk * cos + torch.cat((-qk[..., half:], qk[..., :half]), -1) * sin
+        out, _ = engine_attention(self, qk[:, :, :h].transpose(1, 2), qk[:, :, h:].transpose(1, 2),
+                                  value.transpose(1, 2), None, scaling=self.scaling, domino_rows=domino_rows)
+        hidden = hidden + self.o_proj(out.reshape(r, q, h * d))
+        gate, up = self.gate_up(self.post_attention_layernorm(hidden)).split(self.intermediate, -1)
+        return hidden + self.down_proj(self.act_fn(gate) * up)
+
+
+# Per decoder, its fused layers: engines built on one target share them (and their packed weights).
+_FUSED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def fuse_layers(decoder: nn.Module) -> nn.ModuleList:
+    """The layers the engine's forward runs over `decoder`: a `FusedLayer` for each Llama-family layer, HF's own
+    layer otherwise. Built once per decoder, again if a projection's weight was replaced since."""
+    layers = _FUSED.get(decoder)
+    if layers is None or not all(_fused_over(mine, theirs) for mine, theirs in zip(layers, decoder.layers)):
+        layers = _FUSED[decoder] = nn.ModuleList([FusedLayer(layer) if _fusable(layer) else layer
+                                                  for layer in decoder.layers])
+    return layers
+
+
+def _fused_over(mine: nn.Module, layer: nn.Module) -> bool:
+    """`mine` (from `fuse_layers`) still computes `layer`: the same module, or fused from its current weights."""
+    if not isinstance(mine, FusedLayer):
+        return mine is layer
+    attn, mlp = layer.self_attn, layer.mlp
+    return (attn.q_proj.weight.data_ptr() == mine.qkv.weight.data_ptr()
+            and mlp.gate_proj.weight.data_ptr() == mine.gate_up.weight.data_ptr()
+            and attn.o_proj is mine.o_proj and mlp.down_proj is mine.down_proj)
+
+
+def _fusable(layer: nn.Module) -> bool:
+    if type(layer).__name__ not in FUSABLE:
+        return False
+    attn, mlp = layer.self_attn, layer.mlp
+    linears = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+    # Anything a subclass or a hook might have changed keeps HF's forward
+    return (all(isinstance(m, nn.Linear) for m in linears)
+            and not any(m._forward_hooks or m._forward_pre_hooks for m in (layer, attn, mlp, *linears)))

@@ -1,0 +1,119 @@
+"""Our Llama-family layer forward (fused projections) computes what HF's layer computes."""
+
+import pytest
+import torch
+from torch import nn
+
+from domino_ray.engine import SpecEngine
+from domino_ray.fused_layers import FusedLayer, fuse_layers, fuse_linears
+from domino_ray.kv_cache import KVBuffers, group_masks
+from domino_ray.request import Request
+from domino_ray.sampling_params import SamplingParams
+from domino_ray.target_forward import RowAttention, install, run_decoder
+from tiny_models import hf_greedy, ragged_prompts, tiny_target
+
+FAMILIES = {"qwen3": {}, "llama": {}, "qwen2": {},  # Qwen2: q/k/v biases
+            "llama-biased": {"attention_bias": True, "mlp_bias": True}}
+
+
+def family(name: str, dtype=torch.float32):
+    return tiny_target(name.split("-")[0], dtype=dtype, **FAMILIES[name])
+
+
+def forward_both(target, rows: int, prompt: int, width: int):
+    """The decoder over HF's layers and over `fuse_layers`, prefill then one decode step of `width` positions,
+    each into its own KV buffers: (hidden states, KV buffers) of each."""
+    cfg, decoder = target.config, target.get_decoder()
+    install(target)
+    g = torch.Generator().manual_seed(0)
+    prompt_ids = torch.randint(0, cfg.vocab_size, (rows, prompt), generator=g)
+    step_ids = torch.randint(0, cfg.vocab_size, (rows, width), generator=g)
+    key_positions = torch.arange(64)
+    results = []
+    for layers in (decoder.layers, fuse_layers(decoder)):
+        kv = KVBuffers(cfg.num_hidden_layers, rows, 64, cfg.num_key_value_heads, cfg.head_dim, torch.float32, "cpu")
+        positions = key_positions[:prompt].expand(rows, prompt)
+        with torch.inference_mode():
+            first, _ = run_decoder(decoder, layers, prompt_ids, positions,
+                                   RowAttention(kv, positions, prefill_rows=slice(0, rows)), ())
+            positions = prompt + torch.arange(width).expand(rows, width)
+            groups = ((rows, 32),)
+            visible = group_masks(positions + 1, cfg.num_attention_heads // cfg.num_key_value_heads, key_positions,
+                                  groups, torch.float32)
+            second, taps = run_decoder(decoder, layers, step_ids, positions,
+                                       RowAttention(kv, positions, visible=visible, key_groups=groups), (0, 2))
+        results.append(((first, second, taps), kv))
+    return results
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_fused_layers_compute_what_hf_layers_compute(name):
+    target = family(name)
+    (hf_out, hf_kv), (ours_out, ours_kv) = forward_both(target, rows=5, prompt=7, width=3)
+    assert all(isinstance(layer, FusedLayer) for layer in fuse_layers(target.get_decoder()))
+    # fp32 through 4 layers; only the fused GEMMs' summation order may differ
+    for hf, ours in zip(hf_out, ours_out):
+        torch.testing.assert_close(ours, hf, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ours_kv.all_keys, hf_kv.all_keys, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ours_kv.all_values, hf_kv.all_values, rtol=1e-5, atol=1e-5)
+    assert ours_kv.all_keys[:, :, :, :10].abs().sum() > 0 and ours_kv.all_keys[:, :, :, 10:].abs().sum() == 0
+
+
+@pytest.mark.parametrize("name", ["qwen2", "llama-biased"])
+def test_engine_greedy_equals_hf_generate_on_fused_families(name):
+    target = family(name, dtype=torch.float64)
+    prompts = ragged_prompts(5, seed=4)
+    engine = SpecEngine(target, None, max_rows=3)
+    out = engine.generate([Request(i, p, SamplingParams(max_new_tokens=10)) for i, p in enumerate(prompts)])
+    assert [c.token_ids for c in out] == [hf_greedy(target, p, 10) for p in prompts]
+
+
+def test_fuse_linears_keeps_each_layer_working_over_one_weight():
+    torch.manual_seed(0)
+    linears = [nn.Linear(6, n, bias=True) for n in (4, 2, 3)]
+    x = torch.randn(5, 6)
+    before = [m(x) for m in linears]
+    fused = fuse_linears(*linears)
+    torch.testing.assert_close(fused(x), torch.cat(before, -1))
+    for m, out in zip(linears, before):
+        assert torch.equal(m(x), out)
+        assert m.weight.untyped_storage().data_ptr() == fused.weight.untyped_storage().data_ptr()  # a view
+    with torch.no_grad():
+        linears[1].weight.mul_(2)  # an in-place change of one reaches the fused weight
+    torch.testing.assert_close(fused(x)[:, 4:6], 2 * before[1] - linears[1].bias, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="bias"):
+        fuse_linears(nn.Linear(6, 2, bias=True), nn.Linear(6, 2, bias=False))
+
+
+def test_fused_layers_are_built_once_per_decoder_and_again_after_a_weight_is_replaced():
+    target = family("qwen3")
+    decoder = target.get_decoder()
+    layers = fuse_layers(decoder)
+    assert fuse_layers(decoder) is layers  # a second engine on the target shares them
+    attn = decoder.layers[1].self_attn
+    attn.q_proj.weight = nn.Parameter(attn.q_proj.weight.detach().clone())  # e.g. load_state_dict(assign=True)
+    rebuilt = fuse_layers(decoder)
+    assert rebuilt is not layers
+    assert torch.equal(rebuilt[1].qkv.weight[:attn.q_proj.out_features], attn.q_proj.weight)
+
+
+def test_layers_outside_the_family_or_with_hooks_keep_hf_forward():
+    target = family("llama")
+    decoder = target.get_decoder()
+    decoder.layers[0].mlp.register_forward_hook(lambda *a: None)
+    layers = fuse_layers(decoder)
+    assert layers[0] is decoder.layers[0]
+    assert all(isinstance(layer, FusedLayer) for layer in layers[1:])
+
+
+def test_kv_write_puts_each_row_at_its_own_positions():
+    kv = KVBuffers(2, 4, 16, 2, 3, torch.float32, "cpu")
+    index = torch.tensor([[5, 6], [0, 1], [9, 10]])        # [b, q] for slots 1..3
+    keys = torch.randn(3, 2, 2, 3)                          # [b, Hkv, q, D]
+    kv.write(1, kv.flat_index(slice(1, 4), index), keys, -keys)
+    expected = torch.zeros(4, 2, 16, 3)
+    for b in range(3):
+        for i in range(2):
+            expected[1 + b, :, index[b, i]] = keys[b, :, i]
+    assert torch.equal(kv.keys[1], expected) and torch.equal(kv.values[1], -expected)
+    assert kv.keys[0].abs().sum() == 0
