@@ -46,7 +46,7 @@ demo-smollm2: smollm2
 # Ray clusters, Serve apps and fresh drivers starting, which two workers overlap on two cores.
 PYTEST_WORKERS ?= 2
 test: smollm2
-	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile -m "not multinode"
+	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile -m "not multinode" --durations=20
 
 # The multi-node cluster tests (issue 18): a CPU-less head and two worker nodes on this machine, nodes
 # killed mid-job and under Serve load; ~11 min, more than the main suite's budget leaves, so CI runs

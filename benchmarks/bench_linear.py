@@ -67,7 +67,8 @@ def engine_steps(rows: int, packed_for: int, rounds: int = 4, steps: int = 6):
     cpu_linear.PACKED_FOR = packed_for
     pair = load_pair("smollm2", num_prompts=rows)
     engine = build_engine(pair.target, None, pair.tokenizer, max_batch_size=rows, max_model_len=1024)
-    packed = [m for m in pair.target.modules() if isinstance(m, cpu_linear.PackedLinear)]
+    packed = [m for part in (engine.layers, engine.lm_head) for m in part.modules()
+              if isinstance(m, cpu_linear.PackedLinear)]
     if not packed:
         raise SystemExit("the engine packed nothing (not fp32 on CPU, no MKL, or not enough memory)")
     params = SamplingParams(max_new_tokens=1 + 2 * rounds * (steps + 1) + 2, ignore_eos=True)

@@ -8,8 +8,7 @@ HF's, in HF's order, so only the fused GEMMs' summation order may differ (fp32: 
 
 No second copy of the weights: the fused `[q; k; v]` and `[gate; up]` matrices are built once and the HF
 projections' weights become row-slices (views) of them, so the stock layers keep working for other callers
-(HF `generate`, tests). One consequence: after `fuse_layers`, q/k/v (and gate/up) weights share storage, which
-`save_pretrained` refuses for untied weights: save a target before building an engine on it.
+(HF `generate`, training, `save_pretrained`, which writes them as separate tensors).
 
 Other architectures (and Llama-family layers with an unexpected structure) keep HF's layer (`fuse_layers`).
 """

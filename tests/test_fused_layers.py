@@ -85,6 +85,17 @@ def test_fuse_linears_keeps_each_layer_working_over_one_weight():
         fuse_linears(nn.Linear(6, 2, bias=True), nn.Linear(6, 2, bias=False))
 
 
+def test_a_fused_target_still_saves_and_loads_as_hf_model(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    target = family("qwen2")
+    fuse_layers(target.get_decoder())  # q/k/v and gate/up weights now share storage
+    target.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    saved, reloaded = target.state_dict(), loaded.state_dict()
+    assert saved.keys() == reloaded.keys() and all(torch.equal(saved[k], reloaded[k]) for k in saved)
+
+
 def test_fused_layers_are_built_once_per_decoder_and_again_after_a_weight_is_replaced():
     target = family("qwen3")
     decoder = target.get_decoder()
