@@ -93,11 +93,12 @@ def rotary(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dt
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x `[b, H, q, D]`, cos/sin `[b, q, D]`."""
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_axis: int = 1) -> torch.Tensor:
+    """x `[b, H, q, D]` (`head_axis` 1) or `[b, q, H, D]` (2), cos/sin `[b, q, D]`: HF's rotary embedding, op for op
+    (`x * cos + rotate_half(x) * sin`)."""
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos[:, None] + rotated * sin[:, None]
+    return x * cos.unsqueeze(head_axis) + rotated * sin.unsqueeze(head_axis)
 
 
 class DraftAttention(nn.Module):

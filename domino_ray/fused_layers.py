@@ -4,7 +4,7 @@ A decode step of a small target on CPU pays per op, not only per weight byte: HF
 and up as five GEMMs and the rotary embedding as separate passes over q and k (about 200 op calls per layer
 with the engine's attention). `FusedLayer` runs the same math as one q/k/v GEMM, one gate/up GEMM and one
 rotary pass over the query and key heads together; the norms are HF's own modules and every elementwise op is
-HF's, in HF's order, so only the fused GEMMs' summation order may differ (fp32: ~1e-6 relative).
+HF's, in HF's order, so only the fused GEMMs' summation order may differ (fp32: within the tests' 1e-5).
 
 No second copy of the weights: the fused `[q; k; v]` and `[gate; up]` matrices are built once and the HF
 projections' weights become row-slices (views) of them, so the stock layers keep working for other callers
@@ -20,6 +20,7 @@ import weakref
 import torch
 from torch import nn
 
+from domino_ray.draft import apply_rotary
 from domino_ray.target_forward import engine_attention
 
 # The layer classes whose forward `FusedLayer` reproduces: pre-norm residual blocks, q/k/v/o attention with the
@@ -79,11 +80,9 @@ class FusedLayer(nn.Module):
         query, key, value = x.split((h, hkv, hkv), 2)
         if self.q_norm is not None:
             query, key = self.q_norm(query), self.k_norm(key)
-        # The rotary embedding on the query and key heads at once, as HF's `apply_rotary_pos_emb` writes it
+        # The rotary embedding on the query and key heads at once
         qk = torch.cat((query, key), 2) if self.q_norm is not None else x[:, :, :h + hkv]  # [r, q, H + Hkv, D]
-        cos, sin = (t[:, :, None] for t in position_embeddings)                          # [r, q, 1, D]
-        half = d // 2
-        qk = qk * cos + torch.cat((-qk[..., half:], qk[..., :half]), -1) * sin
+        qk = apply_rotary(qk, *position_embeddings, head_axis=2)
         out, _ = engine_attention(self, qk[:, :, :h].transpose(1, 2), qk[:, :, h:].transpose(1, 2),
                                   value.transpose(1, 2), None, scaling=self.scaling, domino_rows=domino_rows)
         hidden = hidden + self.o_proj(out.reshape(r, q, h * d))
@@ -110,9 +109,13 @@ def _fused_over(mine: nn.Module, layer: nn.Module) -> bool:
     if not isinstance(mine, FusedLayer):
         return mine is layer
     attn, mlp = layer.self_attn, layer.mlp
-    return (attn.q_proj.weight.data_ptr() == mine.qkv.weight.data_ptr()
-            and mlp.gate_proj.weight.data_ptr() == mine.gate_up.weight.data_ptr()
+    return (all(_views_of(mine.qkv, m) for m in (attn.q_proj, attn.k_proj, attn.v_proj))
+            and all(_views_of(mine.gate_up, m) for m in (mlp.gate_proj, mlp.up_proj))
             and attn.o_proj is mine.o_proj and mlp.down_proj is mine.down_proj)
+
+
+def _views_of(fused: nn.Linear, linear: nn.Linear) -> bool:
+    return linear.weight.untyped_storage().data_ptr() == fused.weight.untyped_storage().data_ptr()
 
 
 def _fusable(layer: nn.Module) -> bool:

@@ -2,7 +2,8 @@
 
 We run `embed_tokens`, the model's rotary embedding, each decoder layer and `norm` ourselves, so the
 hidden states the draft needs are taken between layers (no `output_hidden_states` capture), and no
-4-D mask is ever built. The layers stay HF's own: only their attention function is ours, installed
+4-D mask is ever built. The layers are the engine's (`fused_layers.py`: our forward for the Llama family
+over the same weights, HF's own layer otherwise); the attention function is ours either way, installed
 through transformers' attention-function registration under the name `domino_ray`. It reads the
 `RowAttention` passed through the layers' keyword arguments; any other caller of the model (HF
 `generate`, training, a test oracle) passes none and gets stock SDPA, so the model keeps working

@@ -96,25 +96,30 @@ def test_a_fused_target_still_saves_and_loads_as_hf_model(tmp_path):
     assert saved.keys() == reloaded.keys() and all(torch.equal(saved[k], reloaded[k]) for k in saved)
 
 
-def test_fused_layers_are_built_once_per_decoder_and_again_after_a_weight_is_replaced():
+@pytest.mark.parametrize("projection", ["q_proj", "v_proj"])
+def test_fused_layers_are_built_once_per_decoder_and_again_after_a_weight_is_replaced(projection):
     target = family("qwen3")
     decoder = target.get_decoder()
     layers = fuse_layers(decoder)
     assert fuse_layers(decoder) is layers  # a second engine on the target shares them
     attn = decoder.layers[1].self_attn
-    attn.q_proj.weight = nn.Parameter(attn.q_proj.weight.detach().clone())  # e.g. load_state_dict(assign=True)
+    old = getattr(attn, projection).weight
+    replaced = nn.Parameter(2 * old.detach())  # e.g. load_state_dict(assign=True)
+    setattr(getattr(attn, projection), "weight", replaced)
     rebuilt = fuse_layers(decoder)
     assert rebuilt is not layers
-    assert torch.equal(rebuilt[1].qkv.weight[:attn.q_proj.out_features], attn.q_proj.weight)
+    assert torch.equal(rebuilt[1].qkv.weight, torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]))
 
 
 def test_layers_outside_the_family_or_with_hooks_keep_hf_forward():
     target = family("llama")
     decoder = target.get_decoder()
     decoder.layers[0].mlp.register_forward_hook(lambda *a: None)
+    layer_class = type(decoder.layers[1])
+    decoder.layers[1].__class__ = type("CustomDecoderLayer", (layer_class,), {})  # a subclass may change forward
     layers = fuse_layers(decoder)
-    assert layers[0] is decoder.layers[0]
-    assert all(isinstance(layer, FusedLayer) for layer in layers[1:])
+    assert layers[0] is decoder.layers[0] and layers[1] is decoder.layers[1]
+    assert all(isinstance(layer, FusedLayer) for layer in layers[2:])
 
 
 def test_kv_write_puts_each_row_at_its_own_positions():
