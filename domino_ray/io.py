@@ -9,6 +9,7 @@ atomically, and only when every input row has an output row.
 from __future__ import annotations
 
 import fnmatch
+import itertools
 import json
 import os
 import uuid
@@ -137,6 +138,20 @@ def scan_output(loc: Location, id_column: str) -> OutputScan:
             files.append(path)
     done = pa.chunked_array(ids).combine_chunks() if ids else pa.array([], pa.null())
     return OutputScan(files=files, done_ids=done, removed=removed)
+
+
+def rows_in_complete_parts(fs: pafs.FileSystem, directory: str, name_template: str) -> int | None:
+    """Rows in the files `name_template.format(i=0)`, `...(i=1)`, ... up to the first missing one, or None
+    when one of them is partial (no footer). 0 when there are none."""
+    rows = 0
+    for i in itertools.count():
+        path = f"{directory}/{name_template.format(i=i)}"
+        if fs.get_file_info(path).type != pafs.FileType.File:
+            return rows
+        try:
+            rows += pq.read_metadata(path, filesystem=fs).num_rows
+        except (pa.ArrowInvalid, OSError):
+            return None
 
 
 def write_json_atomic(loc: Location, name: str, obj: dict):

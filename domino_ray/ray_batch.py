@@ -1,7 +1,7 @@
 """The batch job on Ray Data: Parquet (local or s3://) in, the processor, Parquet + `_summary.json` out.
 
     read_parquet -> _prepare (ids; drop rows already in the output) -> Processor (ray_processor.py: tokenize,
-    engine actors, detokenize) -> write_parquet(explicit schema)
+    engine actors, detokenize) -> Ray Data's Parquet sink (explicit schema; a retried write keeps its finished files)
 
 Each engine actor loads the target and draft once and runs one `SpecEngine` on a background thread
 (`EngineLoop`). Ray hands an actor several batches at once (`max_concurrent_calls_per_actor`, async
@@ -18,11 +18,14 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import ray
+from ray.data._internal.datasource.parquet_datasink import ParquetDatasink  # no public name in Ray 2.60
+from ray.data._internal.planner.plan_write_op import WRITE_UUID_KWARG_NAME
+from ray.data.block import BlockAccessor
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from domino_ray.config import ConfigError, JobConfig, to_dict
 from domino_ray.io import (SETTINGS_NAME, SUMMARY_NAME, Location, delete_if_exists, list_parquet_files, read_json,
-                           scan_output, write_json_atomic)
+                           rows_in_complete_parts, scan_output, write_json_atomic)
 from domino_ray.preflight import (InputPlan, check_input, check_models, check_output, check_settings,
                                   output_settings)
 from domino_ray.ray_processor import LIGHT_CPUS, Processor
@@ -167,12 +170,13 @@ def generate_missing(cfg: JobConfig, plan: InputPlan, out: Location, scan, done_
     schema = output_schema(plan.schema, cfg.input.id_column, plan.generated_id)
     done_ref = ray.put(scan.done_ids)
     sink = _run_stats_actor()
+    parquet = ParquetSinkKeepingFinishedFiles(out.path, filesystem=out.fs, arrow_parquet_args={"schema": schema},
+                                              min_rows_per_file=cfg.output.min_rows_per_file,
+                                              max_rows_per_file=cfg.output.max_rows_per_file)
     start = time.perf_counter()
     try:
-        build_dataset(cfg, plan, schema, done_ref, stats_sink=sink, predictor=predictor).write_parquet(
-            out.path, filesystem=out.fs, min_rows_per_file=cfg.output.min_rows_per_file,
-            max_rows_per_file=cfg.output.max_rows_per_file, schema=schema, mode="append",
-            ray_remote_args={"num_cpus": LIGHT_CPUS})  # light, like the read: fits beside the engine actor
+        build_dataset(cfg, plan, schema, done_ref, stats_sink=sink, predictor=predictor).write_datasink(
+            parquet, ray_remote_args={"num_cpus": LIGHT_CPUS})  # light, like the read: fits beside the engine actor
     except Exception as exc:
         culprits = ray.get(sink.crashes.remote())["culprits"]
         if not culprits:
@@ -190,6 +194,25 @@ def generate_missing(cfg: JobConfig, plan: InputPlan, out: Location, scan, done_
     if cfg.runtime.compare_baseline and run["rows"]:
         run["baseline"] = compare_baseline(cfg, plan, schema, done_ref, out, new_files, run, predictor)
     return run
+
+
+class ParquetSinkKeepingFinishedFiles(ParquetDatasink):
+    """Ray Data's Parquet sink (what `write_parquet` runs), except that a write task finding its own files
+    already complete leaves them alone. Ray runs a write task again when the node that ran it is lost after
+    its files landed but before the driver heard back (its input, if lost with the node, is computed again
+    first). Without this the retry rewrites finished files in place: same rows, but a resume scan or reader
+    in between sees a partial file (README "Resume guarantee": finished files are never rewritten)."""
+
+    def write(self, blocks, ctx):
+        blocks = list(blocks)
+        rows = sum(BlockAccessor.for_block(block).num_rows() for block in blocks)
+        write_uuid = ctx.kwargs[WRITE_UUID_KWARG_NAME]
+        # The names are a function of (write, task) only: the retry's names are the first attempt's.
+        template = self._get_basename_template(self.filename_provider.get_filename_for_task(write_uuid, ctx.task_idx),
+                                               write_uuid)
+        if rows and rows_in_complete_parts(self.filesystem, self.path, template) == rows:
+            return
+        super().write(blocks, ctx)
 
 
 def _run_stats_actor():
