@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from domino_ray.kv_cache import row_attention
+from domino_ray.verify import greedy_choice
 
 
 @dataclass(frozen=True)
@@ -269,9 +270,9 @@ class DominoDraft(nn.Module):
         z = self.select_draft_hidden(hidden, num_draft)  # [b, K, C]
         base = self.base_logits(z, target_lm_head)       # [b, K, Vd]
         if not self.config.has_head:
-            return self.to_target_ids(base.argmax(-1))
+            return self.to_target_ids(greedy_choice(base))
         p = min(self.config.num_uncorrected, num_draft)
-        tokens = [self.to_target_ids(base[:, :p].argmax(-1))]  # [b, P] uncorrected prefix
+        tokens = [self.to_target_ids(greedy_choice(base[:, :p]))]  # [b, P] uncorrected prefix
         w_ih, w_hh = self.prefix_gru.weight_ih_l0.float(), self.prefix_gru.weight_hh_l0.float()
         prefix = embed(torch.cat([anchor[:, None], tokens[0]], 1)).float()  # [b, P+1, C]
         state = prefix.new_zeros(prefix.shape[0], w_hh.shape[1])            # [b, G] float32
@@ -283,7 +284,7 @@ class DominoDraft(nn.Module):
         w_state = fc1.weight[:, c:]                                    # [E, G]
         for i in range(p, num_draft):
             delta = fc2(F.silu(z_part[:, i] + F.linear(state.to(w_state.dtype), w_state)))  # [b, Vd]
-            tok = self.to_target_ids((base[:, i].float() + delta.float()).argmax(-1))  # [b]
+            tok = self.to_target_ids(greedy_choice(base[:, i].float() + delta.float()))  # [b]
             tokens.append(tok[:, None])
             if i + 1 < num_draft:
                 state = gru_cell(embed(tok).float(), state, w_ih, w_hh)

@@ -6,7 +6,7 @@ import torch
 from domino_ray.sampling import sampling_probs
 
 from domino_ray.sampling_params import SamplingParams
-from domino_ray.verify import greedy_accept, rejection_accept, sample_from_probs
+from domino_ray.verify import greedy_accept, greedy_choice, rejection_accept, sample_from_probs
 
 V = 10
 
@@ -94,3 +94,15 @@ def test_sampling_probs_filters_every_position_of_a_block():
     assert probs.shape == (3, 4, V)
     assert torch.allclose(probs.sum(-1), torch.ones(3, 4))
     assert ((probs[0] > 0).sum(-1) == 2).all()  # top_k=2 at every position
+
+
+def test_greedy_choice_is_argmax_first_index_on_ties():
+    """`greedy_choice` (max(-1).indices, faster than argmax on CPU) picks what argmax picks: the first of
+    tied maxima, a NaN as the maximum, index 0 for a row of -inf."""
+    x = torch.zeros(4, 1000)
+    x[0, [10, 500]] = 1.0
+    x[2, 7] = float("nan")
+    x[3] = float("-inf")
+    assert greedy_choice(x).tolist() == x.argmax(-1).tolist() == [10, 0, 7, 0]
+    rounded = torch.randn(8, 9, 4096, generator=torch.Generator().manual_seed(0)).round(decimals=1)  # many ties
+    assert torch.equal(greedy_choice(rounded), rounded.argmax(-1))
