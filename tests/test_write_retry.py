@@ -3,12 +3,14 @@ before the driver heard back): finished files stay as they are, partial or missi
 and the rows come out exactly once. The task is called directly, twice, as Ray's retry calls it."""
 
 import os
+import time
 
 import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 from ray.data._internal.execution.interfaces.task_context import TaskContext
 
+from batch_fixtures import s3_endpoint  # noqa: F401
 from domino_ray.ray_batch import ParquetSinkKeepingFinishedFiles
 
 SCHEMA = pa.schema([("id", pa.int64()), ("text", pa.string())])
@@ -55,3 +57,33 @@ def test_a_retried_write_keeps_finished_files_and_redoes_partial_ones(tmp_path):
     second.unlink()  # ... or before it
     sink.write(rows, task(1))
     assert ids_in(tmp_path) == [*range(5), 10, 11]
+
+
+def test_a_retried_write_on_s3_keeps_its_finished_objects(s3_endpoint, monkeypatch):
+    """The same through s3fs against a real S3 endpoint (moto on 127.0.0.1), as the job writes to `s3://`:
+    an object stays (its LastModified too) and a missing one is written again."""
+    import s3fs
+
+    from batch_fixtures import AWS_ENV
+    from domino_ray.config import S3Config
+    from domino_ray.io import resolve
+
+    for key, value in AWS_ENV.items():
+        monkeypatch.setenv(key, value)
+    client = s3fs.S3FileSystem(endpoint_url=s3_endpoint, skip_instance_cache=True)
+    client.mkdir("retry-bucket")
+    out = resolve("s3://retry-bucket/out", S3Config(endpoint_url=s3_endpoint))
+    sink = ParquetSinkKeepingFinishedFiles(out.path, filesystem=out.fs, arrow_parquet_args={"schema": SCHEMA},
+                                           max_rows_per_file=3)
+    rows = [block(range(5))]
+    sink.write(rows, task(1))
+    objects = lambda: {p: client.info(p)["LastModified"] for p in sorted(client.ls("retry-bucket/out", refresh=True))}
+    first = objects()
+    assert len(first) == 2
+    time.sleep(1.1)  # LastModified has one-second resolution
+    sink.write(rows, task(1))
+    assert objects() == first
+    client.rm(sorted(first)[1])
+    sink.write(rows, task(1))
+    assert sorted(objects()) == sorted(first)
+    assert sorted(pq.read_table("retry-bucket/out", filesystem=out.fs).column("id").to_pylist()) == list(range(5))
