@@ -247,3 +247,24 @@ def test_a_written_off_draft_is_probed_at_the_narrowest_width():
         assert width.choose(1, 64, [100]) == (narrowest, True)
         width.learn(1, 64, narrowest, 1.5, [1], [100])  # it lands: the draft is back
         assert not width.written_off and width.choose(1, 64, [100]) == (unclamped(width), True) == (4, True)
+
+
+def test_start_up_times_four_widths_and_puts_the_rest_on_their_line():
+    """Eagerly every width 0..K is a candidate, but start-up runs W = 0 and three drafting widths per bucket and
+    length; the other widths get the figure of the line through the timed ones (where `smooth_costs` puts them)."""
+    from domino_ray.verify_width import drafting_line, measure_step_costs, widths_to_time
+
+    assert widths_to_time(range(9)) == [0, 1, 5, 8] and widths_to_time([0, 1, 2, 4, 8]) == [0, 1, 4, 8]
+    assert widths_to_time([0, 1, 2, 3]) == [0, 1, 2, 3] and widths_to_time([0]) == [0]
+    ran = []
+    costs = measure_step_costs(lambda r, t, w: ran.append((r, t, w)), {1: list(range(9)), 4: [0, 2]}, (16, 64),
+                               repeats=1)
+    assert sorted(set(ran)) == sorted({(1, t, w) for t in (16, 64) for w in (0, 1, 5, 8)}
+                                      | {(4, t, w) for t in (16, 64) for w in (0, 2)})
+    assert len(ran) == 2 * 2 * (4 + 2)  # a warm-up run and `repeats` timed runs of each
+    assert set(costs.base[1]) == set(range(9)) and set(costs.base[4]) == {0, 2}
+    # At the short length the table is the timed figures and their line (at the long one, a width whose time
+    # fell with more keys is clamped to no growth, each on its own)
+    short = {w: costs.base[1][w] + costs.per_key[1][w] * 16 for w in range(9)}
+    line = drafting_line({w: short[w] for w in (1, 5, 8)})
+    assert all(short[w] == pytest.approx(line(w), rel=1e-6, abs=1e-12) for w in (2, 3, 4, 6, 7))
