@@ -57,7 +57,7 @@ class GenerationConfig:
     ignore_eos: bool = False
     max_batch_size: Any = 16          # engine slots: rows decoded together (continuous batching); "auto" = as
                                       # many as runtime.gpu_memory_utilization of the free memory holds
-    max_prefill_tokens: int = 8192    # padded prompt tokens per prefill forward
+    max_prefill_tokens: int = 8192    # prompt tokens per prefill forward
 
 
 @dataclass

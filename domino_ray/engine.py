@@ -3,9 +3,9 @@
 Token ids in, token ids out: no text, no IO, no Ray. One engine serves a list of requests with a fixed
 number of slots; a finished row frees its slot and the next pending request is prefilled into it.
 
-Glossary (shape comments): n active rows (at most R slots), r = the row bucket (n padded up), q query
-positions, T buffer positions (the key bucket), K draft tokens per step, B draft block size, V
-vocabulary, C hidden size, F = len(target_layer_ids) * C.
+Glossary (shape comments): n active rows (at most R slots), r = the rows a step runs (n, or with CUDA
+graphs n padded up to a row bucket), q query positions, T buffer positions (the key bucket), K draft
+tokens per step, B draft block size, V vocabulary, C hidden size, F = len(target_layer_ids) * C.
 Speculative-decoding words (draft tokens, accepted, bonus, step) are defined in `verify.py`.
 
 A row's committed tokens are prompt + generated. Its last committed token, the *anchor*, has not been
@@ -21,10 +21,11 @@ does the draft's context. One step, for all active rows at once:
   4. one host sync: accepted counts and tokens; stop checks, statistics, finished rows leave.
 Target-only decoding is the same loop with K = 0 (no proposer): the baseline.
 
-Steps 1-3 are pure device work on fixed-address buffers with fixed shapes per *bucket*: the active
-rows are padded to a row bucket (1, 2, 4, 8, ... up to R) and the attended keys to a key bucket (a
-multiple of `kv_chunk`; `step_graphs.key_buckets`). Padding slots are free slots with `remaining == 0`: they compute but never advance, and
-the host never reads them. The slots are cut into a few contiguous ranges, each attending over its own
+Steps 1-3 are pure device work on fixed-address buffers with fixed shapes per *bucket*: the attended
+keys are padded to a key bucket (a multiple of `kv_chunk`; `step_graphs.key_buckets`) and, with CUDA
+graphs, the active rows to a row bucket (1, 2, 4, 8, ... up to R; eager steps run the active rows alone).
+Padding slots are free slots with `remaining == 0`: they compute but never advance, and the host never
+reads them. The slots are cut into a few contiguous ranges, each attending over its own
 key bucket, so a row's attention reads about what the row holds (`key_groups.py`; the slots are kept
 longest first for that, moving rows when it pays). On CUDA steps 1-3 are one CUDA graph per bucket and
 width, every greedy one captured at engine start (`step_graphs.py`); with graphs the slots form one range
@@ -37,17 +38,19 @@ import logging
 import time
 from bisect import bisect_left
 from collections import deque
+from itertools import accumulate
 from typing import Callable, Hashable, Iterable
 
 import torch
 
 from domino_ray.cpu_linear import pack_linears
+from domino_ray.cpu_malloc import keep_freed_memory
 from domino_ray.fused_layers import fuse_layers
 from domino_ray.key_groups import GROUP_COST, Groups, KeyReads
 from domino_ray.key_groups import plan as plan_key_groups
 from domino_ray.kv_cache import KVBuffers, group_masks
 from domino_ray.memory import auto_slots, check_memory_fits, free_device_memory, memory_plan
-from domino_ray.request import Completion, Request, Row, StepEvent, check_prompt, prefill_groups
+from domino_ray.request import Completion, Request, Row, StepEvent, check_prompt
 from domino_ray.sampling import RowSampling, sampling_mode
 from domino_ray.stats import RowStats
 from domino_ray.step_graphs import (StepGraphs, capture_steps, greedy_step_keys, key_buckets, row_buckets, use_cuda_graphs,
@@ -95,6 +98,8 @@ class SpecEngine:
         weight = next(target.parameters())
         self.device, self.dtype = weight.device, weight.dtype
         install(target)
+        if self.device.type == "cpu":
+            keep_freed_memory()  # the forwards' large activations reuse freed memory: `cpu_malloc.py`
         self.layers = fuse_layers(self.decoder)  # the Llama family's layers over fused projections
         pack_linears(self.layers, self.lm_head, getattr(proposer, "draft", None))  # on CPU in fp32: `cpu_linear.py`
         graphs = use_cuda_graphs(cuda_graphs, self.device)
@@ -106,6 +111,8 @@ class SpecEngine:
         self.adaptive = adaptive and k > 0
         self.groups = cfg.num_attention_heads // cfg.num_key_value_heads
         self.cuda_graphs = graphs
+        # Graphs need fixed shapes: a step's rows padded up to a row bucket. Eager steps run the active rows alone.
+        self.pad_rows = graphs
         self.max_key_groups = max_key_groups or (1 if graphs else 4)
         if graphs and self.max_key_groups != 1:
             raise ValueError(f"max_key_groups={max_key_groups} needs eager steps (cuda_graphs=off): a graph per "
@@ -232,21 +239,17 @@ class SpecEngine:
         return events
 
     def _admit(self, events: list[StepEvent]):
-        batch, longest = [], 0
+        batch, tokens = [], 0
         while self.pending and len(self.rows) + len(batch) < self.max_rows:
             m = len(self.pending[0].request.prompt_token_ids)
-            if batch and (len(batch) + 1) * max(longest, m) > self.max_prefill_tokens:
+            if batch and tokens + m > self.max_prefill_tokens:
                 break
             batch.append(self.pending.popleft())
-            longest = max(longest, m)
+            tokens += m
         if not batch:
             return
-        batch.sort(key=lambda r: len(r.request.prompt_token_ids))  # rows are independent: any slot order works
-        lo, firsts = len(self.rows), []
-        for group in prefill_groups(batch):
-            firsts.append(self._prefill(group, slice(lo, lo + len(group))))
-            lo += len(group)
-        first_tokens = torch.cat(firsts).tolist()  # host sync: the admitted rows' first tokens
+        lo = len(self.rows)
+        first_tokens = self._prefill(batch, slice(lo, lo + len(batch))).tolist()  # host sync: the first tokens
         now = time.perf_counter()
         for row, token in zip(batch, first_tokens):
             row.first_token_time = now
@@ -254,26 +257,29 @@ class SpecEngine:
             events.append(row.commit([token], now))
 
     def _prefill(self, batch: list[Row], rows: slice) -> torch.Tensor:
-        """One target forward over right-padded prompts into slots `rows`; returns first tokens `[k]`."""
-        k, longest = len(batch), max(len(r.request.prompt_token_ids) for r in batch)
-        ids = torch.nn.utils.rnn.pad_sequence([torch.tensor(r.request.prompt_token_ids) for r in batch],
-                                              batch_first=True)  # [k, m], right-padded with 0
-        ints = torch.tensor([[len(r.request.prompt_token_ids), r.max_new - 1] for r in batch]).to(self.device)
-        lengths = ints[:, 0]
+        """One target forward over the prompts back to back (no padding: every token is a prompt's) into slots
+        `rows`; returns first tokens `[k]`."""
+        sizes = [len(r.request.prompt_token_ids) for r in batch]
+        ids = torch.tensor([t for r in batch for t in r.request.prompt_token_ids])[None]   # [1, N]
+        ints = torch.tensor([[m, r.max_new - 1, end - 1] for m, r, end in zip(sizes, batch, accumulate(sizes))])
+        ints = ints.to(self.device)
+        lengths, last_token = ints[:, 0], ints[:, 2]
         self.sampling.load(rows, [r.request.params for r in batch], [r.seed for r in batch])
         if self.width is not None:
             for slot in range(rows.start, rows.stop):
                 self.width.reset_slot(slot)
-        positions = self.key_positions[:longest].expand(k, longest)  # [k, m]: every prompt starts at 0
+        positions = torch.cat([self.key_positions[:m] for m in sizes])[None]  # [1, N]: every prompt starts at 0
         hidden, taps = run_decoder(self.decoder, self.layers, ids.to(self.device), positions,
-                                   RowAttention(self.kv, write_index=positions, prefill_rows=rows), self.tap_layers)
-        last = hidden[torch.arange(k, device=self.device), lengths - 1]  # [k, C]
+                                   RowAttention(self.kv, write_index=positions, prefill_rows=rows,
+                                                prefill_lengths=tuple(sizes)), self.tap_layers)
+        last = hidden[0, last_token]  # [k, C]
         # The first token is an acceptance step with zero drafts at the prompt's last position.
-        no_drafts = torch.zeros(k, 0, dtype=torch.long, device=self.device)
+        no_drafts = torch.zeros(len(batch), 0, dtype=torch.long, device=self.device)
         _, first = self.sampling.accept(rows, self.lm_head(last)[:, None], no_drafts, torch.zeros_like(lengths),
                                         (lengths - 1)[:, None], *sampling_mode(r.request.params for r in batch))
         first = first[:, 0]  # [k]
-        if taps is not None:
+        if taps is not None:  # the draft's context per row: [k, m, F], right-padded (past a row's length is free)
+            taps = torch.nn.utils.rnn.pad_sequence(taps[0].split(sizes), batch_first=True)
             self.proposer.append_context(rows, taps, torch.zeros_like(lengths))
         self.lens[rows] = lengths
         self.anchor[rows] = first
@@ -282,7 +288,7 @@ class SpecEngine:
 
     def _decode(self, events: list[StepEvent]):
         n = len(self.rows)
-        r = next(b for b in self.row_buckets if b >= n)
+        r = next(b for b in self.row_buckets if b >= n) if self.pad_rows else n
         sampled, filtered = sampling_mode(row.request.params for row in self.rows)
         w, context, t = self.num_spec_tokens, True, 0
         if self.width is not None:

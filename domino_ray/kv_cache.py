@@ -38,11 +38,16 @@ class KVBuffers:
     def flat_index(self, rows: slice, index: torch.Tensor) -> torch.Tensor:
         """Where `write` puts positions `index [b, q]` of slots `rows`: `[b * q * Hkv]` rows of a layer's buffer
         seen as `[R * Hkv * T, D]`, in (slot, position, head) order. Computed once per forward, for every layer."""
-        _, heads, length, _ = self.keys[0].shape
         b, q = index.shape
-        slots = torch.arange(rows.start, rows.start + b, device=index.device)[:, None, None]  # [b, 1, 1]
-        head = torch.arange(heads, device=index.device)                                      # [Hkv]
-        return ((slots * heads + head) * length + index[:, :, None]).reshape(-1)
+        slots = torch.arange(rows.start, rows.start + b, device=index.device)[:, None].expand(b, q)  # [b, q]
+        return self.flat_index_of(slots, index)
+
+    def flat_index_of(self, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """`flat_index` for tokens given one by one: token i (of any shape, flattened in order) goes to position
+        `positions[i]` of slot `slots[i]`."""
+        _, heads, length, _ = self.keys[0].shape
+        head = torch.arange(heads, device=positions.device)  # [Hkv]
+        return ((slots[..., None] * heads + head) * length + positions[..., None]).reshape(-1)
 
     def write(self, layer: int, at: torch.Tensor, keys: torch.Tensor, values: torch.Tensor):
         """`keys/values [b, Hkv, q, D]` to the positions `at` of layer `layer` (`flat_index`)."""
@@ -126,11 +131,12 @@ def row_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     return out.reshape(r, h, q, d).transpose(1, 2)
 
 
-def causal_prefill_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                             scale: float) -> torch.Tensor:
-    """Prefill over right-padded prompts that all start at position 0: plain causal attention over the
-    contiguous new keys (padding sits after each row's real tokens, so no row mask is needed).
-    query `[k, H, m, D]`, keys/values `[k, Hkv, m, D]` -> `[k, m, H, D]`."""
-    out = F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scale,
-                                         enable_gqa=query.shape[1] != keys.shape[1])
-    return out.transpose(1, 2)
+def causal_prefill_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
+                             lengths: tuple[int, ...]) -> torch.Tensor:
+    """Prefill over prompts laid back to back in one row (no padding), each from position 0: causal attention
+    within each prompt, one call per prompt. query `[1, H, N, D]`, keys/values `[1, Hkv, N, D]`, `lengths`
+    the prompts' (summing to N) -> `[1, N, H, D]`."""
+    gqa = query.shape[1] != keys.shape[1]
+    out = [F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+           for q, k, v in zip(query.split(lengths, 2), keys.split(lengths, 2), values.split(lengths, 2))]
+    return (out[0] if len(out) == 1 else torch.cat(out, 2)).transpose(1, 2)

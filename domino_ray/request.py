@@ -4,7 +4,7 @@ the engine's host-side state of a request while it runs (`Row`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Hashable, Sequence
+from typing import Hashable
 
 from domino_ray.sampling_params import SamplingParams
 from domino_ray.stats import RowStats
@@ -83,19 +83,3 @@ class Row:
                           token_ids=list(self.tokens), finish_reason=self.finish_reason, stats=self.stats,
                           time_to_first_token_s=(self.first_token_time or now) - self.arrival,
                           time_taken_s=now - self.arrival)
-
-
-def prefill_groups(rows: Sequence[Row], slack: float = 1.25) -> list[list[Row]]:
-    """Split rows sorted by prompt length so that padding stays within `slack` of the real tokens:
-    ragged prompts prefill in a few forwards instead of one mostly padded one."""
-    groups: list[list[Row]] = []
-    real = 0
-    for row in rows:
-        m = len(row.request.prompt_token_ids)
-        if groups and (len(groups[-1]) + 1) * m <= slack * (real + m):
-            groups[-1].append(row)
-            real += m
-        else:
-            groups.append([row])
-            real = m
-    return groups

@@ -27,18 +27,25 @@ class RowAttention:
 
     Decode: new keys go to `write_index [r, q]` of slots `0..r`; each slot range of `key_groups`
     (`((stop, t), ...)`, `key_groups.py`) attends over its first `t` buffer positions where its mask in
-    `visible` says (`kv_cache.group_masks`). Prefill (`prefill_rows` set): the new keys are positions `0..m`
-    of slots `prefill_rows`, attention is causal over them.
+    `visible` says (`kv_cache.group_masks`). Prefill (`prefill_rows` set): the prompts of slots
+    `prefill_rows`, `prefill_lengths` tokens each, back to back in one row of queries (`write_index [1, N]`:
+    each prompt's positions from 0), attention causal within each prompt.
     """
     buffers: KVBuffers
     write_index: torch.Tensor
     visible: tuple[torch.Tensor, ...] = ()
     key_groups: tuple[tuple[int, int], ...] = ()
     prefill_rows: slice | None = None
+    prefill_lengths: tuple[int, ...] = ()
 
-    def __post_init__(self):
-        rows = self.prefill_rows or slice(0, self.write_index.shape[0])
-        self.write_at = self.buffers.flat_index(rows, self.write_index)  # every layer writes there
+    def __post_init__(self):  # every layer writes at `write_at`
+        if self.prefill_rows is None:
+            self.write_at = self.buffers.flat_index(slice(0, self.write_index.shape[0]), self.write_index)
+            return
+        device, start = self.write_index.device, self.prefill_rows.start
+        slots = torch.arange(start, start + len(self.prefill_lengths), device=device).repeat_interleave(
+            torch.tensor(self.prefill_lengths, device=device))  # [N] each token's slot
+        self.write_at = self.buffers.flat_index_of(slots, self.write_index[0])
 
 
 def engine_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, domino_rows=None, **kwargs):
@@ -53,7 +60,7 @@ def engine_attention(module, query, key, value, attention_mask, scaling=None, dr
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     step.buffers.write(layer, step.write_at, key, value)
     if step.prefill_rows is not None:
-        return causal_prefill_attention(query, key, value, scale), None
+        return causal_prefill_attention(query, key, value, scale, step.prefill_lengths), None
     return grouped_attention(query, step.buffers, layer, step.key_groups, step.visible, scale), None
 
 

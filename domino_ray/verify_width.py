@@ -144,9 +144,9 @@ def smooth_costs(costs: Mapping[int, float]) -> dict[int, float]:
 
 
 class StepCosts:
-    """Seconds per step by row bucket and width, linear in the attended key length t: `base + per_key * t`.
+    """Seconds per step by rows and width, linear in the attended key length t: `base + per_key * t`.
 
-    Real steps refine `base` for the (bucket, width) they ran at; `per_key` (and so how costs grow with the
+    Real steps refine `base` for the (rows, width) they ran at; `per_key` (and so how costs grow with the
     context) comes from the start-up measurement. Without the t term, a width in use would look dearer
     and dearer as contexts grow while the others kept their start-up figures.
     """
@@ -154,6 +154,17 @@ class StepCosts:
     def __init__(self, base: dict[int, dict[int, float]], per_key: dict[int, dict[int, float]] | None = None):
         self.base = {r: dict(c) for r, c in base.items()}
         self.per_key = per_key or {r: {w: 0.0 for w in c} for r, c in base.items()}
+        self.measured = sorted(self.base)  # the row buckets timed; eager steps also run the counts between
+
+    def _add_rows(self, r: int):
+        """Costs for a row count between the measured buckets (an eager step runs exactly its active rows): on
+        the line between the neighbouring buckets' start figures, the nearest bucket's outside them; refined
+        by its own steps from then on."""
+        lo = max((x for x in self.measured if x < r), default=self.measured[0])
+        hi = min((x for x in self.measured if x > r), default=self.measured[-1])
+        f = (r - lo) / (hi - lo) if hi != lo else 0.0
+        for table in (self.base, self.per_key):
+            table[r] = {w: (1 - f) * table[lo][w] + f * table[hi][w] for w in table[lo] if w in table[hi]}
 
     @classmethod
     def from_two_lengths(cls, short: dict, long: dict, t_short: int, t_long: int) -> "StepCosts":
@@ -163,12 +174,16 @@ class StepCosts:
         return cls(base, per_key)
 
     def at(self, r: int, t: int) -> dict[int, float]:
+        if r not in self.base:
+            self._add_rows(r)
         return smooth_costs({w: b + self.per_key[r][w] * t for w, b in self.base[r].items()})
 
     def observe(self, r: int, w: int, t: int, seconds: float):
         """Fold in a real step. Start-up figures are the fastest of a few runs, so this tracks the lower
         envelope too: faster steps pull the figure down quickly, slower ones (a stall, a busy core) raise it
         slowly; otherwise a width in use would look dearer than the unused ones just for being observed."""
+        if r not in self.base:
+            self._add_rows(r)
         base = seconds - self.per_key[r][w] * t
         rate = 0.3 if base < self.base[r][w] else 0.02
         self.base[r][w] += rate * (base - self.base[r][w])

@@ -32,10 +32,11 @@ def forward_both(target, rows: int, prompt: int, width: int):
     results = []
     for layers in (decoder.layers, fuse_layers(decoder)):
         kv = KVBuffers(cfg.num_hidden_layers, rows, 64, cfg.num_key_value_heads, cfg.head_dim, torch.float32, "cpu")
-        positions = key_positions[:prompt].expand(rows, prompt)
+        positions = key_positions[:prompt].repeat(rows)[None]  # [1, rows * prompt]: the prompts back to back
         with torch.inference_mode():
-            first, _ = run_decoder(decoder, layers, prompt_ids, positions,
-                                   RowAttention(kv, positions, prefill_rows=slice(0, rows)), ())
+            first, _ = run_decoder(decoder, layers, prompt_ids.reshape(1, -1), positions,
+                                   RowAttention(kv, positions, prefill_rows=slice(0, rows),
+                                                prefill_lengths=(prompt,) * rows), ())
             positions = prompt + torch.arange(width).expand(rows, width)
             groups = ((rows, 32),)
             visible = group_masks(positions + 1, cfg.num_attention_heads // cfg.num_key_value_heads, key_positions,

@@ -35,9 +35,21 @@ def target():
     return tiny_target("qwen3", seed=3)
 
 
-def run(target, proposer, prompts, params, max_rows):
+def run(target, proposer, prompts, params, max_rows, pad_rows=False):
+    """`pad_rows`: pad each step's rows up to a row bucket, as with CUDA graphs; eagerly (otherwise) no step
+    runs a padding row."""
     engine = SpecEngine(target, proposer, max_rows=max_rows)
-    return engine.generate([Request(i, p, params[i % len(params)]) for i, p in enumerate(prompts)])
+    engine.pad_rows, padded, device_step = pad_rows, [], engine._device_step
+
+    def recording(r, *args):
+        padded.append(r > len(engine.rows))
+        return device_step(r, *args)
+    engine._device_step = recording
+    out = engine.generate([Request(i, p, params[i % len(params)]) for i, p in enumerate(prompts)])
+    assert pad_rows or not any(padded), padded
+    if pad_rows and len(prompts) in (3, 5):  # their first steps pad (3 rows in bucket 4, 5 in 8)
+        assert padded[0], padded
+    return out
 
 
 def row_view(c):
@@ -47,12 +59,12 @@ def row_view(c):
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 17])
 def test_padding_rows_never_change_real_rows(target, rows):
-    """Rows padded up to a bucket (17 rows in 17 slots: bucket 17; 5 in bucket 8; 3 in bucket 4) give the
-    same tokens and statistics as each row alone in a one-slot engine (no padding at all)."""
+    """Rows padded up to a bucket as CUDA graphs pad them (17 rows in 17 slots: bucket 17; 5 in bucket 8; 3 in
+    bucket 4) give the same tokens and statistics as each row alone in a one-slot engine (no padding at all)."""
     prompts = ragged_prompts(rows, seed=rows, max_len=20)
     greedy, sampled = SamplingParams(max_new_tokens=12), SamplingParams(max_new_tokens=12, temperature=0.8, seed=5)
     draft = tiny_draft(target, block_size=4)
-    together = run(target, DominoProposer(draft, target), prompts, [greedy, sampled], max_rows=17)
+    together = run(target, DominoProposer(draft, target), prompts, [greedy, sampled], max_rows=17, pad_rows=True)
     for i, p in enumerate(prompts):
         (alone,) = run(target, DominoProposer(draft, target), [p], [[greedy, sampled][i % 2]], max_rows=1)
         assert row_view(together[i]) == row_view(alone), i

@@ -199,6 +199,24 @@ def test_step_costs_grow_with_the_context_and_learn_from_real_steps():
     assert costs.at(1, 300)[0] == pytest.approx(1.0, abs=0.01)
 
 
+def test_row_counts_between_the_timed_buckets_start_on_the_line_between_them():
+    """Eager steps run exactly their active rows: a count start-up never timed gets the line between the
+    neighbouring buckets (the nearest bucket's figure outside them), then learns from its own steps alone."""
+    from domino_ray.verify_width import StepCosts
+
+    costs = StepCosts.from_two_lengths({2: {0: 2.0, 1: 3.0}, 4: {0: 4.0, 1: 7.0}},
+                                       {2: {0: 4.0, 1: 5.0}, 4: {0: 8.0, 1: 11.0}}, 100, 300)
+    assert costs.at(3, 100) == pytest.approx({0: 3.0, 1: 5.0})
+    assert costs.at(3, 300) == pytest.approx({0: 6.0, 1: 8.0})  # the per-key slope interpolated too
+    assert costs.at(1, 100) == costs.at(2, 100) and costs.at(9, 100) == costs.at(4, 100)
+    for _ in range(100):
+        costs.observe(3, 0, 100, 1.0)
+    assert costs.at(3, 100)[0] == pytest.approx(1.0, abs=0.01)
+    assert costs.at(2, 100)[0] == 2.0 and costs.at(4, 100)[0] == 4.0  # the timed buckets keep their figures
+    costs.observe(5, 1, 100, 7.0)  # a count first met in a real step
+    assert 5 in costs.base and costs.at(4, 100)[1] == 7.0
+
+
 def test_a_step_that_captured_a_graph_teaches_acceptance_not_cost():
     """`learn(seconds=None)` (the engine's first use of a lazily captured graph: a stall, not a step's cost)
     updates the acceptance counts and leaves the cost table as it was; a timed step moves it."""
