@@ -278,9 +278,11 @@ class SpecEngine:
         _, first = self.sampling.accept(rows, self.lm_head(last)[:, None], no_drafts, torch.zeros_like(lengths),
                                         (lengths - 1)[:, None], *sampling_mode(r.request.params for r in batch))
         first = first[:, 0]  # [k]
-        if taps is not None:  # the draft's context per row: [k, m, F], right-padded (past a row's length is free)
-            taps = torch.nn.utils.rnn.pad_sequence(taps[0].split(sizes), batch_first=True)
-            self.proposer.append_context(rows, taps, torch.zeros_like(lengths))
+        if taps is not None:
+            # The draft's context prompt by prompt: padded together, each prompt would take the longest one's memory
+            start = torch.zeros(1, dtype=torch.long, device=self.device)
+            for slot, prompt_taps in zip(range(rows.start, rows.stop), taps.split(sizes, 1)):  # [1, m, F]
+                self.proposer.append_context(slice(slot, slot + 1), prompt_taps, start)
         self.lens[rows] = lengths
         self.anchor[rows] = first
         self.remaining[rows] = ints[:, 1]
