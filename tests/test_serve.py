@@ -473,9 +473,11 @@ def test_special_tokens_in_content_do_not_forge_a_turn(app, reference):
     assert len(safe) != len(forged_ids) and out.usage.prompt_tokens == len(safe)
 
 
-async def wait_until_the_replica_is_full(http: httpx.AsyncClient, timeout_s: float = 30.0) -> bool:
+async def wait_until_the_replica_is_full(http: httpx.AsyncClient, timeout_s: float = 120.0) -> bool:
     """Poll the replica's own `/load` until it no longer answers within a second (it waits behind the held
-    requests) or is refused (429): True once full, False if it still answers after `timeout_s`."""
+    requests) or is refused (429): True once full, False if it still answers after `timeout_s`. Generous:
+    alone the 72 held requests fill it in seconds, but beside the other xdist worker's Ray jobs they did not
+    within the earlier 30 s in three suite runs so far; a full replica ends the wait at once."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
@@ -500,7 +502,7 @@ def test_health_answers_while_the_replica_and_the_proxy_queue_are_full(app):
 
     async def main():
         limits = httpx.Limits(max_connections=ONGOING + QUEUED + 16)
-        async with httpx.AsyncClient(base_url=app.url, timeout=60, limits=limits) as http:
+        async with httpx.AsyncClient(base_url=app.url, timeout=180, limits=limits) as http:
             held = [asyncio.create_task(http.post("/v1/completions", content=slow_body()))
                     for _ in range(ONGOING + QUEUED)]
             try:
