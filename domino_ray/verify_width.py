@@ -156,10 +156,12 @@ class StepCosts:
         self.per_key = per_key or {r: {w: 0.0 for w in c} for r, c in base.items()}
         self.measured = sorted(self.base)  # the row buckets timed; eager steps also run the counts between
 
-    def _add_rows(self, r: int):
-        """Costs for a row count between the measured buckets (an eager step runs exactly its active rows): on
-        the line between the neighbouring buckets' start figures, the nearest bucket's outside them; refined
-        by its own steps from then on."""
+    def _ensure_rows(self, r: int):
+        """Costs for a row count between the measured buckets (an eager step runs exactly its active rows), made
+        at its first use: on the line between the neighbouring buckets' start figures, the nearest bucket's
+        outside them; refined by its own steps from then on."""
+        if r in self.base:
+            return
         lo = max((x for x in self.measured if x < r), default=self.measured[0])
         hi = min((x for x in self.measured if x > r), default=self.measured[-1])
         f = (r - lo) / (hi - lo) if hi != lo else 0.0
@@ -174,16 +176,14 @@ class StepCosts:
         return cls(base, per_key)
 
     def at(self, r: int, t: int) -> dict[int, float]:
-        if r not in self.base:
-            self._add_rows(r)
+        self._ensure_rows(r)
         return smooth_costs({w: b + self.per_key[r][w] * t for w, b in self.base[r].items()})
 
     def observe(self, r: int, w: int, t: int, seconds: float):
         """Fold in a real step. Start-up figures are the fastest of a few runs, so this tracks the lower
         envelope too: faster steps pull the figure down quickly, slower ones (a stall, a busy core) raise it
         slowly; otherwise a width in use would look dearer than the unused ones just for being observed."""
-        if r not in self.base:
-            self._add_rows(r)
+        self._ensure_rows(r)
         base = seconds - self.per_key[r][w] * t
         rate = 0.3 if base < self.base[r][w] else 0.02
         self.base[r][w] += rate * (base - self.base[r][w])

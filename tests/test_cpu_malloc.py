@@ -54,4 +54,4 @@ def test_a_cpu_engine_keeps_freed_memory(monkeypatch):
 def test_keep_freed_memory_is_idempotent():
     from domino_ray.cpu_malloc import keep_freed_memory
 
-    assert keep_freed_memory() is keep_freed_memory()
+    assert keep_freed_memory() is True and keep_freed_memory() is True  # glibc here: set once, then reported
