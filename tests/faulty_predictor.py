@@ -16,7 +16,8 @@ import ray.cloudpickle
 from domino_ray.ray_predictor import DominoPredictor
 
 
-def faulty_predictor(*, kill_actor_once: str | None = None, crash_engine_on_row=None, hold_row_s: float = 0.0) -> type:
+def faulty_predictor(*, kill_actor_once: str | None = None, crash_engine_on_row=None, hold_row_s: float = 0.0,
+                     progress_dir: str | None = None) -> type:
     """A DominoPredictor with these faults:
 
     - `kill_actor_once` (a marker path): the first actor to finish a row while the file does not exist
@@ -24,7 +25,9 @@ def faulty_predictor(*, kill_actor_once: str | None = None, crash_engine_on_row=
     - `crash_engine_on_row` (a row id): the engine thread raises whenever that row is waiting to be
       admitted (a fatal engine error caused by one row);
     - `hold_row_s`: every finished row stays that long in its actor before the batch may leave, so a test
-      can lose a node while its actors hold rows (tiny models finish a whole job in under a second).
+      can lose a node while its actors hold rows (tiny models finish a whole job in under a second);
+    - `progress_dir`: each finished batch (counted in the run's per-actor statistics) touches a file named by
+      its Ray node id there, so a test can see which nodes have done work so far.
     """
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -51,5 +54,11 @@ def faulty_predictor(*, kill_actor_once: str | None = None, crash_engine_on_row=
                 open(kill_actor_once, "w").close()
                 os._exit(1)  # die mid-batch, like a crashed node
             return completion
+
+        async def _generate(self, batch):
+            table = await super()._generate(batch)
+            if progress_dir is not None:
+                open(os.path.join(progress_dir, self.node_id), "w").close()
+            return table
 
     return FaultyPredictor

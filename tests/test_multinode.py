@@ -49,10 +49,18 @@ def start_job(mn: MultiNode, pair, inp: Path, out: Path, log: Path, hold_row_s: 
         "runtime.ray_address": mn.address, "runtime.min_actors": 2, "runtime.max_actors": 2,
         "runtime.accelerator_resource": ENGINE_RESOURCE, "generation.max_new_tokens": MAX_NEW})
     env = {**os.environ, "RAY_TMPDIR": mn.temp_dir, "RAY_AUTH_MODE": "disabled", "PYTHONPATH": str(REPO),
-           "RAY_DATA_DISABLE_PROGRESS_BARS": "1", "RAY_DATA_DEFAULT_WAIT_FOR_MIN_ACTORS_S": str(JOB_TIMEOUT_S)}
+           "RAY_DATA_DISABLE_PROGRESS_BARS": "1", "RAY_DATA_DEFAULT_WAIT_FOR_MIN_ACTORS_S": str(JOB_TIMEOUT_S),
+           "SLOW_JOB_PROGRESS_DIR": str(progress_dir(out))}
     command = [str(REPO / "tests" / "slow_job.py"), str(hold_row_s)] if hold_row_s else [str(REPO / "jobs" / "generate.py")]
     return subprocess.Popen([sys.executable, *command, *args], cwd=REPO, env=env,
                             stdout=log.open("w"), stderr=subprocess.STDOUT)
+
+
+def progress_dir(out: Path) -> Path:
+    """Where tests/slow_job.py's actors mark the nodes that finished a batch (beside the output, not in it)."""
+    path = out.with_name(out.name + "_progress")
+    path.mkdir(parents=True, exist_ok=True)
+    return path
 
 
 class Watch:
@@ -72,6 +80,10 @@ class Watch:
                 continue
             done[p.name] = (stat.st_mtime_ns, stat.st_size)
         return done
+
+    def nodes_with_batches_done(self) -> set[str]:
+        """Node ids whose engine actors finished a batch (tests/slow_job.py's progress files)."""
+        return {p.name for p in progress_dir(self.out).iterdir()}
 
     def alive_engines(self) -> dict[str, int]:
         """node id -> engine actors alive on it."""
@@ -152,10 +164,12 @@ def test_job_runs_on_both_worker_nodes(multinode_cluster, tiny_pair, tmp_path):
 
 def wait_busy_with_output(mn: MultiNode, watch: Watch, proc: subprocess.Popen, log: Path) -> dict:
     """Wait for the first complete output file with an engine actor alive on every worker node (each
-    holds rows: HOLD_ROW_S); returns the complete files at that moment."""
+    holds rows: HOLD_ROW_S) that has finished a batch already; returns the complete files at that moment."""
     workers = {n.node_id for n in mn.workers}
-    busy = watch.wait(proc, until=lambda: watch.files() and set(watch.alive_engines()) >= workers)
-    assert busy, "the job ended before it had output and actors on both nodes:\n" + log.read_text()[-3000:]
+    busy = watch.wait(proc, until=lambda: (watch.files() and set(watch.alive_engines()) >= workers
+                                           and watch.nodes_with_batches_done() >= workers))
+    assert busy, ("the job ended before it had output and actors with finished batches on both nodes:\n"
+                  + log.read_text()[-3000:])
     return watch.files()
 
 
