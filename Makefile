@@ -18,13 +18,13 @@ export PYTHONPYCACHEPREFIX := $(abspath $(VENV))/pycache
 
 .PHONY: setup setup-dev smollm2 demo demo-smollm2 test test-multinode test-fast gpu-check bench peers-venv bench-peers clean
 
-# --no-compile: byte-compiling every module of torch, ray and transformers at install time is half of the
-# install here (59 s vs 122 s); Python compiles the modules a run imports, once, on first use, into the cache
-# below.
-# The modules a batch job imports, compiled once into the cache at install, so the first run's processes
-# (driver, Ray workers, engine actors) do not each compile them at the same time on a fresh machine.
+# The modules a batch job imports, compiled into that cache at install, so the first run's processes (driver,
+# Ray workers, engine actors) do not each compile them at the same time on a fresh machine.
 JOB_IMPORTS := import domino_ray.ray_batch, domino_ray.llm; from transformers import AutoTokenizer, Qwen3ForCausalLM, LlamaForCausalLM
 
+# --no-compile: byte-compiling every module of torch, ray and transformers at install time is half of the
+# install here (59 s vs 122 s); Python compiles the modules a run imports, once, on first use, into the cache
+# above.
 $(BIN)/.installed: pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
