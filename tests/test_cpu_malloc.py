@@ -39,8 +39,9 @@ def late_round_faults(mode: str) -> int:
 
 
 def test_kept_freed_memory_ends_the_page_faults_of_repeated_forwards():
-    # The fewest of two runs each: the kernel can add faults to a run (once, in a full suite run beside the other
-    # worker's Ray jobs: 4,200 with the setting, against 0 alone), never take glibc's own away.
+    # The fewest of two runs each: something outside the allocator once added faults to a run (a full-suite run
+    # beside the other worker's Ray jobs: 4,200 with the setting, 0 alone; cause not found). Noise only adds
+    # faults; a setting that stopped working faults in every run.
     default = min(late_round_faults("glibc-defaults") for _ in range(2))
     kept = min(late_round_faults("keep") for _ in range(2))
     assert default > 1000, default  # the workload does fault with glibc's defaults: the comparison means something
