@@ -39,13 +39,14 @@ def late_round_faults(mode: str) -> int:
 
 
 def test_kept_freed_memory_ends_the_page_faults_of_repeated_forwards():
-    # The fewest of two runs each: something outside the allocator once added faults to a run (a full-suite run
-    # beside the other worker's Ray jobs: 4,200 with the setting, 0 alone; cause not found). Noise only adds
-    # faults; a setting that stopped working faults in every run.
+    # Alone, quiet: 16,672 faults with glibc's defaults, 0 with the setting. On a busy machine the setting leaves
+    # some (full suite runs: 4,200 against 16,672, twice; beside two busy processes 0-1,400 against 2,800; cause
+    # not found), so the fewest of two runs each, and a margin; a setting that stopped working faults as much as
+    # the defaults in every run.
     default = min(late_round_faults("glibc-defaults") for _ in range(2))
     kept = min(late_round_faults("keep") for _ in range(2))
     assert default > 1000, default  # the workload does fault with glibc's defaults: the comparison means something
-    assert kept < default / 5, (kept, default)
+    assert kept < default / 3, (kept, default)
 
 
 def test_a_cpu_engine_keeps_freed_memory(monkeypatch):
