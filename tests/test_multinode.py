@@ -49,18 +49,19 @@ def start_job(mn: MultiNode, pair, inp: Path, out: Path, log: Path, hold_row_s: 
         "runtime.ray_address": mn.address, "runtime.min_actors": 2, "runtime.max_actors": 2,
         "runtime.accelerator_resource": ENGINE_RESOURCE, "generation.max_new_tokens": MAX_NEW})
     env = {**os.environ, "RAY_TMPDIR": mn.temp_dir, "RAY_AUTH_MODE": "disabled", "PYTHONPATH": str(REPO),
-           "RAY_DATA_DISABLE_PROGRESS_BARS": "1", "RAY_DATA_DEFAULT_WAIT_FOR_MIN_ACTORS_S": str(JOB_TIMEOUT_S),
-           "SLOW_JOB_PROGRESS_DIR": str(progress_dir(out))}
-    command = [str(REPO / "tests" / "slow_job.py"), str(hold_row_s)] if hold_row_s else [str(REPO / "jobs" / "generate.py")]
+           "RAY_DATA_DISABLE_PROGRESS_BARS": "1", "RAY_DATA_DEFAULT_WAIT_FOR_MIN_ACTORS_S": str(JOB_TIMEOUT_S)}
+    command = [str(REPO / "jobs" / "generate.py")]
+    if hold_row_s:
+        progress_dir(out).mkdir(parents=True, exist_ok=True)
+        env["SLOW_JOB_PROGRESS_DIR"] = str(progress_dir(out))
+        command = [str(REPO / "tests" / "slow_job.py"), str(hold_row_s)]
     return subprocess.Popen([sys.executable, *command, *args], cwd=REPO, env=env,
                             stdout=log.open("w"), stderr=subprocess.STDOUT)
 
 
 def progress_dir(out: Path) -> Path:
     """Where tests/slow_job.py's actors mark the nodes that finished a batch (beside the output, not in it)."""
-    path = out.with_name(out.name + "_progress")
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+    return out.with_name(out.name + "_progress")
 
 
 class Watch:
@@ -83,7 +84,7 @@ class Watch:
 
     def nodes_with_batches_done(self) -> set[str]:
         """Node ids whose engine actors finished a batch (tests/slow_job.py's progress files)."""
-        return {p.name for p in progress_dir(self.out).iterdir()}
+        return {p.name for p in progress_dir(self.out).glob("*")}
 
     def alive_engines(self) -> dict[str, int]:
         """node id -> engine actors alive on it."""
