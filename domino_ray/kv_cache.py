@@ -9,13 +9,16 @@ over `[context ; block]`). Positions beyond a row's committed length hold stale 
 drafts; the limit hides them and the next step overwrites them, so a rejection costs nothing.
 
 Attention is GQA-native: the query heads that share a K/V head are folded into the query axis
-(`[b, Hkv, G*q, D]`), so K and V are read as stored, never repeated per query head.
+(`[b, Hkv, G*q, D]`), so K and V are read as stored, never repeated per query head. On CPU in fp32 it is our
+kernel (`cpu_attention.py`), which takes each query's key limit; elsewhere SDPA with an additive mask.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from domino_ray import cpu_attention
 
 
 class KVBuffers:
@@ -80,39 +83,46 @@ class KVBuffers:
                 buf[dst, :, p:end] = buf[src, :, p:end]
 
 
-def visible_keys(key_limit: torch.Tensor, groups: int, key_positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Additive mask `[r, 1, G*q, T]` in `dtype` for `row_attention` (0 where visible, -inf elsewhere): query i
-    of a row sees key positions below `key_limit [r, q]`; `groups` = query heads per K/V head; `key_positions`
-    = `arange(T)`. Built once per forward and shared by its layers: SDPA would turn a bool mask into this
-    in every layer's call."""
-    r, q = key_limit.shape
-    limit = key_limit[:, None, :].expand(r, groups, q).reshape(r, 1, groups * q, 1)
-    hidden = key_positions >= limit  # [r, 1, G*q, T]
+def visible_keys(limits: torch.Tensor, key_positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Additive mask `[r, 1, M, T]` in `dtype` for SDPA (0 where visible, -inf elsewhere): folded query m of a
+    row sees key positions below `limits [r, M]` (`query_limits`); `key_positions` = `arange(T)`. Built once
+    per forward and shared by its layers: SDPA would turn a bool mask into this in every layer's call."""
+    hidden = key_positions >= limits[:, None, :, None]  # [r, 1, M, T]
     return torch.zeros(hidden.shape, dtype=dtype, device=hidden.device).masked_fill_(hidden, float("-inf"))
 
 
-def group_masks(key_limit: torch.Tensor, groups: int, key_positions: torch.Tensor, key_groups: tuple,
-                dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-    """`visible_keys` for each range of `key_groups` (`((stop, t), ...)`): `[stop - start, 1, G*q, t]` each.
-    One range (the graphs' case) takes the limits whole: no slicing call."""
-    masks, start = [], 0
+def query_limits(key_limit: torch.Tensor, groups: int) -> torch.Tensor:
+    """`key_limit [r, q]` for the folded queries of a K/V group (`row_attention`) -> `[r, G*q]`."""
+    r, q = key_limit.shape
+    return key_limit[:, None, :].expand(r, groups, q).reshape(r, groups * q)
+
+
+def group_visibility(key_limit: torch.Tensor, groups: int, key_positions: torch.Tensor, key_groups: tuple,
+                     dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """What each range of `key_groups` (`((stop, t), ...)`) attends under, for `row_attention`: the key limits
+    of its folded queries `[stop - start, G*q]` (int64) where our CPU kernel runs, else the additive masks of
+    `visible_keys` `[stop - start, 1, G*q, t]`. Once per forward, shared by its layers. One range (the
+    graphs' case) takes the limits whole: no slicing call."""
+    kernel = cpu_attention.kernel_enabled(key_limit.device, dtype)
+    out, start = [], 0
     for stop, t in key_groups:
         limit = key_limit if len(key_groups) == 1 else key_limit[start:stop]
-        masks.append(visible_keys(limit, groups, key_positions[:t], dtype))
+        limits = query_limits(limit, groups)
+        out.append(limits if kernel else visible_keys(limits, key_positions[:t], dtype))
         start = stop
-    return tuple(masks)
+    return tuple(out)
 
 
 def grouped_attention(query: torch.Tensor, buffers: KVBuffers, layer: int, key_groups: tuple,
                       visible: tuple[torch.Tensor, ...], scale: float) -> torch.Tensor:
     """`row_attention` of query `[r, H, q, D]` over layer `layer` of `buffers`, one call per range of
-    `key_groups` over that range's own key bucket (views: no copy), masks from `group_masks` -> `[r, q, H, D]`.
-    One range (the graphs' case) takes the queries whole and concatenates nothing."""
+    `key_groups` over that range's own key bucket (views: no copy), visibility from `group_visibility` ->
+    `[r, q, H, D]`. One range (the graphs' case) takes the queries whole and concatenates nothing."""
     out, start = [], 0
-    for (stop, t), mask in zip(key_groups, visible):
+    for (stop, t), seen in zip(key_groups, visible):
         keys, values = buffers.view(layer, slice(start, stop), t)
         rows = query if len(key_groups) == 1 else query[start:stop]
-        out.append(row_attention(rows, keys, values, mask, scale))
+        out.append(row_attention(rows, keys, values, seen, scale))
         start = stop
     return out[0] if len(out) == 1 else torch.cat(out)
 
@@ -121,13 +131,19 @@ def row_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                   scale: float) -> torch.Tensor:
     """Attention of each row's queries over its own keys, GQA-native.
 
-    query `[r, H, q, D]`, keys/values `[r, Hkv, T, D]`, visible `[r, 1, G*q, T]` (additive, `visible_keys`)
-    -> `[r, q, H, D]` (the layout HF's attention functions return). The G query heads of a K/V group
-    are folded into the query axis, so the keys are attended as stored: no per-head copies.
+    query `[r, H, q, D]`, keys/values `[r, Hkv, T, D]`, visible: the additive mask `[r, 1, G*q, T]`
+    (`visible_keys`: SDPA) or the key limits `[r, G*q]` (`query_limits`: our CPU kernel) -> `[r, q, H, D]`
+    (the layout HF's attention functions return). The G query heads of a K/V group are folded into the
+    query axis, so the keys are attended as stored: no per-head copies.
     """
     r, h, q, d = query.shape
     folded = query.reshape(r, keys.shape[1], -1, d)  # [r, Hkv, G*q, D]: heads of a group are adjacent
-    out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=visible, scale=scale)
+    if visible.dtype == torch.int64 and d % 8 == 0:
+        out = cpu_attention.decode_attention_op()(folded, keys, values, visible, scale)
+    else:
+        if visible.dtype == torch.int64:  # a head size the kernel does not take
+            visible = visible_keys(visible, torch.arange(keys.shape[2], device=keys.device), query.dtype)
+        out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=visible, scale=scale)
     return out.reshape(r, h, q, d).transpose(1, 2)
 
 

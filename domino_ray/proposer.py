@@ -27,7 +27,7 @@ import torch
 
 from domino_ray.checkpoint import check_against_target
 from domino_ray.draft import DominoDraft, context_key_value_weights, context_keys_values, resolve_num_spec_tokens
-from domino_ray.kv_cache import KVBuffers, group_masks, grouped_attention
+from domino_ray.kv_cache import KVBuffers, group_visibility, grouped_attention
 
 
 class DominoProposer:
@@ -79,7 +79,7 @@ class DominoProposer:
         positions = offsets[:, None] + self.block_offsets  # [r, B]
         # Non-causal: every block slot sees the whole context and the whole block.
         key_limit = (offsets + block_size)[:, None].expand(r, block_size)  # [r, B]
-        visible = group_masks(key_limit, self.groups, self.key_positions, key_groups, self.dtype)
+        visible = group_visibility(key_limit, self.groups, self.key_positions, key_groups, self.dtype)
         cos, sin = self.draft.rope(positions, self.dtype)
         write_at = self.kv.flat_index(rows, positions)
 

@@ -26,10 +26,10 @@ class RowAttention:
     """What one forward's attention needs, shared by every layer.
 
     Decode: new keys go to `write_index [r, q]` of slots `0..r`; each slot range of `key_groups`
-    (`((stop, t), ...)`, `key_groups.py`) attends over its first `t` buffer positions where its mask in
-    `visible` says (`kv_cache.group_masks`). Prefill (`prefill_rows` set): the prompts of slots
-    `prefill_rows`, `prefill_lengths` tokens each, back to back in one row of queries (`write_index [1, N]`:
-    each prompt's positions from 0), attention causal within each prompt.
+    (`((stop, t), ...)`, `key_groups.py`) attends over its first `t` buffer positions as its entry of
+    `visible` says (`kv_cache.group_visibility`: key limits or a mask). Prefill (`prefill_rows` set): the
+    prompts of slots `prefill_rows`, `prefill_lengths` tokens each, back to back in one row of queries
+    (`write_index [1, N]`: each prompt's positions from 0), attention causal within each prompt.
     """
     buffers: KVBuffers
     write_index: torch.Tensor

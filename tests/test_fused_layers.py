@@ -6,7 +6,7 @@ from torch import nn
 
 from domino_ray.engine import SpecEngine
 from domino_ray.fused_layers import FusedLayer, fuse_layers, fuse_linears
-from domino_ray.kv_cache import KVBuffers, group_masks
+from domino_ray.kv_cache import KVBuffers, group_visibility
 from domino_ray.request import Request
 from domino_ray.sampling_params import SamplingParams
 from domino_ray.target_forward import RowAttention, install, run_decoder
@@ -39,7 +39,7 @@ def forward_both(target, rows: int, prompt: int, width: int):
                                                 prefill_lengths=(prompt,) * rows), ())
             positions = prompt + torch.arange(width).expand(rows, width)
             groups = ((rows, 32),)
-            visible = group_masks(positions + 1, cfg.num_attention_heads // cfg.num_key_value_heads, key_positions,
+            visible = group_visibility(positions + 1, cfg.num_attention_heads // cfg.num_key_value_heads, key_positions,
                                   groups, torch.float32)
             second, taps = run_decoder(decoder, layers, step_ids, positions,
                                        RowAttention(kv, positions, visible=visible, key_groups=groups), (0, 2))

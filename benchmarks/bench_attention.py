@@ -1,0 +1,112 @@
+"""Decode attention on CPU (`domino_ray/cpu_attention.py`): our kernel against torch's SDPA under the mask.
+
+Two measurements (BENCHMARKS.md "Our decode-attention kernel"):
+- `sweep` (default): one decode step's attention over every layer of a model's shape (random fp32 K/V
+  buffers as the engine lays them out, each layer's read once per pass, so from memory as in a real step),
+  `--rows` rows, each at key lengths `--keys` (limits a little under them) and `--positions` query positions
+  per row (1: target-only decode; W+1: a verify step); median of 7 passes in ms, and the K/V bytes read per
+  ms as GB/s.
+- `--engine ROWS`: our engine's steady decode step on the SmolLM2 pair (make smollm2), target-only, ROWS
+  chat prompts, switching between the kernel and SDPA every few steps, in one process.
+
+    python benchmarks/bench_attention.py [--model smollm2|qwen3-4b] [--rows 16] [--keys 128,256,512,1024]
+    python benchmarks/bench_attention.py --engine 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.nn.functional as F
+
+# (layers, K/V heads, query heads per K/V head, head dim)
+MODELS = {"smollm2": (30, 3, 3, 64), "qwen3-4b": (36, 8, 4, 128)}
+
+
+def median_ms(fn, passes: int = 7) -> float:
+    fn()
+    times = []
+    for _ in range(passes):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2] * 1e3
+
+
+def sweep(model: str, rows: int, keys: list[int], positions: list[int], seed: int = 0):
+    from domino_ray.cpu_attention import decode_attention_op
+    from domino_ray.kv_cache import query_limits, visible_keys
+
+    op = decode_attention_op()
+    if op is None:
+        raise SystemExit("the kernel did not build here (see the warning above)")
+    layers, heads, groups, dim = MODELS[model]
+    gen = torch.Generator().manual_seed(seed)
+    capacity = max(keys) + 32
+    buffers = torch.randn(2, layers, rows, heads, capacity, dim, generator=gen)  # K, V: [2, L, R, Hkv, T, D]
+    print(f"{model}: {layers} layers x {rows} rows x {heads} K/V heads x {groups} query heads each, head dim {dim}, "
+          f"fp32, {torch.get_num_threads()} threads; ms per step's attention (K/V GB/s)")
+    print(f"{'keys':>6} {'positions':>9} {'SDPA + mask':>16} {'our kernel':>16} {'speed-up':>9}")
+    for t in keys:
+        for q in positions:
+            lens = torch.randint(t - 31, t - q + 1, (rows,), generator=gen)                     # [R]
+            limits = query_limits(lens[:, None] + 1 + torch.arange(q), groups)                  # [R, G*q]
+            mask = visible_keys(limits, torch.arange(t), torch.float32)                         # [R, 1, G*q, t]
+            query = torch.randn(rows, heads, groups * q, dim, generator=gen)
+            views = [(buffers[0, i, :, :, :t], buffers[1, i, :, :, :t]) for i in range(layers)]
+            sdpa = median_ms(lambda: [F.scaled_dot_product_attention(query, k, v, attn_mask=mask, scale=dim ** -0.5)
+                                      for k, v in views])
+            ours = median_ms(lambda: [op(query, k, v, limits, dim ** -0.5) for k, v in views])
+            gb = 2 * layers * rows * heads * t * dim * 4 / 1e6  # K/V bytes per step, in MB (per ms = GB/s)
+            print(f"{t:>6} {q:>9} {sdpa:9.1f} ({gb / sdpa:4.1f}) {ours:9.1f} ({gb / ours:4.1f}) {sdpa / ours:8.2f}x")
+
+
+def engine_steps(rows: int, rounds: int = 4, steps: int = 6):
+    from common import load_pair
+    from domino_ray import cpu_attention
+    from domino_ray.llm import build_engine
+    from domino_ray.request import Request
+    from domino_ray.sampling_params import SamplingParams
+
+    pair = load_pair("smollm2", num_prompts=rows)
+    engine = build_engine(pair.target, None, pair.tokenizer, max_batch_size=rows, max_model_len=1024)
+    params = SamplingParams(max_new_tokens=1 + 2 * rounds * (steps + 1) + 2, ignore_eos=True)
+    for i, prompt in enumerate(pair.prompts[:rows]):
+        engine.add_request(Request(i, prompt, params))
+    engine.step()  # prefill
+    engine.step()
+    kernel_enabled = cpu_attention.kernel_enabled
+    print(f"SmolLM2 target-only decode step, {rows} rows, {torch.get_num_threads()} threads")
+    for _ in range(rounds):
+        for enabled, name in ((kernel_enabled, "our kernel"), (lambda device, dtype: False, "SDPA + mask")):
+            cpu_attention.kernel_enabled = enabled  # what kv_cache.group_visibility asks each forward
+            engine.step()
+            start = time.perf_counter()
+            for _ in range(steps):
+                engine.step()
+            print(f"  {name}: {(time.perf_counter() - start) / steps * 1e3:.1f} ms/step")
+    cpu_attention.kernel_enabled = kernel_enabled
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", choices=sorted(MODELS), default="smollm2")
+    p.add_argument("--rows", type=int, default=16)
+    p.add_argument("--keys", default="128,256,512,1024")
+    p.add_argument("--positions", default="1,4,9", help="query positions per row: 1 = decode, W+1 = verify")
+    p.add_argument("--engine", type=int, default=0, metavar="ROWS", help="time our engine's step instead")
+    p.add_argument("--threads", type=int, default=2)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    with torch.inference_mode():
+        if args.engine:
+            engine_steps(args.engine)
+        else:
+            sweep(args.model, args.rows, [int(k) for k in args.keys.split(",")],
+                  [int(q) for q in args.positions.split(",")])
+
+
+if __name__ == "__main__":
+    main()

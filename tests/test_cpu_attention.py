@@ -1,0 +1,89 @@
+"""Our CPU decode-attention kernel (`cpu_attention.py`, `csrc/decode_attention.cpp`): the function SDPA computes
+under the engine's masks, on the engine's strided buffer views, and the engine's choice between the two."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from domino_ray.cpu_attention import decode_attention_op, kernel_enabled
+from domino_ray.kv_cache import group_visibility, visible_keys
+
+# fp32 dot products and sums over a few hundred keys in another order, exp within ~2 ulp: relative error
+# ~1e-6; 1e-5 leaves room, a wrong key, limit or head is off by O(1).
+TOL = dict(rtol=1e-5, atol=1e-5)
+# Scores of magnitude ~50 (sharp queries) carry absolute errors ~50x larger, and so do the weights.
+SHARP_TOL = dict(rtol=1e-4, atol=1e-4)
+
+
+def sdpa_reference(query, keys, values, limits, scale):
+    mask = visible_keys(limits, torch.arange(keys.shape[2]), torch.float32)  # [r, 1, M, t]
+    return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale)
+
+
+def buffers_and_query(rows, heads, queries, dim, keys, *, seed=0, sharp=1.0):
+    """Keys/values as the engine holds them: views `[rows, heads, keys, dim]` into larger buffers."""
+    gen = torch.Generator().manual_seed(seed)
+    big = torch.randn(2, rows + 2, heads, keys + 40, dim, generator=gen)  # [2, R, H, T, D]
+    query = sharp * torch.randn(rows, heads, queries, dim, generator=gen)
+    return query, big[0, :rows, :, :keys], big[1, :rows, :, :keys], gen
+
+
+def test_the_kernel_builds_on_this_machine():
+    """`make setup` builds it; a machine without a compiler would fall back to SDPA (slower, same function)."""
+    assert decode_attention_op() is not None
+    assert kernel_enabled("cpu", torch.float32)
+    assert not kernel_enabled("cpu", torch.float64) and not kernel_enabled("meta", torch.float32)
+
+
+@pytest.mark.parametrize("dim", [8, 24, 64, 128])
+@pytest.mark.parametrize("queries", [1, 3, 12, 27])
+def test_same_function_as_sdpa_under_the_mask(dim, queries):
+    """Limits anywhere in [1, t] (off the 8-key blocks too), sharp and flat score distributions."""
+    op = decode_attention_op()
+    for keys, sharp in ((1, 1.0), (7, 1.0), (61, 1.0), (300, 1.0), (300, 8.0)):
+        query, k, v, gen = buffers_and_query(5, 3, queries, dim, keys, seed=keys + dim, sharp=sharp)
+        limits = torch.randint(1, keys + 1, (5, queries), generator=gen)
+        limits[0] = keys
+        scale = dim ** -0.5
+        torch.testing.assert_close(op(query, k, v, limits, scale), sdpa_reference(query, k, v, limits, scale),
+                                   **(SHARP_TOL if sharp > 1 else TOL))
+
+
+def test_nothing_past_a_limit_or_from_another_row_reaches_an_output():
+    """Hidden keys (stale drafts) and other rows hold huge values: the outputs do not move."""
+    op = decode_attention_op()
+    query, k, v, gen = buffers_and_query(4, 2, 6, 64, 100)
+    limits = torch.randint(1, 101, (4, 6), generator=gen)
+    clean = op(query, k, v, limits, 0.125)
+    buffer_k, buffer_v = k.clone(), v.clone()
+    for b in range(4):
+        top = int(limits[b].max())
+        buffer_k[b, :, top:], buffer_v[b, :, top:] = 1e30, -1e30
+    torch.testing.assert_close(op(query, buffer_k, buffer_v, limits, 0.125), clean, rtol=0, atol=0)
+    # a row's output depends on that row alone
+    other_k, other_v = k.clone(), v.clone()
+    other_k[1:], other_v[1:] = 7.0, -7.0
+    torch.testing.assert_close(op(query, other_k, other_v, limits, 0.125)[0], clean[0], rtol=0, atol=0)
+
+
+def test_a_zero_limit_gives_zeros_and_a_bad_limit_an_error():
+    op = decode_attention_op()
+    query, k, v, _ = buffers_and_query(2, 2, 3, 16, 20)
+    limits = torch.tensor([[0, 0, 0], [5, 20, 1]])
+    out = op(query, k, v, limits, 0.25)
+    assert torch.equal(out[0], torch.zeros_like(out[0]))
+    torch.testing.assert_close(out[1:], sdpa_reference(query[1:], k[1:], v[1:], limits[1:], 0.25), **TOL)
+    with pytest.raises(RuntimeError, match="key limit 21 outside"):
+        op(query, k, v, torch.tensor([[1, 1, 1], [1, 21, 1]]), 0.25)
+    with pytest.raises(RuntimeError, match="head dim 12"):
+        op(query[..., :12].contiguous(), k[..., :12].contiguous(), v[..., :12].contiguous(), limits, 0.25)
+
+
+def test_the_engine_passes_limits_on_cpu_fp32_and_masks_otherwise():
+    key_limit = torch.tensor([[3, 4], [9, 10]])  # [r, q]
+    groups = ((1, 8), (2, 16))
+    limits = group_visibility(key_limit, 3, torch.arange(16), groups, torch.float32)
+    assert [x.tolist() for x in limits] == [[[3, 4] * 3], [[9, 10] * 3]]  # [n, G*q]: heads of a group adjacent
+    masks = group_visibility(key_limit, 3, torch.arange(16), groups, torch.float64)
+    assert [tuple(m.shape) for m in masks] == [(1, 1, 6, 8), (1, 1, 6, 16)]
+    assert masks[1][0, 0, 5].isfinite().tolist() == [True] * 10 + [False] * 6
