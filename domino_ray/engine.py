@@ -353,15 +353,20 @@ class SpecEngine:
     @torch.inference_mode()
     def measure_costs(self, widths: dict[int, list[int]], repeats: int = 3) -> StepCosts:
         """Step costs for the adaptive width, timed on `_device_step` (what real steps run) while every slot is
-        free: padding rows, which the steps leave unchanged."""
+        free: padding rows, which the steps leave unchanged. Their lengths are set to fill the key bucket timed,
+        since attention reads only the keys a row holds (the CPU kernel's key limits), then set back to 0."""
         def run_step(r: int, t: int, w: int):
+            self.lens[:r] = t - self.span  # a step writes `span` positions past a row's length
             self._device_step(r, ((r, t),), w, False, False, True)
             self._read_packed(0, w)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
 
         lengths = (self._key_bucket(self.span), self.capacity)
-        return measure_step_costs(run_step, widths, lengths, repeats)
+        try:
+            return measure_step_costs(run_step, widths, lengths, repeats)
+        finally:
+            self.lens.zero_()  # free slots are inert padding rows
 
     # ---- the fixed-shape steps (device work only: no host syncs, no shape that varies within a bucket) ----
 

@@ -9,8 +9,8 @@ from domino_ray.engine import SpecEngine
 from domino_ray.request import Request
 from domino_ray.proposer import DominoProposer
 from domino_ray.sampling_params import SamplingParams
-from domino_ray.verify_width import (AcceptanceEstimates, best_width, candidate_widths, choose_width, expected_tokens,
-                                     smooth_costs, StepCosts, WidthController, width_rates)
+from domino_ray.verify_width import (DRAFTING_MARGIN, AcceptanceEstimates, best_width, candidate_widths, choose_width,
+                                     expected_tokens, smooth_costs, StepCosts, WidthController, width_rates)
 from oracles import OracleProposer
 from tiny_models import ragged_prompts, tiny_draft, tiny_target
 
@@ -40,6 +40,16 @@ def test_useless_drafts_give_width_zero_and_perfect_ones_the_full_block():
     assert choose_width(flat, [[0.02] * 8] * 4, [100] * 4) == 0
     assert choose_width(flat, [[1.0] * 8] * 4, [100] * 4) == 8
     assert choose_width(flat, [[1.0] * 8], [2]) == 2  # no point verifying drafts the budget cannot take
+
+
+def test_drafting_must_beat_width_zero_by_the_margin():
+    """The cost table is off by a few percent: a drafting width that promises less than `DRAFTING_MARGIN` over
+    W = 0 is not worth the risk; among drafting widths the best one still wins, ties to the narrower."""
+    assert best_width({0: 1.0, 1: 1.0 + DRAFTING_MARGIN / 2, 2: 1.0}) == 0
+    assert best_width({0: 1.0, 1: 1.0 + 2 * DRAFTING_MARGIN, 2: 1.0 + 3 * DRAFTING_MARGIN}) == 2
+    assert best_width({0: 1.0, 1: 1.2, 2: 1.2}) == 1
+    assert best_width({1: 1.0, 2: 1.01}) == 2  # no W = 0 to compare with (a fixed-width table)
+    assert best_width({0: 1.0, 1: 1.0 + DRAFTING_MARGIN / 2}, margin=0.0) == 1
 
 
 def test_a_draft_is_useless_on_evidence_not_on_the_prior():
@@ -134,6 +144,24 @@ def test_random_draft_settles_on_plain_decoding_at_no_cost(target):
     assert proposer.appends < 0.2 * steps, (proposer.appends, steps)  # prefill + the few drafting steps
     for c in out:
         check_stats(c, K)
+
+
+def test_start_up_costs_time_rows_that_fill_the_keys_timed(target):
+    """The CPU attention reads only the keys a row holds: the start-up timing gives its padding rows the lengths of
+    the key bucket it times (so a step at t keys reads t keys, as a real one would), and leaves them at 0."""
+    engine = SpecEngine(target, DominoProposer(tiny_draft(target, block_size=K), target), max_rows=2, adaptive=True,
+                        width_costs={r: {w: 1.0 + w for w in range(K + 1)} for r in (1, 2)})
+    seen, device_step = [], engine._device_step
+
+    def recording(r, key_groups, *args):
+        seen.append((key_groups[0][1], engine.lens[:r].tolist()))
+        return device_step(r, key_groups, *args)
+
+    engine._device_step = recording
+    engine.measure_costs({1: [0, 2], 2: [0, 2]}, repeats=1)
+    assert {t for t, _ in seen} == {engine._key_bucket(engine.span), engine.capacity}
+    assert all(lens == [t - engine.span] * len(lens) for t, lens in seen), seen
+    assert engine.lens.tolist() == [0, 0]
 
 
 def test_oracle_at_full_acceptance_verifies_the_full_block_at_batch_one(target):
