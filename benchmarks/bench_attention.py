@@ -100,10 +100,10 @@ def main():
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    with torch.inference_mode():
-        if args.engine:
-            engine_steps(args.engine)
-        else:
+    if args.engine:
+        engine_steps(args.engine)
+    else:
+        with torch.inference_mode():
             sweep(args.model, args.rows, [int(k) for k in args.keys.split(",")],
                   [int(q) for q in args.positions.split(",")])
 

@@ -196,3 +196,21 @@ def test_linear_benchmark_smoke():
         times = [line.split(":") for line in out.splitlines() if line.startswith("  ")]
         assert [name.strip() for name, _ in times] == ["packed", "plain"] * 4
         assert all(positive(float(t.split()[0])) for _, t in times)
+
+
+def test_attention_benchmark_smoke():
+    """`bench_attention.py`: the sweep times SDPA and our kernel at every key length and query count, its speed-up
+    their ratio; `--engine` alternates our kernel and SDPA in the SmolLM2 engine's steps (when converted)."""
+    out = run_script("bench_attention.py", "--rows", "2", "--keys", "40,64", "--positions", "1,3")
+    rows = [line.replace("(", " ").replace(")", " ").replace("x", " ").split() for line in out.splitlines()[2:]]
+    assert [(int(r[0]), int(r[1])) for r in rows] == [(40, 1), (40, 3), (64, 1), (64, 3)]
+    for _, _, sdpa_ms, sdpa_rate, ours_ms, ours_rate, speed_up in rows:
+        assert all(positive(float(x)) for x in (sdpa_ms, sdpa_rate, ours_ms, ours_rate))
+        # the same bytes in both: the speed-up is the ratio of the rates (printed to 0.1 GB/s)
+        assert float(speed_up) == pytest.approx(float(ours_rate) / float(sdpa_rate), rel=0.03)
+    from domino_ray.smollm2 import is_converted
+    if is_converted():
+        out = run_script("bench_attention.py", "--engine", "2")
+        times = [line.split(":") for line in out.splitlines() if line.startswith("  ")]
+        assert [name.strip() for name, _ in times] == ["our kernel", "SDPA + mask"] * 4
+        assert all(positive(float(t.split()[0])) for _, t in times)
