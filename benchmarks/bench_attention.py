@@ -21,18 +21,10 @@ import time
 import torch
 import torch.nn.functional as F
 
+from common import median_ms
+
 # (layers, K/V heads, query heads per K/V head, head dim)
 MODELS = {"smollm2": (30, 3, 3, 64), "qwen3-4b": (36, 8, 4, 128)}
-
-
-def median_ms(fn, passes: int = 7) -> float:
-    fn()
-    times = []
-    for _ in range(passes):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2] * 1e3
 
 
 def sweep(model: str, rows: int, keys: list[int], positions: list[int], seed: int = 0):
@@ -57,8 +49,8 @@ def sweep(model: str, rows: int, keys: list[int], positions: list[int], seed: in
             query = torch.randn(rows, heads, groups * q, dim, generator=gen)
             views = [(buffers[0, i, :, :, :t], buffers[1, i, :, :, :t]) for i in range(layers)]
             sdpa = median_ms(lambda: [F.scaled_dot_product_attention(query, k, v, attn_mask=mask, scale=dim ** -0.5)
-                                      for k, v in views])
-            ours = median_ms(lambda: [op(query, k, v, limits, dim ** -0.5) for k, v in views])
+                                      for k, v in views], passes=7)
+            ours = median_ms(lambda: [op(query, k, v, limits, dim ** -0.5) for k, v in views], passes=7)
             gb = 2 * layers * rows * heads * t * dim * 4 / 1e6  # K/V bytes per step, in MB (per ms = GB/s)
             print(f"{t:>6} {q:>9} {sdpa:9.1f} ({gb / sdpa:4.1f}) {ours:9.1f} ({gb / ours:4.1f}) {sdpa / ours:8.2f}x")
 

@@ -19,19 +19,11 @@ import time
 import torch
 import torch.nn.functional as F
 
+from common import median_ms
+
 # SmolLM2-135M: hidden 576, 3 K/V heads of 64, MLP 1536, 30 layers, vocabulary 49152 (out, in).
 LAYER_SHAPES = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]
 LAYERS, HEAD = 30, (49152, 576)
-
-
-def median_ms(fn, passes: int = 5) -> float:
-    fn()
-    times = []
-    for _ in range(passes):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2] * 1e3
 
 
 def sweep(rows: list[int], packed_for: list[int], layers: int = LAYERS, seed: int = 0):

@@ -1,5 +1,5 @@
-"""Shared by the benchmarks: the shipped pairs and their prompts, and what every run records next to its
-figures (the machine, torch, the date and the command's arguments)."""
+"""Shared by the benchmarks: the shipped pairs and their prompts, what every run records next to its figures
+(the machine, torch, the date and the command's arguments), and the median of timed passes."""
 
 from __future__ import annotations
 
@@ -15,6 +15,17 @@ import torch
 def run_meta(args) -> dict:
     return {"machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} torch threads",
             "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "args": vars(args)}
+
+
+def median_ms(fn, passes: int = 5) -> float:
+    """The median of `passes` timed calls of `fn` after one untimed warm-up call, in ms."""
+    fn()
+    times = []
+    for _ in range(passes):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2] * 1e3
 
 
 def write_results(path: Path | None, results: dict, args) -> None:

@@ -9,7 +9,7 @@ not build) keeps SDPA, through the same `kv_cache.row_attention`.
 
 Built with the machine's C++ compiler for its own CPU (`-march=native`) into `~/.cache/domino-ray/kernels`
 (or `DOMINO_RAY_KERNEL_CACHE`), keyed by the source, the flags, torch's version and the CPU, so a changed CPU
-or source builds again (~20 s; `make setup` builds it). `DOMINO_RAY_CPU_ATTENTION=0` turns it off
+or source builds again (~10-20 s; `make setup` builds it). `DOMINO_RAY_CPU_ATTENTION=0` turns it off
 (benchmarks compare both).
 """
 
@@ -47,7 +47,7 @@ def decode_attention_op():
 
         build_dir.mkdir(parents=True, exist_ok=True)
         if not (build_dir / f"{name}.so").exists():
-            print(f"domino_ray: building the CPU attention kernel into {build_dir} (once, ~20 s)", file=sys.stderr,
+            print(f"domino_ray: building the CPU attention kernel into {build_dir} (once, ~10-20 s)", file=sys.stderr,
                   flush=True)
         cpp_extension.load(name, [str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
                            build_directory=str(build_dir), is_python_module=False)
