@@ -43,7 +43,7 @@ def sweep(model: str, rows: int, keys: list[int], positions: list[int], seed: in
     print(f"{'keys':>6} {'positions':>9} {'SDPA + mask':>16} {'our kernel':>16} {'speed-up':>9}")
     for t in keys:
         for q in positions:
-            lens = torch.randint(t - 31, t - q + 1, (rows,), generator=gen)                     # [R]
+            lens = torch.randint(max(0, t - 31), t - q + 1, (rows,), generator=gen)              # [R]
             limits = query_limits(lens[:, None] + 1 + torch.arange(q), groups)                  # [R, G*q]
             mask = visible_keys(limits, torch.arange(t), torch.float32)                         # [R, 1, G*q, t]
             query = torch.randn(rows, heads, groups * q, dim, generator=gen)
