@@ -20,6 +20,7 @@ import hashlib
 import os
 import platform
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -27,6 +28,7 @@ import torch
 
 SOURCE = Path(__file__).parent / "csrc" / "decode_attention.cpp"
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]  # OpenMP: at::parallel_for, on torch's own libgomp
+STALE_LOCK_S = 600  # a build takes ~10-20 s; a lock this old is left by a killed one
 
 
 def kernel_enabled(device: torch.device | str, dtype: torch.dtype) -> bool:
@@ -46,6 +48,7 @@ def decode_attention_op():
         from torch.utils import cpp_extension
 
         build_dir.mkdir(parents=True, exist_ok=True)
+        remove_stale_lock(build_dir / "lock")
         if not (build_dir / f"{name}.so").exists():
             print(f"domino_ray: building the CPU attention kernel into {build_dir} (once, ~10-20 s)", file=sys.stderr,
                   flush=True)
@@ -56,6 +59,16 @@ def decode_attention_op():
                       f"{str(error)[-300:]}); decode attention uses torch's SDPA (slower on CPU)", stacklevel=2)
         return None
     return torch.ops.domino_ray.decode_attention
+
+
+def remove_stale_lock(lock: Path):
+    """torch's build lock: a build killed mid-way (Ctrl-C, a killed actor) leaves it, and every later build
+    would wait on it forever."""
+    try:
+        if time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+            lock.unlink(missing_ok=True)
+    except FileNotFoundError:
+        pass
 
 
 def cache_dir() -> Path:

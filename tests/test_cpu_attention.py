@@ -1,11 +1,16 @@
 """Our CPU decode-attention kernel (`cpu_attention.py`, `csrc/decode_attention.cpp`): the function SDPA computes
 under the engine's masks, on the engine's strided buffer views, and the engine's choice between the two."""
 
+import os
+import shutil
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from domino_ray.cpu_attention import decode_attention_op, kernel_enabled
+from domino_ray.cpu_attention import STALE_LOCK_S, build_key, cache_dir, decode_attention_op, kernel_enabled
 from domino_ray.kv_cache import group_visibility, visible_keys
 
 # fp32 dot products and sums over a few hundred keys in another order, exp within ~2 ulp: relative error
@@ -87,3 +92,19 @@ def test_the_engine_passes_limits_on_cpu_fp32_and_masks_otherwise():
     masks = group_visibility(key_limit, 3, torch.arange(16), groups, torch.float64)
     assert [tuple(m.shape) for m in masks] == [(1, 1, 6, 8), (1, 1, 6, 16)]
     assert masks[1][0, 0, 5].isfinite().tolist() == [True] * 10 + [False] * 6
+
+
+def test_a_build_lock_left_by_a_killed_build_does_not_hang_the_next(tmp_path):
+    """The built library copied into a new cache with an old lock beside it (as a killed build leaves it): a new
+    process loads the kernel instead of waiting on the lock forever."""
+    assert decode_attention_op() is not None
+    name = f"domino_ray_attention_{build_key()}"
+    shutil.copytree(cache_dir() / name, tmp_path / name)
+    lock = tmp_path / name / "lock"
+    lock.touch()
+    old = lock.stat().st_mtime - STALE_LOCK_S - 60
+    os.utime(lock, (old, old))
+    code = "from domino_ray.cpu_attention import decode_attention_op; assert decode_attention_op() is not None"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120,
+                   env={**os.environ, "DOMINO_RAY_KERNEL_CACHE": str(tmp_path)})
+    assert not lock.exists()
