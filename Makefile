@@ -66,8 +66,8 @@ test: smollm2
 	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile -m "not multinode" --durations=20
 
 # The multi-node cluster tests (issue 18): a CPU-less head and two worker nodes on this machine, nodes
-# killed mid-job and under Serve load. CI runs them as a second command: 6-7 min here (~11 before the bytecode
-# cache above), beside ~5.5 min for `make test`; together they would exceed the suite's 10-minute budget.
+# killed mid-job and under Serve load. CI runs them as a second command: ~7 min here (~11 before the bytecode
+# cache above), beside ~6 min for `make test`; together they would exceed the suite's 10-minute budget.
 test-multinode: smollm2
 	$(BIN)/python -m pytest -q -m multinode
 

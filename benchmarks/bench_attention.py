@@ -57,7 +57,6 @@ def sweep(model: str, rows: int, keys: list[int], positions: list[int], seed: in
 
 def engine_steps(rows: int, rounds: int = 4, steps: int = 6):
     from common import load_pair
-    from domino_ray import cpu_attention
     from domino_ray.llm import build_engine
     from domino_ray.request import Request
     from domino_ray.sampling_params import SamplingParams
@@ -69,17 +68,17 @@ def engine_steps(rows: int, rounds: int = 4, steps: int = 6):
         engine.add_request(Request(i, prompt, params))
     engine.step()  # prefill
     engine.step()
-    kernel_enabled = cpu_attention.kernel_enabled
+    if not engine.kv.kernel:
+        raise SystemExit("the engine's attention is not our kernel here (not fp32 on CPU, or it did not build)")
     print(f"SmolLM2 target-only decode step, {rows} rows, {torch.get_num_threads()} threads")
     for _ in range(rounds):
-        for enabled, name in ((kernel_enabled, "our kernel"), (lambda device, dtype: False, "SDPA + mask")):
-            cpu_attention.kernel_enabled = enabled  # what kv_cache.group_visibility asks each forward
+        for enabled, name in ((True, "our kernel"), (False, "SDPA + mask")):
+            engine.kv.kernel = enabled  # what kv_cache.group_visibility reads each forward
             engine.step()
             start = time.perf_counter()
             for _ in range(steps):
                 engine.step()
             print(f"  {name}: {(time.perf_counter() - start) / steps * 1e3:.1f} ms/step")
-    cpu_attention.kernel_enabled = kernel_enabled
 
 
 def main():

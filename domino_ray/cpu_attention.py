@@ -4,8 +4,9 @@ Torch's CPU attention reads a decode step's keys at about half the rate two core
 "Our decode-attention kernel"): each (row, K/V head) is a handful of queries against a few hundred KB of keys,
 a shape SDPA's flash kernel and the matmul formulations handle with GEMM machinery built for larger ones. The
 kernel reads every key and value once for all the queries of its K/V group and takes each query's key limit
-instead of a mask. It is fp32-only and CPU-only; everything else (CUDA, other dtypes, a machine where it does
-not build) keeps SDPA, through the same `kv_cache.row_attention`.
+instead of a mask. It is fp32-only and CPU-only, for head sizes in multiples of 8; everything else (CUDA, other
+dtypes, a machine where it does not build) keeps SDPA, through the same `kv_cache.row_attention`; which one
+reads a set of K/V buffers is decided when they are made (`KVBuffers.kernel`).
 
 Built with the machine's C++ compiler for its own CPU (`-march=native`) into `~/.cache/domino-ray/kernels`
 (or `DOMINO_RAY_KERNEL_CACHE`), keyed by the source, the flags, torch's version and the CPU, so a changed CPU
@@ -31,9 +32,11 @@ CFLAGS = ["-O3", "-march=native", "-fopenmp"]  # OpenMP: at::parallel_for, on to
 STALE_LOCK_S = 600  # a build takes ~10-20 s; a lock this old is left by a killed one
 
 
-def kernel_enabled(device: torch.device | str, dtype: torch.dtype) -> bool:
-    """Whether decode attention on `device` in `dtype` runs our kernel (fp32 on CPU, where it built)."""
-    return torch.device(device).type == "cpu" and dtype == torch.float32 and decode_attention_op() is not None
+def kernel_enabled(device: torch.device | str, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether attention over K/V of `head_dim` on `device` in `dtype` runs our kernel (fp32 on CPU, head sizes
+    in multiples of its 8-float vectors, where it built)."""
+    return (torch.device(device).type == "cpu" and dtype == torch.float32 and head_dim % 8 == 0
+            and decode_attention_op() is not None)
 
 
 @functools.cache

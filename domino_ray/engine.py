@@ -43,7 +43,6 @@ from typing import Callable, Hashable, Iterable
 
 import torch
 
-from domino_ray.cpu_attention import kernel_enabled
 from domino_ray.cpu_linear import pack_linears
 from domino_ray.cpu_malloc import keep_freed_memory
 from domino_ray.fused_layers import fuse_layers
@@ -101,7 +100,6 @@ class SpecEngine:
         install(target)
         if self.device.type == "cpu":
             keep_freed_memory()  # the forwards' large activations reuse freed memory: `cpu_malloc.py`
-            kernel_enabled(self.device, self.dtype)  # build/load the attention kernel now, not in a timed step
         self.layers = fuse_layers(self.decoder)  # the Llama family's layers over fused projections
         pack_linears(self.layers, self.lm_head, getattr(proposer, "draft", None))  # on CPU in fp32: `cpu_linear.py`
         graphs = use_cuda_graphs(cuda_graphs, self.device)
@@ -382,7 +380,7 @@ class SpecEngine:
         verify_ids = torch.cat([self.anchor[:r, None], self.drafts[:r, :w]], 1)  # [r, W+1]
         positions = lens[:, None] + self.verify_offsets[:w + 1]                  # [r, W+1]
         # causal after the prefix
-        visible = group_visibility(positions + 1, self.groups, self.key_positions, key_groups, self.dtype)
+        visible = group_visibility(positions + 1, self.groups, self.key_positions, key_groups, self.kv)
         hidden, taps = run_decoder(self.decoder, self.layers, verify_ids, positions,
                                    RowAttention(self.kv, write_index=positions, visible=visible, key_groups=key_groups),
                                    self.tap_layers if context else ())

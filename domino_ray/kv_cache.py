@@ -33,6 +33,9 @@ class KVBuffers:
         self.keys = [self.all_keys[i] for i in range(num_layers)]
         self.values = [self.all_values[i] for i in range(num_layers)]
         self.max_len = max_len
+        # Attended by our CPU kernel (key limits) or SDPA (masks): `group_visibility`. Decided (and the kernel
+        # built or loaded) here, once, before any step is timed.
+        self.kernel = cpu_attention.kernel_enabled(device, dtype, head_dim)
 
     @property
     def nbytes(self) -> int:
@@ -98,17 +101,16 @@ def query_limits(key_limit: torch.Tensor, groups: int) -> torch.Tensor:
 
 
 def group_visibility(key_limit: torch.Tensor, groups: int, key_positions: torch.Tensor, key_groups: tuple,
-                     dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-    """What each range of `key_groups` (`((stop, t), ...)`) attends under, for `row_attention`: the key limits
-    of its folded queries `[stop - start, G*q]` (int64) where our CPU kernel runs, else the additive masks of
-    `visible_keys` `[stop - start, 1, G*q, t]`. Once per forward, shared by its layers. One range (the
-    graphs' case) takes the limits whole: no slicing call."""
-    kernel = cpu_attention.kernel_enabled(key_limit.device, dtype)
+                     buffers: KVBuffers) -> tuple[torch.Tensor, ...]:
+    """What each range of `key_groups` (`((stop, t), ...)`) attends under in `buffers`, for `row_attention`: the
+    key limits of its folded queries `[stop - start, G*q]` (int64) where our CPU kernel reads them
+    (`buffers.kernel`), else the additive masks of `visible_keys` `[stop - start, 1, G*q, t]`. Once per forward,
+    shared by its layers. One range (the graphs' case) takes the limits whole: no slicing call."""
     out, start = [], 0
     for stop, t in key_groups:
         limit = key_limit if len(key_groups) == 1 else key_limit[start:stop]
         limits = query_limits(limit, groups)
-        out.append(limits if kernel else visible_keys(limits, key_positions[:t], dtype))
+        out.append(limits if buffers.kernel else visible_keys(limits, key_positions[:t], buffers.all_keys.dtype))
         start = stop
     return tuple(out)
 
@@ -138,11 +140,9 @@ def row_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     """
     r, h, q, d = query.shape
     folded = query.reshape(r, keys.shape[1], -1, d)  # [r, Hkv, G*q, D]: heads of a group are adjacent
-    if visible.dtype == torch.int64 and d % 8 == 0:
+    if visible.dtype == torch.int64:
         out = cpu_attention.decode_attention_op()(folded, keys, values, visible, scale)
     else:
-        if visible.dtype == torch.int64:  # a head size the kernel does not take
-            visible = visible_keys(visible, torch.arange(keys.shape[2], device=keys.device), query.dtype)
         out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=visible, scale=scale)
     return out.reshape(r, h, q, d).transpose(1, 2)
 

@@ -79,7 +79,7 @@ class DominoProposer:
         positions = offsets[:, None] + self.block_offsets  # [r, B]
         # Non-causal: every block slot sees the whole context and the whole block.
         key_limit = (offsets + block_size)[:, None].expand(r, block_size)  # [r, B]
-        visible = group_visibility(key_limit, self.groups, self.key_positions, key_groups, self.dtype)
+        visible = group_visibility(key_limit, self.groups, self.key_positions, key_groups, self.kv)
         cos, sin = self.draft.rope(positions, self.dtype)
         write_at = self.kv.flat_index(rows, positions)
 

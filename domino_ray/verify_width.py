@@ -61,7 +61,7 @@ def width_rates(costs: Mapping[int, float], accept_rows: Sequence[Sequence[float
 
 # A drafting width must promise this much more than W = 0 to be chosen. The cost table is off by several
 # percent, and not evenly across widths: on the SmolLM2 pair at 16 rows on CPU, real W = 0 steps ran 2-5% over
-# the table and drafting ones 3-10%, and a predicted gain of 5.7% came out a 2% loss (BENCHMARKS "Our
+# the table and drafting ones 1-10%, and a predicted gain of 5.7% came out a 2% loss (BENCHMARKS "Our
 # decode-attention kernel"); drafting for a smaller promise loses about as often as it gains.
 DRAFTING_MARGIN = 0.10
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from domino_ray.cpu_attention import STALE_LOCK_S, build_key, cache_dir, decode_attention_op, kernel_enabled
-from domino_ray.kv_cache import group_visibility, visible_keys
+from domino_ray.kv_cache import KVBuffers, group_visibility, visible_keys
 
 # fp32 dot products and sums over a few hundred keys in another order, exp within ~2 ulp: relative error
 # ~1e-6; 1e-5 leaves room, a wrong key, limit or head is off by O(1).
@@ -36,8 +36,9 @@ def buffers_and_query(rows, heads, queries, dim, keys, *, seed=0, sharp=1.0):
 def test_the_kernel_builds_on_this_machine():
     """`make setup` builds it; a machine without a compiler would fall back to SDPA (slower, same function)."""
     assert decode_attention_op() is not None
-    assert kernel_enabled("cpu", torch.float32)
-    assert not kernel_enabled("cpu", torch.float64) and not kernel_enabled("meta", torch.float32)
+    assert kernel_enabled("cpu", torch.float32, 64)
+    assert not kernel_enabled("cpu", torch.float64, 64) and not kernel_enabled("meta", torch.float32, 64)
+    assert not kernel_enabled("cpu", torch.float32, 12)  # not a multiple of its 8-float vectors: SDPA
 
 
 @pytest.mark.parametrize("dim", [8, 24, 64, 128])
@@ -87,11 +88,17 @@ def test_a_zero_limit_gives_zeros_and_a_bad_limit_an_error():
 def test_the_engine_passes_limits_on_cpu_fp32_and_masks_otherwise():
     key_limit = torch.tensor([[3, 4], [9, 10]])  # [r, q]
     groups = ((1, 8), (2, 16))
-    limits = group_visibility(key_limit, 3, torch.arange(16), groups, torch.float32)
+
+    def buffers(dtype, head_dim=16):
+        return KVBuffers(1, 2, 16, 1, head_dim, dtype, "cpu")
+
+    limits = group_visibility(key_limit, 3, torch.arange(16), groups, buffers(torch.float32))
     assert [x.tolist() for x in limits] == [[[3, 4] * 3], [[9, 10] * 3]]  # [n, G*q]: heads of a group adjacent
-    masks = group_visibility(key_limit, 3, torch.arange(16), groups, torch.float64)
-    assert [tuple(m.shape) for m in masks] == [(1, 1, 6, 8), (1, 1, 6, 16)]
-    assert masks[1][0, 0, 5].isfinite().tolist() == [True] * 10 + [False] * 6
+    for kv in (buffers(torch.float64), buffers(torch.float32, head_dim=12)):
+        masks = group_visibility(key_limit, 3, torch.arange(16), groups, kv)
+        assert [tuple(m.shape) for m in masks] == [(1, 1, 6, 8), (1, 1, 6, 16)]
+        assert masks[1].dtype == kv.all_keys.dtype
+        assert masks[1][0, 0, 5].isfinite().tolist() == [True] * 10 + [False] * 6
 
 
 def test_a_build_lock_left_by_a_killed_build_does_not_hang_the_next(tmp_path):

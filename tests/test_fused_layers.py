@@ -40,7 +40,7 @@ def forward_both(target, rows: int, prompt: int, width: int):
             positions = prompt + torch.arange(width).expand(rows, width)
             groups = ((rows, 32),)
             visible = group_visibility(positions + 1, cfg.num_attention_heads // cfg.num_key_value_heads, key_positions,
-                                  groups, torch.float32)
+                                       groups, kv)
             second, taps = run_decoder(decoder, layers, step_ids, positions,
                                        RowAttention(kv, positions, visible=visible, key_groups=groups), (0, 2))
         results.append(((first, second, taps), kv))
