@@ -16,12 +16,11 @@ Two measurements (BENCHMARKS.md "Our decode-attention kernel"):
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 import torch.nn.functional as F
 
-from common import median_ms
+from common import alternating_decode_steps, median_ms
 
 # (layers, K/V heads, query heads per K/V head, head dim)
 MODELS = {"smollm2": (30, 3, 3, 64), "qwen3-4b": (36, 8, 4, 128)}
@@ -55,30 +54,16 @@ def sweep(model: str, rows: int, keys: list[int], positions: list[int], seed: in
             print(f"{t:>6} {q:>9} {sdpa:9.1f} ({gb / sdpa:4.1f}) {ours:9.1f} ({gb / ours:4.1f}) {sdpa / ours:8.2f}x")
 
 
-def engine_steps(rows: int, rounds: int = 4, steps: int = 6):
-    from common import load_pair
-    from domino_ray.llm import build_engine
-    from domino_ray.request import Request
-    from domino_ray.sampling_params import SamplingParams
+def engine_steps(rows: int):
+    def settings(engine):
+        if not engine.kv.kernel:
+            raise SystemExit("the engine's attention is not our kernel here (not fp32 on CPU, or it did not build)")
 
-    pair = load_pair("smollm2", num_prompts=rows)
-    engine = build_engine(pair.target, None, pair.tokenizer, max_batch_size=rows, max_model_len=1024)
-    params = SamplingParams(max_new_tokens=1 + 2 * rounds * (steps + 1) + 2, ignore_eos=True)
-    for i, prompt in enumerate(pair.prompts[:rows]):
-        engine.add_request(Request(i, prompt, params))
-    engine.step()  # prefill
-    engine.step()
-    if not engine.kv.kernel:
-        raise SystemExit("the engine's attention is not our kernel here (not fp32 on CPU, or it did not build)")
-    print(f"SmolLM2 target-only decode step, {rows} rows, {torch.get_num_threads()} threads")
-    for _ in range(rounds):
-        for enabled, name in ((True, "our kernel"), (False, "SDPA + mask")):
-            engine.kv.kernel = enabled  # what kv_cache.group_visibility reads each forward
-            engine.step()
-            start = time.perf_counter()
-            for _ in range(steps):
-                engine.step()
-            print(f"  {name}: {(time.perf_counter() - start) / steps * 1e3:.1f} ms/step")
+        def use(kernel: bool):
+            engine.kv.kernel = kernel  # what kv_cache.group_visibility reads each forward
+        return {"our kernel": lambda: use(True), "SDPA + mask": lambda: use(False)}
+
+    alternating_decode_steps(rows, settings)
 
 
 def main():

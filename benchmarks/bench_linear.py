@@ -14,12 +14,11 @@ Two measurements (BENCHMARKS.md "Packed weights"):
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 import torch.nn.functional as F
 
-from common import median_ms
+from common import alternating_decode_steps, median_ms
 
 # SmolLM2-135M: hidden 576, 3 K/V heads of 64, MLP 1536, 30 layers, vocabulary 49152 (out, in).
 LAYER_SHAPES = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]
@@ -49,35 +48,22 @@ def sweep(rows: list[int], packed_for: list[int], layers: int = LAYERS, seed: in
         print(f"{'F.linear':>16}" + "".join(f"{passes(m):8.1f}" for m in rows))
 
 
-def engine_steps(rows: int, packed_for: int, rounds: int = 4, steps: int = 6):
-    from common import load_pair
+def engine_steps(rows: int, packed_for: int):
     from domino_ray import cpu_linear
-    from domino_ray.llm import build_engine
-    from domino_ray.request import Request
-    from domino_ray.sampling_params import SamplingParams
 
-    cpu_linear.PACKED_FOR = packed_for
-    pair = load_pair("smollm2", num_prompts=rows)
-    engine = build_engine(pair.target, None, pair.tokenizer, max_batch_size=rows, max_model_len=1024)
-    packed = [m for part in (engine.layers, engine.lm_head) for m in part.modules()
-              if isinstance(m, cpu_linear.PackedLinear)]
-    if not packed:
-        raise SystemExit("the engine packed nothing (not fp32 on CPU, no MKL, or not enough memory)")
-    params = SamplingParams(max_new_tokens=1 + 2 * rounds * (steps + 1) + 2, ignore_eos=True)
-    for i, prompt in enumerate(pair.prompts[:rows]):
-        engine.add_request(Request(i, prompt, params))
-    engine.step()  # prefill
-    engine.step()
-    print(f"SmolLM2 target-only decode step, {rows} rows, packed for {packed_for}, {torch.get_num_threads()} threads")
-    for _ in range(rounds):
-        for cls, name in ((cpu_linear.PackedLinear, "packed"), (torch.nn.Linear, "plain")):
+    def settings(engine):
+        packed = [m for part in (engine.layers, engine.lm_head) for m in part.modules()
+                  if isinstance(m, cpu_linear.PackedLinear)]
+        if not packed:
+            raise SystemExit("the engine packed nothing (not fp32 on CPU, no MKL, or not enough memory)")
+
+        def use(cls):
             for m in packed:
                 m.__class__ = cls
-            engine.step()
-            start = time.perf_counter()
-            for _ in range(steps):
-                engine.step()
-            print(f"  {name}: {(time.perf_counter() - start) / steps * 1e3:.1f} ms/step")
+        return {"packed": lambda: use(cpu_linear.PackedLinear), "plain": lambda: use(torch.nn.Linear)}
+
+    cpu_linear.PACKED_FOR = packed_for
+    alternating_decode_steps(rows, settings, f", packed for {packed_for}")
 
 
 def main():

@@ -1,5 +1,6 @@
 """Shared by the benchmarks: the shipped pairs and their prompts, what every run records next to its figures
-(the machine, torch, the date and the command's arguments), and the median of timed passes."""
+(the machine, torch, the date and the command's arguments), the median of timed passes, and decode steps timed
+under settings that alternate in one engine."""
 
 from __future__ import annotations
 
@@ -26,6 +27,33 @@ def median_ms(fn, passes: int = 5) -> float:
         fn()
         times.append(time.perf_counter() - start)
     return sorted(times)[len(times) // 2] * 1e3
+
+
+def alternating_decode_steps(rows: int, settings, detail: str = "", rounds: int = 4, steps: int = 6):
+    """Our engine's steady decode step on the SmolLM2 pair (make smollm2), target-only, `rows` chat prompts, under
+    each of `settings(engine)` (name -> a function applying it) in turn for `steps` timed steps (after one
+    untimed), `rounds` times, in one process; prints ms per step."""
+    from domino_ray.llm import build_engine
+    from domino_ray.request import Request
+    from domino_ray.sampling_params import SamplingParams
+
+    pair = load_pair("smollm2", num_prompts=rows)
+    engine = build_engine(pair.target, None, pair.tokenizer, max_batch_size=rows, max_model_len=1024)
+    named = settings(engine)
+    params = SamplingParams(max_new_tokens=rounds * len(named) * (steps + 1) + 3, ignore_eos=True)
+    for i, prompt in enumerate(pair.prompts[:rows]):
+        engine.add_request(Request(i, prompt, params))
+    engine.step()  # prefill
+    engine.step()
+    print(f"SmolLM2 target-only decode step, {rows} rows{detail}, {torch.get_num_threads()} threads")
+    for _ in range(rounds):
+        for name, apply in named.items():
+            apply()
+            engine.step()
+            start = time.perf_counter()
+            for _ in range(steps):
+                engine.step()
+            print(f"  {name}: {(time.perf_counter() - start) / steps * 1e3:.1f} ms/step")
 
 
 def write_results(path: Path | None, results: dict, args) -> None:
