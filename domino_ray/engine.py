@@ -16,8 +16,9 @@ does the draft's context. One step, for all active rows at once:
   1. draft:  the proposer turns each anchor into W draft tokens (none when W = 0)      -> [n, W]
   2. verify: one target forward over `[anchor, d_1..d_W]` at positions `lens + 0..W`  -> [n, W+1, V]
   3. accept: `verify.py` picks a (accepted) and the bonus; `lens += a + 1`; the hidden states of the
-     a + 1 newly committed positions become the draft's new context. Rejected positions stay in the
-     buffers beyond `lens` and are overwritten next step: nothing is cropped.
+     a + 1 newly committed positions become the draft's new context (an eager adaptive engine's W = 0
+     steps defer that: `DEFERRED_STEPS`). Rejected positions stay in the buffers beyond `lens` and are
+     overwritten next step: nothing is cropped.
   4. one host sync: accepted counts and tokens; stop checks, statistics, finished rows leave.
 Target-only decoding is the same loop with K = 0 (no proposer): the baseline.
 
@@ -59,6 +60,13 @@ from domino_ray.target_forward import RowAttention, install, run_decoder
 from domino_ray.verify_width import StepCosts, WidthController, measure_step_costs, step_widths
 
 log = logging.getLogger(__name__)
+
+# An eager adaptive engine's W = 0 steps keep the target's taps (`deferred_taps`) and feed the draft's context with
+# up to this many positions at once: before the next drafting step, admission or context-less step, or when full.
+# Fed one position at a time the update is a small GEMM over the projection weights per step (SmolLM2 pair, 16 rows,
+# CPU: 0.53 ms a position, 0.22 ms in a batch of 8); with CUDA graphs it stays in the step (a graph per fill level
+# would multiply the keys).
+DEFERRED_STEPS = 8
 
 
 class SpecEngine:
@@ -113,6 +121,8 @@ class SpecEngine:
         self.cuda_graphs = graphs
         # Graphs need fixed shapes: a step's rows padded up to a row bucket. Eager steps run the active rows alone.
         self.pad_rows = graphs
+        # W = 0 steps keep their taps and feed the draft's context in batches (`DEFERRED_STEPS`): eager steps only
+        self.defer_context = self.adaptive and not graphs and bool(getattr(proposer, "target_layer_ids", ()))
         self.max_key_groups = max_key_groups or (1 if graphs else 4)
         if graphs and self.max_key_groups != 1:
             raise ValueError(f"max_key_groups={max_key_groups} needs eager steps (cuda_graphs=off): a graph per "
@@ -151,6 +161,11 @@ class SpecEngine:
         if self.proposer is not None:  # its target_layer_ids are in range: `checkpoint.check_against_target`
             self.proposer.allocate(r, self.capacity)
             self.tap_layers = tuple(self.proposer.target_layer_ids)
+        self.deferred_taps: torch.Tensor | None = None  # [R, DEFERRED_STEPS, F]: W = 0 steps' taps, not yet fed
+        self.num_deferred = 0  # positions held there: the active rows' last `num_deferred` (admission feeds them first)
+        if self.defer_context:
+            self.deferred_taps = torch.zeros(r, DEFERRED_STEPS, len(self.tap_layers) * cfg.hidden_size,
+                                             dtype=self.dtype, device=self.device)
         self.row_buckets = row_buckets(r)
         self.widths = step_widths(self.row_buckets, k, self.adaptive, self.cuda_graphs)  # {r: [W, ...]}
         dev = self.device
@@ -171,7 +186,8 @@ class SpecEngine:
                            max_rows=rows, num_spec_tokens=self.num_spec_tokens,
                            capacity=self.capacity, max_prefill_tokens=self.max_prefill_tokens,
                            itemsize=self.dtype.itemsize, cuda_graphs=self.cuda_graphs,
-                           verify_positions=verify_positions(rows, self.num_spec_tokens, self.adaptive, self.cuda_graphs))
+                           verify_positions=verify_positions(rows, self.num_spec_tokens, self.adaptive, self.cuda_graphs),
+                           deferred_positions=DEFERRED_STEPS if self.defer_context else 0)
 
     # ---- requests ---------------------------------------------------------------------------------
 
@@ -248,6 +264,8 @@ class SpecEngine:
             tokens += m
         if not batch:
             return
+        if self.num_deferred:  # the active rows' deferred positions are the same count only while no row joins
+            self._feed_deferred_context()
         lo = len(self.rows)
         first_tokens = self._prefill(batch, slice(lo, lo + len(batch))).tolist()  # host sync: the first tokens
         now = time.perf_counter()
@@ -299,10 +317,14 @@ class SpecEngine:
         # A W = 0 step writes one position (the anchor's), a drafting step up to `span` (draft block, verify)
         key_groups = self._key_groups(r, self.span if w else 1)  # may move rows between slots first
         usable = self._usable()  # in the slots' order after any move (the width was chosen before them)
+        defer = self._defers(w, context)
         started = time.perf_counter()
+        if self.num_deferred and (not defer or self.num_deferred == DEFERRED_STEPS):  # timed: a W = 0 step's cost
+            self._feed_deferred_context()
         timed = self._device_step(r, key_groups, w, sampled, filtered, context)
         packed = self._read_packed(n, w)  # the step's one host sync
         now = time.perf_counter()
+        self.num_deferred += defer
         if self.width is not None:  # a step that captured a graph says nothing about its width's cost
             self.width.learn(r, t, w, now - started if timed else None, [a for a, *_ in packed], usable)
         for row, (a, *row_tokens), u in zip(self.rows, packed, usable):
@@ -323,6 +345,18 @@ class SpecEngine:
         (padding slots from 0)."""
         buckets = [self._key_bucket(row.committed - 1 + span) for row in self.rows]
         return buckets + [self._key_bucket(span)] * (r - len(self.rows))
+
+    def _defers(self, w: int, context: bool) -> bool:
+        """Whether a step at width `w` feeding the draft's context keeps its taps for later (`DEFERRED_STEPS`)."""
+        return context and not w and self.defer_context
+
+    def _feed_deferred_context(self):
+        """The deferred taps into the draft's context, at once: the active rows' last `num_deferred` positions (every
+        one of them decoded all the deferred steps, one position a step: admission feeds them first)."""
+        n, m = len(self.rows), self.num_deferred
+        if n:
+            self.proposer.append_context(slice(0, n), self.deferred_taps[:n, :m], self.lens[:n] - m)
+        self.num_deferred = 0
 
     def _usable(self) -> list[int]:
         """Drafts each active row's budget allows, in slot order (the bonus token always comes)."""
@@ -388,7 +422,9 @@ class SpecEngine:
         limit = remaining - 1          # drafts that fit the row's budget beside the bonus
         accepted, tokens = self.sampling.accept(slice(0, r), logits, verify_ids[:, 1:], limit, positions, sampled,
                                                 filtered)
-        if taps is not None:
+        if taps is not None and self._defers(w, context):
+            self.deferred_taps[:r, self.num_deferred] = taps[:, 0]
+        elif taps is not None:
             self.proposer.append_context(slice(0, r), taps, lens)
         advance = torch.where(remaining > 0, accepted + 1, 0)  # padding slots (remaining 0) stay put
         self.packed[:r, 0] = accepted
@@ -437,6 +473,8 @@ class SpecEngine:
         self.kv.move_row(src_index, dst_index, length)
         if self.proposer is not None:
             self.proposer.move_row(src_index, dst_index, length)
+        if self.num_deferred:
+            self.deferred_taps[dst_index, :self.num_deferred] = self.deferred_taps[src_index, :self.num_deferred]
         for t in (self.lens, self.anchor, self.remaining):
             t[dst_index] = t[src_index]  # an index tensor gathers the sources first
         self.sampling.move(src_index, dst_index)

@@ -21,11 +21,12 @@ MAX_AUTO_SLOTS = 1024
 
 def memory_plan(target_config, draft_config, *, max_rows: int, num_spec_tokens: int, capacity: int,
                 max_prefill_tokens: int, itemsize: int, cuda_graphs: bool = False,
-                verify_positions: int | None = None) -> dict[str, int]:
+                verify_positions: int | None = None, deferred_positions: int = 0) -> dict[str, int]:
     """Bytes the engine preallocates or peaks at beyond the weights. `draft_config`: a DraftConfig or None
     (target only); `capacity`: KV positions per slot; `itemsize`: bytes per element of the model dtype;
     `cuda_graphs`: the captured steps keep their own pool (about one decode step) beside the eager cache;
-    `verify_positions`: the most positions a verify forward takes (rows x (W+1)), default all rows at K+1."""
+    `verify_positions`: the most positions a verify forward takes (rows x (W+1)), default all rows at K+1;
+    `deferred_positions`: per slot, the taps kept for the draft's context (`engine.DEFERRED_STEPS`)."""
     cfg, elt = target_config, itemsize
     r, t = max_rows, capacity
     p = verify_positions or r * (num_spec_tokens + 1)
@@ -50,6 +51,8 @@ def memory_plan(target_config, draft_config, *, max_rows: int, num_spec_tokens: 
                                          + 2 * draft.num_hidden_layers * draft.num_key_value_heads * draft.head_dim) * elt
     plan = {"target_kv": 2 * cfg.num_hidden_layers * r * cfg.num_key_value_heads * t * head_dim * elt,
             "draft_kv": draft_kv, "decode_step": step, "prefill_peak": prefill}
+    if draft and deferred_positions:
+        plan["deferred_taps"] = r * deferred_positions * len(draft.target_layer_ids) * cfg.hidden_size * elt
     if cuda_graphs:
         plan["graph_pool"] = step
     return plan

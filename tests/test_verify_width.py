@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from domino_ray.engine import SpecEngine
+import torch
+
+from domino_ray.engine import DEFERRED_STEPS, SpecEngine
 from domino_ray.request import Request
 from domino_ray.proposer import DominoProposer
 from domino_ray.sampling_params import SamplingParams
@@ -144,6 +146,65 @@ def test_random_draft_settles_on_plain_decoding_at_no_cost(target):
     assert proposer.appends < 0.2 * steps, (proposer.appends, steps)  # prefill + the few drafting steps
     for c in out:
         check_stats(c, K)
+
+
+class ContextRecorder(DominoProposer):
+    """Records the draft's context (every layer's keys and values of each row's committed positions) at each
+    drafting step, and the positions each context update brings."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.seen, self.updates = [], []
+
+    def append_context(self, rows, target_hidden, offsets):
+        self.updates.append(target_hidden.shape[1])
+        super().append_context(rows, target_hidden, offsets)
+
+    def propose(self, r, anchor, offsets, *args):
+        self.seen.append([buf[slot, :, :length].clone() for slot, length in enumerate(offsets.tolist())
+                          for buf in (*self.kv.keys, *self.kv.values)])
+        return super().propose(r, anchor, offsets, *args)
+
+
+def test_deferred_context_gives_the_draft_what_an_update_every_step_gives(target):
+    """An eager adaptive engine's W = 0 steps keep their taps and feed the draft's context in batches: at every
+    drafting step each row's draft context equals the one updated every step, through a full buffer, admissions
+    while taps wait, rows finishing (slot moves) and key-group moves."""
+    prompts = ragged_prompts(7, seed=5, max_len=30)
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (60, 23, 47, 19, 53, 31, 37)]
+    schedule = [0] * 11 + [2] + [0] * 3 + [K] + [0] * 2 + [1] + [0] * 5 + [3]  # widths, repeated
+    costs = {r: {w: 1.0 + w for w in range(K + 1)} for r in (1, 2, 3)}
+    runs = []
+    for defer in (True, False):
+        proposer = ContextRecorder(tiny_draft(target, block_size=K), target)
+        engine = SpecEngine(target, proposer, max_rows=3, adaptive=True, width_costs=costs)
+        assert engine.defer_context
+        engine.defer_context = defer
+        steps = iter(schedule * 20)
+        engine.width.choose = lambda r, t, usable: (next(steps), True)
+        out = engine.generate([Request(i, p, sp) for i, (p, sp) in enumerate(zip(prompts, params))])
+        runs.append(([c.token_ids for c in out], proposer.seen, proposer.updates))
+    (tokens, seen, updates), (tokens_every_step, seen_every_step, updates_every_step) = runs
+    assert tokens == tokens_every_step
+    assert len(seen) == len(seen_every_step) > 10
+    for step, step_every in zip(seen, seen_every_step):
+        assert len(step) == len(step_every)
+        for context, context_every in zip(step, step_every):
+            torch.testing.assert_close(context, context_every)  # the dtype's tolerance: one GEMM or several
+    assert DEFERRED_STEPS in updates and any(1 < q < DEFERRED_STEPS for q in updates)  # full, and fed early
+    assert len(updates) < 0.6 * len(updates_every_step)
+
+
+def test_deferred_taps_are_in_the_memory_plan_of_eager_adaptive_engines_only(target):
+    def plan(**kwargs):
+        engine = SpecEngine(target, DominoProposer(tiny_draft(target, block_size=K), target), max_rows=3,
+                            width_costs={r: {w: 1.0 + w for w in range(K + 1)} for r in (1, 2, 3)}, **kwargs)
+        return engine, engine.memory_plan()
+
+    engine, adaptive = plan(adaptive=True)
+    assert adaptive["deferred_taps"] == engine.deferred_taps.nbytes > 0
+    engine, fixed = plan()
+    assert "deferred_taps" not in fixed and engine.deferred_taps is None
 
 
 def test_start_up_costs_time_rows_that_fill_the_keys_timed(target):
