@@ -3,8 +3,9 @@
 A decode step of a small target on CPU pays per op, not only per weight byte: HF's layer runs q, k, v, gate
 and up as five GEMMs and the rotary embedding as separate passes over q and k (about 200 op calls per layer
 with the engine's attention). `FusedLayer` runs the same math as one q/k/v GEMM, one gate/up GEMM and one
-rotary pass over the query and key heads together; the norms are HF's own modules and every elementwise op is
-HF's, in HF's order, so only the fused GEMMs' summation order may differ (fp32: within the tests' 1e-5).
+rotary pass over the query and key heads together. The norms and the rotary embedding are HF's math in HF's order:
+on fp32 CPU tensors one op each (`cpu_kernels.py`), elsewhere HF's own modules and ops; so only the fused GEMMs'
+and the norms' summation order may differ (fp32: within the tests' 1e-5).
 
 No second copy of the weights: the fused `[q; k; v]` and `[gate; up]` matrices are built once and the HF
 projections' weights become row-slices (views) of them, so the stock layers keep working for other callers
@@ -20,12 +21,14 @@ import weakref
 import torch
 from torch import nn
 
-from domino_ray.draft import apply_rotary
+from domino_ray.cpu_kernels import rms_norm, rotary
 from domino_ray.target_forward import engine_attention
 
 # The layer classes whose forward `FusedLayer` reproduces: pre-norm residual blocks, q/k/v/o attention with the
 # rotary embedding on q and k (Qwen3: after a per-head RMSNorm of each), a gated MLP.
 FUSABLE = {"LlamaDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer"}
+# Their norms: `weight * (x * rsqrt(mean(x^2) + variance_epsilon))`, what `cpu_kernels.rms_norm` computes.
+RMS_NORMS = {"LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"}
 
 
 def fuse_linears(*linears: nn.Linear) -> nn.Linear:
@@ -76,17 +79,17 @@ class FusedLayer(nn.Module):
         forward only: other keyword arguments of HF's layer call are ignored)."""
         r, q, _ = hidden.shape
         h, hkv, d = self.heads, self.kv_heads, self.head_dim
-        x = self.qkv(self.input_layernorm(hidden)).view(r, q, h + 2 * hkv, d)  # [r, q, H + 2Hkv, D]
+        x = self.qkv(rms_norm(self.input_layernorm, hidden)).view(r, q, h + 2 * hkv, d)  # [r, q, H + 2Hkv, D]
         query, key, value = x.split((h, hkv, hkv), 2)
         if self.q_norm is not None:
-            query, key = self.q_norm(query), self.k_norm(key)
+            query, key = rms_norm(self.q_norm, query), rms_norm(self.k_norm, key)
         # The rotary embedding on the query and key heads at once
         qk = torch.cat((query, key), 2) if self.q_norm is not None else x[:, :, :h + hkv]  # [r, q, H + Hkv, D]
-        qk = apply_rotary(qk, *position_embeddings, head_axis=2)
+        qk = rotary(qk, *position_embeddings)
         out, _ = engine_attention(self, qk[:, :, :h].transpose(1, 2), qk[:, :, h:].transpose(1, 2),
                                   value.transpose(1, 2), None, scaling=self.scaling, domino_rows=domino_rows)
         hidden = hidden + self.o_proj(out.reshape(r, q, h * d))
-        gate, up = self.gate_up(self.post_attention_layernorm(hidden)).split(self.intermediate, -1)
+        gate, up = self.gate_up(rms_norm(self.post_attention_layernorm, hidden)).split(self.intermediate, -1)
         return hidden + self.down_proj(self.act_fn(gate) * up)
 
 
@@ -123,6 +126,8 @@ def _fusable(layer: nn.Module) -> bool:
         return False
     attn, mlp = layer.self_attn, layer.mlp
     linears = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+    norms = [m for m in (layer.input_layernorm, layer.post_attention_layernorm, getattr(attn, "q_norm", None),
+                         getattr(attn, "k_norm", None)) if m is not None]
     # Anything a subclass or a hook might have changed keeps HF's forward
-    return (all(isinstance(m, nn.Linear) for m in linears)
-            and not any(m._forward_hooks or m._forward_pre_hooks for m in (layer, attn, mlp, *linears)))
+    return (all(isinstance(m, nn.Linear) for m in linears) and all(type(m).__name__ in RMS_NORMS for m in norms)
+            and not any(m._forward_hooks or m._forward_pre_hooks for m in (layer, attn, mlp, *linears, *norms)))

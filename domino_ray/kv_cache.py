@@ -10,7 +10,7 @@ drafts; the limit hides them and the next step overwrites them, so a rejection c
 
 Attention is GQA-native: the query heads that share a K/V head are folded into the query axis
 (`[b, Hkv, G*q, D]`), so K and V are read as stored, never repeated per query head. On CPU in fp32 it is our
-kernel (`cpu_attention.py`), which takes each query's key limit; elsewhere SDPA with an additive mask.
+kernel (`cpu_kernels.py`), which takes each query's key limit; elsewhere SDPA with an additive mask.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from domino_ray import cpu_attention
+from domino_ray import cpu_kernels
 
 
 class KVBuffers:
@@ -35,7 +35,7 @@ class KVBuffers:
         self.max_len = max_len
         # Attended by our CPU kernel (key limits) or SDPA (masks): `group_visibility`. Decided (and the kernel
         # built or loaded) here, once, before any step is timed.
-        self.kernel = cpu_attention.kernel_enabled(device, dtype, head_dim)
+        self.kernel = cpu_kernels.kernel_enabled(device, dtype, head_dim)
 
     @property
     def nbytes(self) -> int:
@@ -141,7 +141,7 @@ def row_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     r, h, q, d = query.shape
     folded = query.reshape(r, keys.shape[1], -1, d)  # [r, Hkv, G*q, D]: heads of a group are adjacent
     if visible.dtype == torch.int64:
-        out = cpu_attention.decode_attention_op()(folded, keys, values, visible, scale)
+        out = cpu_kernels.decode_attention_op()(folded, keys, values, visible, scale)
     else:
         out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=visible, scale=scale)
     return out.reshape(r, h, q, d).transpose(1, 2)

@@ -13,7 +13,8 @@ from domino_ray.target_forward import RowAttention, install, run_decoder
 from tiny_models import hf_greedy, ragged_prompts, tiny_target
 
 FAMILIES = {"qwen3": {}, "llama": {}, "qwen2": {},  # Qwen2: q/k/v biases
-            "llama-biased": {"attention_bias": True, "mlp_bias": True}}
+            "llama-biased": {"attention_bias": True, "mlp_bias": True},
+            "qwen3-d16": {"head_dim": 16}, "llama-d16": {"head_dim": 16}}  # fp32 on CPU: our rotary op too
 
 
 def family(name: str, dtype=torch.float32):

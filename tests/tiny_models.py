@@ -19,7 +19,8 @@ def tiny_target(kind: str = "qwen3", *, seed: int = 0, vocab: int = VOCAB, layer
     torch.manual_seed(seed)
     common = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=max_positions,
-                  eos_token_id=None, bos_token_id=None, pad_token_id=None, **config)
+                  eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    common.update(config)
     if kind == "qwen3":
         model = Qwen3ForCausalLM(Qwen3Config(**common))
     elif kind == "llama":

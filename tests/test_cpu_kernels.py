@@ -1,6 +1,8 @@
-"""Our CPU decode-attention kernel (`cpu_attention.py`, `csrc/decode_attention.cpp`): the function SDPA computes
-under the engine's masks, on the engine's strided buffer views, and the engine's choice between the two."""
+"""Our CPU kernels (`cpu_kernels.py`, `csrc/`): decode attention computes the function SDPA computes under the
+engine's masks, on the engine's strided buffer views (and the engine's choice between the two); RMSNorm and the
+rotary embedding compute what HF's modules and ops compute, on the engine's strided views."""
 
+import importlib
 import os
 import shutil
 import subprocess
@@ -10,7 +12,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from domino_ray.cpu_attention import STALE_LOCK_S, build_key, cache_dir, decode_attention_op, kernel_enabled
+from domino_ray import cpu_kernels
+from domino_ray.cpu_kernels import STALE_LOCK_S, build_key, cache_dir, decode_attention_op, kernel_enabled
+from domino_ray.draft import apply_rotary
 from domino_ray.kv_cache import KVBuffers, group_visibility, visible_keys
 
 # fp32 dot products and sums over a few hundred keys in another order, exp within ~2 ulp: relative error
@@ -105,13 +109,62 @@ def test_a_build_lock_left_by_a_killed_build_does_not_hang_the_next(tmp_path):
     """The built library copied into a new cache with an old lock beside it (as a killed build leaves it): a new
     process loads the kernel instead of waiting on the lock forever."""
     assert decode_attention_op() is not None
-    name = f"domino_ray_attention_{build_key()}"
+    name = f"domino_ray_kernels_{build_key()}"
     shutil.copytree(cache_dir() / name, tmp_path / name)
     lock = tmp_path / name / "lock"
     lock.touch()
     old = lock.stat().st_mtime - STALE_LOCK_S - 60
     os.utime(lock, (old, old))
-    code = "from domino_ray.cpu_attention import decode_attention_op; assert decode_attention_op() is not None"
+    code = "from domino_ray.cpu_kernels import kernels_loaded; assert kernels_loaded()"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120,
                    env={**os.environ, "DOMINO_RAY_KERNEL_CACHE": str(tmp_path)})
     assert not lock.exists()
+
+
+@pytest.mark.parametrize("norm_class", ["LlamaRMSNorm", "Qwen3RMSNorm"])
+def test_rms_norm_computes_the_hf_module(norm_class):
+    """Rows whole or strided (a Qwen3 q/k-norm reads head slices of the fused q/k/v output), feature counts on and
+    off the 8-float vectors; fp32 sums of squares in another order: the dtype's tolerance."""
+    module_of = {"LlamaRMSNorm": "models.llama.modeling_llama", "Qwen3RMSNorm": "models.qwen3.modeling_qwen3"}
+    cls = getattr(importlib.import_module(f"transformers.{module_of[norm_class]}"), norm_class)
+    gen = torch.Generator().manual_seed(0)
+    for features in (8, 20, 64, 576):
+        norm = cls(features, eps=1e-6)
+        with torch.no_grad():
+            norm.weight.copy_(torch.randn(features, generator=gen))
+        fused = torch.randn(3, 5, 7, features, generator=gen) * 4  # [b, q, heads, D]: heads 2..4 are a strided view
+        for x in (fused, fused[:, :, 2:5], fused[1]):
+            with torch.inference_mode():
+                got = cpu_kernels.rms_norm(norm, x)
+            assert got.is_contiguous() and got.shape == x.shape
+            torch.testing.assert_close(got, norm(x).detach())
+
+
+@pytest.mark.parametrize("dim", [16, 64, 128])
+def test_rotary_computes_hf_rotate_half(dim):
+    """The query and key heads of the fused q/k/v output (a strided view), cos/sin of real positions."""
+    gen = torch.Generator().manual_seed(dim)
+    qkv = torch.randn(4, 3, 9, dim, generator=gen)  # [b, q, H + 2Hkv, D]
+    positions = torch.randint(0, 4000, (4, 3), generator=gen)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
+    freqs = torch.cat([positions[..., None] * inv_freq] * 2, -1)  # [b, q, D]
+    cos, sin = freqs.cos(), freqs.sin()
+    with torch.inference_mode():
+        got = cpu_kernels.rotary(qkv[:, :, :6], cos, sin)
+    assert got.is_contiguous()
+    torch.testing.assert_close(got, apply_rotary(qkv[:, :, :6], cos, sin, head_axis=2))
+
+
+def test_layer_ops_fall_back_to_torch_where_they_do_not_apply():
+    """float64 tensors and head sizes off the kernel's 16 run torch's ops; the op itself refuses them."""
+    x = torch.randn(2, 3, 4, 24)
+    cos, sin = torch.randn(2, 3, 24), torch.randn(2, 3, 24)
+    torch.testing.assert_close(cpu_kernels.rotary(x, cos, sin), apply_rotary(x, cos, sin, head_axis=2))
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        torch.ops.domino_ray.rotary(x, cos, sin)
+    x64 = torch.randn(3, 8, dtype=torch.float64)
+    norm = type("Norm", (), {"weight": torch.ones(8, dtype=torch.float64), "variance_epsilon": 1e-6,
+                             "__call__": lambda self, v: v * 2})()
+    assert torch.equal(cpu_kernels.rms_norm(norm, x64), x64 * 2)  # the module's own forward
+    with pytest.raises(RuntimeError, match="fp32"):
+        torch.ops.domino_ray.rms_norm(x64, norm.weight, 1e-6)
