@@ -1,14 +1,17 @@
-"""Packed-weight GEMMs on CPU (`domino_ray/cpu_linear.py`): `F.linear` against MKL's packed op.
+"""Linear layers on CPU at decode batch sizes (`domino_ray/cpu_linear.py`): `F.linear`, MKL's packed GEMM and our
+kernel (`csrc/linear.cpp`).
 
-Two measurements (BENCHMARKS.md "Packed weights"):
+Two measurements (BENCHMARKS.md "Our linear kernel"):
 - `sweep` (default): the projections of a SmolLM2-shaped decoder (30 layers x q/k/v/o/gate/up/down + the LM
-  head, random fp32 weights, each read once per pass) at each row count, plain and packed for each batch;
-  median of 5 passes, in ms.
+  head, random fp32 weights, each read once per pass) at each row count: `F.linear`, MKL's packed op (weights
+  packed for 64 rows, what the engine used before our kernel) and ours; median of 5 passes, in ms.
 - `--engine ROWS`: our engine's steady-state decode step on the SmolLM2 pair (make smollm2), target-only,
-  ROWS chat prompts, switching the same modules between packed and plain every few steps, in one process.
+  ROWS chat prompts, switching the same modules every few steps, in one process, between "ours" (what the engine
+  runs: our kernel up to 32 rows, MKL's packed op to 128), "MKL packed" (MKL's for 4-128 rows, as before our
+  kernel) and "plain" (`F.linear`).
 
-    python benchmarks/bench_linear.py [--rows 1,4,16,64] [--packed-for 4,16,64,256] [--layers 30]
-    python benchmarks/bench_linear.py --engine 16 [--packed-for 64]
+    python benchmarks/bench_linear.py [--rows 1,4,16,64] [--layers 30]
+    python benchmarks/bench_linear.py --engine 16
 """
 
 from __future__ import annotations
@@ -17,71 +20,85 @@ import argparse
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from common import alternating_decode_steps, median_ms
+from domino_ray.cpu_linear import MKL_PACKED_FOR
 
 # SmolLM2-135M: hidden 576, 3 K/V heads of 64, MLP 1536, 30 layers, vocabulary 49152 (out, in).
 LAYER_SHAPES = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]
 LAYERS, HEAD = 30, (49152, 576)
 
 
-def sweep(rows: list[int], packed_for: list[int], layers: int = LAYERS, seed: int = 0):
+class MKLPackedLinear(nn.Linear):
+    """For comparison: a `PackedLinear`'s MKL packing for all of 4-128 rows, as the engine ran before our kernel."""
+
+    def forward(self, x):
+        rows = x.numel() // self.in_features
+        if not 4 <= rows <= 128:
+            return F.linear(x, self.weight, self.bias)
+        return torch.ops.mkl._mkl_linear(x, self.mkl_weight, self.weight, self.bias, rows)
+
+
+def sweep(rows: list[int], layers: int = LAYERS, seed: int = 0):
+    from domino_ray.cpu_kernels import kernels_loaded
+
+    if not kernels_loaded():
+        raise SystemExit("our CPU kernels did not build here (see the warning above)")
     gen = torch.Generator().manual_seed(seed)
     shapes = LAYER_SHAPES * layers + [HEAD]
-    weights = [torch.randn(s, generator=gen) for s in shapes]
+    weights = [torch.randn(s, generator=gen) / s[1] ** 0.5 for s in shapes]
+    mkl = [torch.ops.mkl._mkl_reorder_linear_weight(w, MKL_PACKED_FOR) for w in weights]
+    ours = [torch.ops.domino_ray.pack_linear(w) for w in weights]
+    kernels = {
+        "F.linear": lambda x, i, m: F.linear(x, weights[i]),
+        "MKL packed": lambda x, i, m: torch.ops.mkl._mkl_linear(x, mkl[i], weights[i], None, m),
+        "ours": lambda x, i, m: torch.ops.domino_ray.linear(x, ours[i], weights[i].shape[0], None),
+    }
 
-    def passes(m: int, packed=None) -> float:
+    def passes(m: int, kernel) -> float:
         inputs = {k: torch.randn(m, k, generator=gen) for k in {w.shape[1] for w in weights}}
-        if packed is None:
-            return median_ms(lambda: [F.linear(inputs[w.shape[1]], w) for w in weights])
-        return median_ms(lambda: [torch.ops.mkl._mkl_linear(inputs[w.shape[1]], p, w, None, m)
-                                  for w, p in zip(weights, packed)])
+        return median_ms(lambda: [kernel(inputs[w.shape[1]], i, m) for i, w in enumerate(weights)])
 
     threads = torch.get_num_threads()
     print(f"{len(weights)} projections of a SmolLM2-shaped decoder, fp32, {threads} threads; ms per pass")
     print(f"{'rows per call':>16}" + "".join(f"{m:>8}" for m in rows))
     with torch.inference_mode():
-        print(f"{'F.linear':>16}" + "".join(f"{passes(m):8.1f}" for m in rows))
-        for batch in packed_for:
-            packed = [torch.ops.mkl._mkl_reorder_linear_weight(w, batch) for w in weights]
-            print(f"{f'packed for {batch}':>16}" + "".join(f"{passes(m, packed):8.1f}" for m in rows))
-        print(f"{'F.linear':>16}" + "".join(f"{passes(m):8.1f}" for m in rows))
+        for name, kernel in [*kernels.items(), ("F.linear", kernels["F.linear"])]:  # F.linear again: drift
+            print(f"{name:>16}" + "".join(f"{passes(m, kernel):8.1f}" for m in rows), flush=True)
 
 
-def engine_steps(rows: int, packed_for: int):
+def engine_steps(rows: int):
     from domino_ray import cpu_linear
 
     def settings(engine):
         packed = [m for part in (engine.layers, engine.lm_head) for m in part.modules()
                   if isinstance(m, cpu_linear.PackedLinear)]
         if not packed:
-            raise SystemExit("the engine packed nothing (not fp32 on CPU, no MKL, or not enough memory)")
+            raise SystemExit("the engine packed nothing (not fp32 on CPU, our kernels did not build, or not enough "
+                             "memory)")
 
         def use(cls):
             for m in packed:
                 m.__class__ = cls
-        return {"packed": lambda: use(cpu_linear.PackedLinear), "plain": lambda: use(torch.nn.Linear)}
+        return {"ours": lambda: use(cpu_linear.PackedLinear), "MKL packed": lambda: use(MKLPackedLinear),
+                "plain": lambda: use(torch.nn.Linear)}
 
-    cpu_linear.PACKED_FOR = packed_for
-    alternating_decode_steps(rows, settings, f", packed for {packed_for}")
+    alternating_decode_steps(rows, settings, "")
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", default="1,2,4,8,16,32,64,144,256")
-    p.add_argument("--packed-for", default=None,
-                   help="batches to pack for: the sweep's (default 4,16,64,256), --engine's one (default the engine's)")
     p.add_argument("--engine", type=int, default=0, metavar="ROWS", help="time our engine's step instead")
     p.add_argument("--layers", type=int, default=LAYERS, help="sweep: decoder layers (fewer: a quick look)")
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     if args.engine:
-        from domino_ray.cpu_linear import PACKED_FOR
-        engine_steps(args.engine, int(args.packed_for or PACKED_FOR))
+        engine_steps(args.engine)
     else:
-        sweep([int(r) for r in args.rows.split(",")], [int(b) for b in (args.packed_for or "4,16,64,256").split(",")],
-              args.layers)
+        sweep([int(r) for r in args.rows.split(",")], args.layers)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Our CPU kernels (`csrc/`), built once per machine: decode attention, RMSNorm and the rotary embedding.
+"""Our CPU kernels (`csrc/`), built once per machine: decode attention, RMSNorm, the rotary embedding and linear
+layers at decode batch sizes (`cpu_linear.py`).
 
 Decode attention (`csrc/decode_attention.cpp`): torch's CPU attention reads a decode step's keys at about half
 the rate two cores stream them (BENCHMARKS "Our decode-attention kernel"): each (row, K/V head) is a handful of
@@ -31,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("decode_attention.cpp", "layer_ops.cpp")]
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("decode_attention.cpp", "layer_ops.cpp", "linear.cpp")]
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]  # OpenMP: at::parallel_for, on torch's own libgomp
 STALE_LOCK_S = 600  # a build takes ~10-20 s; a lock this old is left by a killed one
 

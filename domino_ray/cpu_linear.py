@@ -1,16 +1,19 @@
-"""Linear layers over MKL-packed weights, for decoding on CPU.
+"""Linear layers over packed weights, for decoding on CPU: our kernel (`csrc/linear.cpp`) and MKL's packed GEMM.
 
 At the rows a CPU engine decodes (a few to a hundred positions per forward), fp32 `F.linear` is far from
-the weight-read bound: on the 2-core VM the 211 projections of a SmolLM2-shaped model take 47-49 ms at 16 rows
-against 20-22 ms at one. MKL's packed GEMM (each weight reordered once into its kernel's layout; torch
-exposes it as `mkl::_mkl_linear`, what inductor's freezing uses) takes 37 ms at 16 rows, 26-32 ms at 4-8,
-46 at 32 and 63 at 64 (F.linear 35-47, 54-59, 79-85): 15-30% less; at 1-2 rows and from ~144 it gains
-nothing, so those stay on `F.linear` (BENCHMARKS "Packed weights": a 16-row step 11% faster).
+the weight-read bound: on the 2-core VM the projections of a SmolLM2-shaped model take ~50 ms at 16 rows
+against ~21 at one. MKL's packed GEMM (each weight reordered once into its kernel's layout; torch exposes it as
+`mkl::_mkl_linear`, what inductor's freezing uses) takes ~40 ms at 16 rows. Our kernel, over the weight packed
+once into panels of 16 output columns, streamed with a prefetch while up to 16 rows accumulate in registers,
+takes ~34 ms: 8-20% less than MKL's up to 32 rows, 5-20% more from 48 (BENCHMARKS "Our linear kernel"). So
+each call takes the faster of the two by its rows (`OUR_ROWS`, `MKL_ROWS`) and prefills `F.linear`. Our kernel
+gives a row the same numbers whatever batch it is in.
 
-The packed copy is the weight's size again, so `pack_linears` packs what the engine holds on CPU in fp32 when
-the copies fit. The modules stay `nn.Linear`s with their own weights: state dicts and other callers are
-unchanged, whenever autograd records they run `F.linear` (the packed op has no backward), and a weight changed
-in place or replaced after packing (an optimizer step, `load_state_dict`) is packed again on its next call.
+The two packed copies are twice the weight's size, so `pack_linears` packs what the engine holds on CPU in fp32
+when they fit and our kernels built (`cpu_kernels.py`). The modules stay `nn.Linear`s with their own weights:
+state dicts and other callers are unchanged, whenever autograd records they run `F.linear` (the packed ops have
+no backward), and a weight changed in place or replaced after packing (an optimizer step, `load_state_dict`) is
+packed again on its next call.
 """
 
 from __future__ import annotations
@@ -22,61 +25,71 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from domino_ray import cpu_kernels
+
 log = logging.getLogger(__name__)
 
-# Rows (positions) per call that take the packed path; outside, F.linear is as fast or faster. And the batch
-# the weights are packed for, which MKL's packing depends on although any batch may use it: packed for 4, a
-# 16-row call is no faster than F.linear; for 64 it is the fastest over 4-64 rows and no slower up to 256.
-PACKED_ROWS = range(4, 129)
-PACKED_FOR = 64
+# Rows (positions) per call that take our kernel, then MKL's packed GEMM; from 129 (prefills) `F.linear`'s GEMM is
+# as fast. Our kernel is 8-20% faster than MKL's up to 32 rows and 5-20% slower from 48 (BENCHMARKS "Our linear
+# kernel"); MKL's packing depends on the batch it is packed for, although any batch may use it: packed for 64 it is
+# the fastest over 4-64 rows and no slower up to 256.
+OUR_ROWS = range(1, 33)
+MKL_ROWS = range(33, 129)
+MKL_PACKED_FOR = 64
 
 
 class PackedLinear(nn.Linear):
-    """An `nn.Linear` that also holds its weight packed for MKL (`packed_weight`, not in the state dict)."""
+    """An `nn.Linear` that also holds its weight packed for our kernel and for MKL's (`packed_weight`,
+    `mkl_weight`; not in the state dict)."""
 
     packed_weight: torch.Tensor
+    mkl_weight: torch.Tensor
     packed_from: tuple[int, int]  # the weight's (data_ptr, version) when packed
 
     def pack(self):
         weight = self.weight.detach()
-        self.packed_weight = torch.ops.mkl._mkl_reorder_linear_weight(weight, PACKED_FOR)
+        self.packed_weight = torch.ops.domino_ray.pack_linear(weight)
+        self.mkl_weight = torch.ops.mkl._mkl_reorder_linear_weight(weight, MKL_PACKED_FOR)
         self.packed_from = (weight.data_ptr(), self.weight._version)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
         recording = torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
-        if recording or rows not in PACKED_ROWS:
+        if recording or not OUR_ROWS.start <= rows < MKL_ROWS.stop:
             return F.linear(x, self.weight, self.bias)
         if self.packed_from != (self.weight.data_ptr(), self.weight._version):
             self.pack()
+        if rows in OUR_ROWS:
+            return torch.ops.domino_ray.linear(x, self.packed_weight, self.out_features, self.bias)
         # The op's last argument must equal the input's rows, or it runs F.linear on the unpacked weight.
-        return torch.ops.mkl._mkl_linear(x, self.packed_weight, self.weight, self.bias, rows)
+        return torch.ops.mkl._mkl_linear(x, self.mkl_weight, self.weight, self.bias, rows)
 
 
 def can_pack(model: nn.Module) -> bool:
-    """fp32 weights on CPU and a torch built with MKL's packed GEMM."""
+    """fp32 weights on CPU, our kernels built and a torch built with MKL's packed GEMM."""
     weight = next(model.parameters(), None)
     return (weight is not None and weight.device.type == "cpu" and weight.dtype == torch.float32
-            and torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear"))
+            and torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
+            and cpu_kernels.kernels_loaded())
 
 
 def pack_linears(*models: nn.Module | None, budget_share: float = 0.25) -> int:
     """Turn every `nn.Linear` of `models` (those `can_pack`; None is skipped) into a `PackedLinear`, in place
-    (the same module objects: references held elsewhere see the packed path too). Only when the copies fit in
+    (the same module objects: references held elsewhere see the packed path too). Only when the two copies fit in
     `budget_share` of the available host memory; otherwise nothing is packed and the reason is logged. Returns
     the bytes the packed copies take (0: nothing packed)."""
     linears = {id(m): m for model in models if model is not None and can_pack(model)
                for m in model.modules() if type(m) is nn.Linear}
     if not linears:
         return 0
-    need = sum(m.weight.numel() * m.weight.element_size() for m in linears.values())
+    need = 2 * sum(m.weight.numel() * m.weight.element_size() for m in linears.values())  # ours and MKL's
     available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     if need > budget_share * available:
-        log.info("not packing the linear layers for MKL: the copies (%.2f GiB) would take more than %.0f%% of "
+        log.info("not packing the linear layers: the copies (%.2f GiB) would take more than %.0f%% of "
                  "the %.1f GiB of host memory available", need / 2**30, 100 * budget_share, available / 2**30)
         return 0
     for m in linears.values():
         m.__class__ = PackedLinear
         m.pack()
-    log.info("packed %d linear layers for MKL (%.2f GiB)", len(linears), need / 2**30)
+    log.info("packed %d linear layers for our kernel and MKL's (%.2f GiB)", len(linears), need / 2**30)
     return need

@@ -184,17 +184,17 @@ def test_serve_benchmark_smoke(ray_cluster, tmp_path):
 
 
 def test_linear_benchmark_smoke():
-    """`bench_linear.py`: the sweep times every kind at every row count; `--engine` alternates packed and plain
-    steps of the SmolLM2 engine (when converted)."""
-    out = run_script("bench_linear.py", "--rows", "1,4", "--packed-for", "64", "--layers", "1")
+    """`bench_linear.py`: the sweep times every kernel at every row count; `--engine` alternates ours, MKL's packed
+    GEMM and plain `F.linear` in the SmolLM2 engine's steps (when converted)."""
+    out = run_script("bench_linear.py", "--rows", "1,4", "--layers", "1")
     table = {line[:16].strip(): line[16:].split() for line in out.splitlines()[1:]}
-    assert table["rows per call"] == ["1", "4"] and set(table) == {"rows per call", "F.linear", "packed for 64"}
-    assert all(positive(float(x)) for kind in ("F.linear", "packed for 64") for x in table[kind])
+    assert table["rows per call"] == ["1", "4"] and set(table) == {"rows per call", "F.linear", "MKL packed", "ours"}
+    assert all(positive(float(x)) for kind in ("F.linear", "MKL packed", "ours") for x in table[kind])
     from domino_ray.smollm2 import is_converted
     if is_converted():
         out = run_script("bench_linear.py", "--engine", "2")
         times = [line.split(":") for line in out.splitlines() if line.startswith("  ")]
-        assert [name.strip() for name, _ in times] == ["packed", "plain"] * 4
+        assert [name.strip() for name, _ in times] == ["ours", "MKL packed", "plain"] * 4
         assert all(positive(float(t.split()[0])) for _, t in times)
 
 

@@ -1,16 +1,17 @@
-"""Linear layers over MKL-packed weights (`cpu_linear.py`): the same function as `nn.Linear`, in place."""
+"""Linear layers over packed weights and our kernel (`cpu_linear.py`, `csrc/linear.cpp`): the same function as
+`nn.Linear`, in place, and the same numbers for a row whatever batch it is in."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from domino_ray.cpu_linear import PACKED_ROWS, PackedLinear, can_pack, pack_linears
+from domino_ray.cpu_linear import MKL_ROWS, OUR_ROWS, PackedLinear, can_pack, pack_linears
 
-pytestmark = pytest.mark.skipif(not can_pack(nn.Linear(2, 2)), reason="torch without MKL's packed GEMM")
+pytestmark = pytest.mark.skipif(not can_pack(nn.Linear(2, 2)), reason="our CPU kernels did not build")
 
-# fp32 sums of 64 products reordered by another kernel: relative error ~1e-6; 1e-5 leaves room, a wrong
-# weight, bias or layout is off by O(1).
+# fp32 sums of 64-96 products of O(1/8) reordered by another kernel: errors ~1e-6 of outputs O(1); 1e-5 leaves
+# room, a wrong weight, bias or layout is off by O(1).
 TOL = dict(rtol=1e-5, atol=1e-5)
 
 
@@ -18,8 +19,8 @@ def small_model(seed: int = 0) -> nn.Sequential:
     gen = torch.Generator().manual_seed(seed)
     model = nn.Sequential(nn.Linear(64, 96), nn.SiLU(), nn.Linear(96, 48, bias=False))
     with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen))
+        for p in model.parameters():  # scaled as trained layers are: outputs O(1), not sums of O(10) terms
+            p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
     return model
 
 
@@ -27,12 +28,12 @@ def test_packed_linear_is_the_same_function_in_place():
     model, reference = small_model(), small_model()
     first = model[0]
     keys = set(model.state_dict())
-    assert pack_linears(model) == sum(m.weight.numel() * 4 for m in (model[0], model[2]))
+    assert pack_linears(model) == 2 * sum(m.weight.numel() * 4 for m in (model[0], model[2]))  # ours, MKL's
     assert model[0] is first and type(first) is PackedLinear and isinstance(first, nn.Linear)
     assert set(model.state_dict()) == keys  # the packed copies are not state
     gen = torch.Generator().manual_seed(1)
     with torch.inference_mode():
-        for rows in (1, 3, PACKED_ROWS.start, 16, 17, PACKED_ROWS.stop - 1, PACKED_ROWS.stop, 300):
+        for rows in (1, 3, 16, 17, OUR_ROWS.stop - 1, MKL_ROWS.start, MKL_ROWS.stop - 1, MKL_ROWS.stop, 300):
             x = torch.randn(rows, 64, generator=gen)
             torch.testing.assert_close(model(x), reference(x), **TOL)
         # [b, q, C] inputs and a strided view: the rows are b*q
@@ -41,16 +42,20 @@ def test_packed_linear_is_the_same_function_in_place():
 
 
 def test_packed_path_is_taken():
-    """Within `PACKED_ROWS` the output comes from the packed copy: swapped for a packing of twice the weight
-    (the weight itself unchanged), the output doubles; outside, it is `F.linear` on the weight."""
+    """Within `OUR_ROWS` the output comes from our packed copy, within `MKL_ROWS` from MKL's: each swapped for a
+    packing of twice the weight (the weight itself unchanged), the output doubles; outside, it is `F.linear`."""
     layer = small_model()[0]
     pack_linears(layer)
-    x = torch.randn(16, 64)
+    x = torch.randn(MKL_ROWS.stop, 64)
+    ours, mkl = x[:OUR_ROWS.stop - 1], x[:MKL_ROWS.start]
     with torch.inference_mode():
-        before = layer(x)
-        layer.packed_weight = torch.ops.mkl._mkl_reorder_linear_weight(2 * layer.weight, 64)
-        torch.testing.assert_close(layer(x), 2 * before - layer.bias, **TOL)
-        torch.testing.assert_close(layer(x[:1]), before[:1], **TOL)
+        before = [layer(part) for part in (ours, mkl, x)]
+        layer.packed_weight = torch.ops.domino_ray.pack_linear(2 * layer.weight)
+        torch.testing.assert_close(layer(ours), 2 * before[0] - layer.bias, **TOL)
+        torch.testing.assert_close(layer(mkl), before[1], **TOL)
+        layer.mkl_weight = torch.ops.mkl._mkl_reorder_linear_weight(2 * layer.weight, 64)
+        torch.testing.assert_close(layer(mkl), 2 * before[1] - layer.bias, **TOL)
+        torch.testing.assert_close(layer(x), before[2], **TOL)
 
 
 def test_a_changed_weight_is_packed_again():
@@ -110,3 +115,22 @@ def test_f_linear_agrees_on_a_real_shape():
         for rows in (4, 16, 144):
             x = torch.randn(rows, 576, generator=gen)
             torch.testing.assert_close(layer(x), F.linear(x, weight, bias), **TOL)
+
+
+def test_a_row_gets_the_same_numbers_in_any_batch():
+    """Our kernel sums each output the same way whatever the rows and tile (one panel up to 23 rows, two from 24):
+    a row alone or in a batch of 16 or 30, at any place, gives bit-identical outputs. Output columns off the
+    16-column panels (40) and a bias, as Qwen2's q/k/v have."""
+    gen = torch.Generator().manual_seed(4)
+    for out_features in (40, 64):
+        layer = nn.Linear(576, out_features)
+        with torch.no_grad():
+            layer.weight.copy_(torch.randn(layer.weight.shape, generator=gen) / 24)
+        pack_linears(layer)
+        x = torch.randn(OUR_ROWS.stop - 1, 576, generator=gen)
+        picked = (0, 7, 15, 29)
+        with torch.inference_mode():
+            alone = torch.cat([layer(x[i:i + 1]) for i in picked])
+            for batch in (x[:16], x[:30]):
+                rows = [i for i in picked if i < len(batch)]
+                assert torch.equal(layer(batch)[rows], alone[:len(rows)])
