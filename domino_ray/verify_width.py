@@ -48,14 +48,15 @@ def expected_tokens(accept: Sequence[float], width: int, usable: int) -> float:
 
 
 def width_rates(costs: Mapping[int, float], accept_rows: Sequence[Sequence[float]],
-                usable: Sequence[int]) -> dict[int, float]:
+                usable: Sequence[int], counts: Sequence[int] | None = None) -> dict[int, float]:
     """Expected committed tokens per second at each width in `costs` (W -> seconds per step for this row
-    bucket), summed over the rows (`accept_rows[r]`, `usable[r]` as in `expected_tokens_by_width`)."""
+    bucket), summed over the rows (`accept_rows[r]`, `usable[r]` as in `expected_tokens_by_width`; `counts[r]`
+    rows alike, default one each)."""
     k = max(costs)
     gain = [0.0] * (k + 1)  # gain[W] = the rows' expected tokens at W
-    for accept, cap in zip(accept_rows, usable):
+    for accept, cap, count in zip(accept_rows, usable, counts or [1] * len(usable)):
         for w, tokens in enumerate(expected_tokens_by_width(accept, cap, k)):
-            gain[w] += tokens
+            gain[w] += count * tokens
     return {w: gain[w] / c for w, c in costs.items()}
 
 
@@ -277,9 +278,13 @@ class WidthController:
         """(W, whether the step keeps the draft's context current: always unless the draft is useless) for the
         active rows in slots `0..len(usable)` (`usable[i]`: drafts row i's budget allows), bucket `r`, `t` keys."""
         pooled = self.estimates.pooled()
-        accept = [self.estimates.for_row(self.succeeded[i], self.tried[i], pooled) for i in range(len(usable))]
+        # Rows never verified whose budget allows every width share the pooled estimate: counted once (a large
+        # batch at W = 0 is all such rows, and this runs every step)
+        fresh = {i for i, u in enumerate(usable) if u >= self.k and not any(self.tried[i])}
+        rows = [i for i in range(len(usable)) if i not in fresh]
+        accept = [self.estimates.for_row(self.succeeded[i], self.tried[i], pooled) for i in rows] + [pooled]
         costs = self.costs.at(r, t)
-        w = best_width(width_rates(costs, accept, usable))
+        w = best_width(width_rates(costs, accept, [usable[i] for i in rows] + [self.k], [1] * len(rows) + [len(fresh)]))
         if w > 0 and self.written_off:  # a probe of a written-off draft: its first draft is the whole question,
             w = min(x for x in costs if x > 0)  # asked at the narrowest width (the least verify and correction)
         return w, w > 0 or not self.written_off
@@ -288,7 +293,7 @@ class WidthController:
         """Fold one step into the acceptance estimates and the cost table (a decaying average); `seconds`
         None: the step's time says nothing about its width (it captured a CUDA graph)."""
         self.estimates.start_step()
-        for i, (a, u) in enumerate(zip(accepted, usable)):
+        for i, (a, u) in enumerate(zip(accepted, usable) if w else ()):  # a W = 0 step verified no draft
             self.estimates.observe(min(w, u), a, self.succeeded[i], self.tried[i])
         if w > 0:
             self.written_off = self.estimates.draft_is_useless()

@@ -3,6 +3,8 @@ engine whatever it picks; honest statistics with variable widths."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 import torch
@@ -88,6 +90,35 @@ def test_smoothing_removes_a_stall_and_keeps_the_trend():
     smooth = smooth_costs(measured)
     assert smooth[0] == 1.0 and all(smooth[w] <= smooth[w + 1] for w in range(1, 5)) and smooth[3] < 3.0
     assert smooth_costs({0: 1.0, 1: 2.0, 2: 1.5}) == {0: 1.0, 1: 1.75, 2: 1.75}  # never cheaper with more drafts
+
+
+def test_rows_without_history_count_once_for_the_same_choice():
+    """`choose` counts the rows never verified (whose budget allows every width) once, with their number: the same
+    rates, so the same width, as summing every row's own estimate."""
+    rng = random.Random(0)
+    for case in range(40):
+        rows = rng.randint(1, 16)
+        costs = compute_bound(rows, per_position=rng.uniform(0.01, 0.3))
+        controller = WidthController(K, 16, StepCosts({rows: {w: c for w, c in costs.items() if w <= K}}))
+        for i in range(rows):
+            if rng.random() < 0.5:  # some rows with history of their own
+                controller.tried[i] = [float(rng.randint(0, 9)) for _ in range(K)]
+                controller.succeeded[i] = [rng.uniform(0, t) for t in controller.tried[i]]
+        for _ in range(rng.randint(0, 20)):
+            controller.estimates.observe(K, rng.randint(0, K), [0.0] * K, [0.0] * K)
+        usable = [rng.choice([1, 2, K, 50]) for _ in range(rows)]
+        pooled = controller.estimates.pooled()
+        every_row = [controller.estimates.for_row(controller.succeeded[i], controller.tried[i], pooled)
+                     for i in range(rows)]
+        costs = controller.costs.at(rows, 0)
+        expected = width_rates(costs, every_row, usable)
+        w, _ = controller.choose(rows, 0, usable)
+        assert w == best_width(expected), case
+        fresh = [i for i in range(rows) if usable[i] >= K and not any(controller.tried[i])]
+        kept = [i for i in range(rows) if i not in fresh]
+        grouped = width_rates(costs, [every_row[i] for i in kept] + [pooled], [usable[i] for i in kept] + [K],
+                              [1] * len(kept) + [len(fresh)])
+        assert grouped == pytest.approx(expected, rel=1e-12)
 
 
 def test_candidate_widths():
