@@ -107,10 +107,12 @@ class AcceptanceEstimates:
         m = self.row_weight
         return [(s + m * p) / (n + m) for s, n, p in zip(row_success, row_trials, pooled)]
 
-    def draft_is_useless(self, min_trials: float = 1.5, max_rate: float = 0.05) -> bool:
+    def draft_is_useless(self, min_trials: float = 3.9, max_rate: float = 0.05) -> bool:
         """The evidence, not the prior, says the first draft almost never lands: W = 0 steps may then skip
         keeping the draft's context current (the draft is useless, not merely too dear for this batch).
-        `min_trials` 1.5: two tries, as the decay leaves them (1 + 0.998 < 2), are evidence enough."""
+        `min_trials` 3.9: four tries, as the decay leaves them. Two were too few: a draft whose first token lands
+        half the time misses twice in a row a quarter of the time, and the demo draft at 2 rows was written off by
+        its first step (both rows missed) and never drafted again in a 12-token run."""
         return bool(self.k) and self.trials[0] >= min_trials and self.success[0] < max_rate * self.trials[0]
 
     def start_step(self):

@@ -60,10 +60,11 @@ def test_a_draft_is_useless_on_evidence_not_on_the_prior():
     est = AcceptanceEstimates(4)
     assert not est.draft_is_useless()  # no evidence yet
     row_s, row_n = [0.0] * 4, [0.0] * 4
-    for _ in range(4):
+    for tries in range(1, 5):
         est.start_step()
         est.observe(4, 0, row_s, row_n)  # the first draft rejected every time
-    assert est.draft_is_useless() and est.pooled()[1] == pytest.approx(0.8)  # later positions: untried
+        assert est.draft_is_useless() == (tries == 4)  # two or three misses happen to decent drafts
+    assert est.pooled()[1] == pytest.approx(0.8)  # later positions: untried
     est.observe(4, 2, row_s, row_n)
     assert not est.draft_is_useless()  # a hit in 5 tries is not "almost never"
     dear = {w: 1.0 + 3.0 * w for w in range(9)}  # a good draft can still be too dear for a batch: W = 0
@@ -356,7 +357,7 @@ def test_a_written_off_draft_stays_written_off_until_a_drafting_step_says_otherw
     fall meanwhile, they keep skipping the draft's context until the next drafting step decides again."""
     costs = StepCosts({1: {w: 1.0 + 2.0 * w for w in range(5)}})  # dear drafts: W = 0 once the evidence is in
     width = WidthController(4, 1, costs)
-    for _ in range(3):
+    for _ in range(4):
         width.learn(1, 64, 4, 9.0, [0], [100])  # drafting steps: the first draft rejected every time
     assert width.written_off and width.choose(1, 64, [100]) == (0, False)
     for _ in range(2000):  # the decayed counts fall far below the verdict's minimum of evidence
@@ -378,7 +379,7 @@ def test_a_written_off_draft_is_probed_at_the_narrowest_width():
 
     for widths, narrowest in ((range(5), 1), ((0, 2, 4), 2)):  # every width, or a graphs-style subset
         width = WidthController(4, 1, StepCosts({1: {w: 1.0 + 0.5 * (w > 0) + 0.01 * w for w in widths}}))
-        for _ in range(3):
+        for _ in range(4):
             width.learn(1, 64, 4, 1.54, [0], [100])  # the first draft rejected every time: written off
         width.reset_slot(0)  # a new row in the slot: the pooled evidence and the prior decide
         assert width.written_off and unclamped(width) == 4
