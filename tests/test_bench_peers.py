@@ -38,8 +38,10 @@ def test_peers_ours_only_smoke(tmp_path):
             r["median_tokens_per_s"] / entries[rows, "ours-target-only"]["median_tokens_per_s"], abs=0.01)
         if mode == "ours-target-only":
             assert r["mean_acceptance_length"] is None and r["vs_ours_target_only"] == 1.0
-        else:
+        elif mode == "ours-domino-k8":
             assert 1.0 < r["mean_acceptance_length"] <= 8 + 1  # and the demo draft accepts
+        else:  # the adaptive width may keep to W = 0 in a 12-token run (one unlucky first drafting step at 2 rows)
+            assert 1.0 <= r["mean_acceptance_length"] <= 8 + 1
     assert [(p["mode"], p["rows"], p["speculative"]) for p in report["profiles"]] == [
         ("ours-target-only", 2, False), ("ours-domino-auto", 2, True), ("ours-domino-k8", 2, True)]
     for prof in report["profiles"]:
