@@ -103,14 +103,15 @@ def run_ours(pair, mode: tuple, prompts, *, rows: int, max_new_tokens: int, igno
             "startup_s": startup_s, "width_costs": measured_costs}
 
 
-# Op kinds of a step profile, by op-name prefix, ours (aten) and vLLM's (its own CPU ops). vLLM's compiled
-# model runs its fused elementwise kernels (norms, rotary, SiLU, residual adds) inside the compiled graph's
-# call, so they show as that call's self time.
+# Op kinds of a step profile, by op-name prefix, ours (aten, MKL's packed GEMM and our own CPU kernels) and vLLM's
+# (its own CPU ops). vLLM's compiled model runs its fused elementwise kernels (norms, rotary, SiLU, residual adds)
+# inside the compiled graph's call, so they show as that call's self time.
 OP_KINDS = {"gemm": ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear", "aten::baddbmm",
-                     "_C::onednn_mm", "_C::weight_packed_linear"),
-            "attention": ("aten::_scaled_dot_product", "aten::scaled_dot_product", "_C::cpu_attention",
-                          "_C::cpu_attn", "vllm::unified_attention", "vllm::unified_kv_cache"),
+                     "mkl::_mkl_linear", "domino_ray::linear", "_C::onednn_mm", "_C::weight_packed_linear"),
+            "attention": ("aten::_scaled_dot_product", "aten::scaled_dot_product", "domino_ray::decode_attention",
+                          "_C::cpu_attention", "_C::cpu_attn", "vllm::unified_attention", "vllm::unified_kv_cache"),
             "gru": ("aten::gru",),
+            "norms and rotary (ours)": ("domino_ray::rms_norm", "domino_ray::rotary"),
             "fused elementwise (compiled)": ("## Call CompiledFxGraph",)}
 
 

@@ -106,6 +106,10 @@ def test_step_profiles_sort_ours_and_vllms_ops_into_the_same_kinds():
     prof = step_profile("vllm-target-only", 16, 4, wall_ms=3.0, profiled_ms=3.1, events=events)
     assert prof["self_cpu_ms_per_step"] == {"gemm": 2.1, "attention": 0.5, "fused elementwise (compiled)": 0.15,
                                             "other ops": 0.03}
+    ours = [("domino_ray::linear", 4000.0, 400), ("mkl::_mkl_linear", 400.0, 4), ("domino_ray::decode_attention",
+            800.0, 120), ("domino_ray::rms_norm", 200.0, 240), ("domino_ray::rotary", 40.0, 120)]
+    assert step_profile("ours-target-only", 16, 4, wall_ms=2.0, profiled_ms=1.5, events=ours)[
+        "self_cpu_ms_per_step"] == {"gemm": 1.1, "attention": 0.2, "norms and rotary (ours)": 0.06}
     assert prof["python_and_dispatch_ms_per_step"] == pytest.approx(3.1 - 2.775, abs=0.01)
     assert prof["op_calls_per_step"] == 378.0 and prof["top_ops"][0] == {
         "op": "_C::onednn_mm", "ms_per_step": 2.0, "calls_per_step": 121.0}
