@@ -319,7 +319,8 @@ class SpecEngine:
         usable = self._usable()  # in the slots' order after any move (the width was chosen before them)
         defer = self._defers(w, context)
         started = time.perf_counter()
-        if self.num_deferred and (not defer or self.num_deferred == DEFERRED_STEPS):  # timed: a W = 0 step's cost
+        # Timed with the step that needs it: deferred W = 0 work then counts against a drafting width (conservative)
+        if self.num_deferred and (not defer or self.num_deferred == DEFERRED_STEPS):
             self._feed_deferred_context()
         timed = self._device_step(r, key_groups, w, sampled, filtered, context)
         packed = self._read_packed(n, w)  # the step's one host sync
