@@ -1,7 +1,7 @@
 """Linear layers on CPU at decode batch sizes (`domino_ray/cpu_linear.py`): `F.linear`, MKL's packed GEMM and our
 kernel (`csrc/linear.cpp`).
 
-Two measurements (BENCHMARKS.md "Our linear kernel"):
+Two measurements (BENCHMARKS.md "Our layer ops and linear kernel"):
 - `sweep` (default): the projections of a SmolLM2-shaped decoder (30 layers x q/k/v/o/gate/up/down + the LM
   head, random fp32 weights, each read once per pass) at each row count: `F.linear`, MKL's packed op (weights
   packed for 64 rows, what the engine used before our kernel) and ours; median of 5 passes, in ms.

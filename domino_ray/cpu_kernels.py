@@ -8,8 +8,8 @@ GEMM machinery built for larger ones. The kernel reads every key and value once 
 group and takes each query's key limit instead of a mask. For head sizes in multiples of 8; which attention reads
 a set of K/V buffers is decided when they are made (`KVBuffers.kernel`), through `kv_cache.row_attention`.
 
-RMSNorm and the rotary embedding (`csrc/layer_ops.cpp`): HF's are 8 and 9 dispatched torch ops, and at the rows a
-CPU engine decodes each op's overhead outweighs its arithmetic (BENCHMARKS "Fused norm and rotary"). `rms_norm`
+RMSNorm and the rotary embedding (`csrc/layer_ops.cpp`): HF's are 8 and 9 dispatched torch ops, and at the rows
+a CPU engine decodes each op's overhead outweighs its arithmetic (BENCHMARKS "Our layer ops and linear kernel"). `rms_norm`
 and `rotary` run one op each on fp32 CPU tensors and HF's ops on anything else (`fused_layers.FusedLayer`).
 
 All fp32 and CPU only; CUDA, other dtypes and a machine where they do not build keep torch's ops. Built with
@@ -32,7 +32,9 @@ from pathlib import Path
 
 import torch
 
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("decode_attention.cpp", "layer_ops.cpp", "linear.cpp")]
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = [CSRC / name for name in ("decode_attention.cpp", "layer_ops.cpp", "linear.cpp")]
+HEADERS = [CSRC / "vectors.h"]
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]  # OpenMP: at::parallel_for, on torch's own libgomp
 STALE_LOCK_S = 600  # a build takes ~10-20 s; a lock this old is left by a killed one
 
@@ -68,7 +70,8 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 def _takes(x: torch.Tensor, other: torch.Tensor) -> bool:
-    """Whether our layer ops run on `x` (and its parameter `other`): fp32 on CPU, nothing for autograd to record."""
+    """Whether our layer ops run on `x` (with `other`, the norm's weight or the rotary table): fp32 on CPU, nothing
+    for autograd to record."""
     recording = torch.is_grad_enabled() and (x.requires_grad or other.requires_grad)
     return x.dtype == torch.float32 and x.device.type == "cpu" and not recording and kernels_loaded()
 
@@ -113,9 +116,10 @@ def cache_dir() -> Path:
 
 
 def build_key() -> str:
-    """What the built library depends on: the sources, the flags, torch, Python and the CPU (`-march=native`)."""
-    parts = [*(source.read_bytes() for source in SOURCES), " ".join(CFLAGS).encode(), torch.__version__.encode(), sys.version.encode(),
-             cpu_identity().encode()]
+    """What the built library depends on: the sources and headers, the flags, torch, Python and the CPU
+    (`-march=native`)."""
+    parts = [*(path.read_bytes() for path in SOURCES + HEADERS), " ".join(CFLAGS).encode(), torch.__version__.encode(),
+             sys.version.encode(), cpu_identity().encode()]
     return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
 
 

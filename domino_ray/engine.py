@@ -423,10 +423,11 @@ class SpecEngine:
         limit = remaining - 1          # drafts that fit the row's budget beside the bonus
         accepted, tokens = self.sampling.accept(slice(0, r), logits, verify_ids[:, 1:], limit, positions, sampled,
                                                 filtered)
-        if taps is not None and self._defers(w, context):
-            self.deferred_taps[:r, self.num_deferred] = taps[:, 0]
-        elif taps is not None:
-            self.proposer.append_context(slice(0, r), taps, lens)
+        if taps is not None:
+            if self._defers(w, context):
+                self.deferred_taps[:r, self.num_deferred] = taps[:, 0]
+            else:
+                self.proposer.append_context(slice(0, r), taps, lens)
         advance = torch.where(remaining > 0, accepted + 1, 0)  # padding slots (remaining 0) stay put
         self.packed[:r, 0] = accepted
         self.packed[:r, 1:w + 2] = tokens

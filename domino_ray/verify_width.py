@@ -283,10 +283,11 @@ class WidthController:
         # Rows never verified whose budget allows every width share the pooled estimate: counted once (a large
         # batch at W = 0 is all such rows, and this runs every step)
         fresh = {i for i, u in enumerate(usable) if u >= self.k and not any(self.tried[i])}
-        rows = [i for i in range(len(usable)) if i not in fresh]
-        accept = [self.estimates.for_row(self.succeeded[i], self.tried[i], pooled) for i in rows] + [pooled]
+        own = [i for i in range(len(usable)) if i not in fresh]
+        accept = [self.estimates.for_row(self.succeeded[i], self.tried[i], pooled) for i in own] + [pooled]
+        caps, counts = [usable[i] for i in own] + [self.k], [1] * len(own) + [len(fresh)]
         costs = self.costs.at(r, t)
-        w = best_width(width_rates(costs, accept, [usable[i] for i in rows] + [self.k], [1] * len(rows) + [len(fresh)]))
+        w = best_width(width_rates(costs, accept, caps, counts))
         if w > 0 and self.written_off:  # a probe of a written-off draft: its first draft is the whole question,
             w = min(x for x in costs if x > 0)  # asked at the narrowest width (the least verify and correction)
         return w, w > 0 or not self.written_off

@@ -16,19 +16,15 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "vectors.h"
+
 #include <algorithm>
 #include <cmath>
 #include <vector>
 
 namespace {
 
-typedef float v8 __attribute__((vector_size(32)));
 typedef int v8i __attribute__((vector_size(32)));
-
-inline v8 load8(const float* p) { v8 x; __builtin_memcpy(&x, p, sizeof x); return x; }
-inline void store8(float* p, v8 x) { __builtin_memcpy(p, &x, sizeof x); }
-inline v8 splat(float x) { return v8{x, x, x, x, x, x, x, x}; }
-inline float lane_sum(v8 x) { return ((x[0] + x[4]) + (x[1] + x[5])) + ((x[2] + x[6]) + (x[3] + x[7])); }
 inline float lane_max(v8 x) { float m = x[0]; for (int i = 1; i < 8; ++i) m = std::max(m, x[i]); return m; }
 
 // The lane sums of 8 vectors as one vector: out[i] = sum of a[i]'s lanes (a transpose-and-add tree).

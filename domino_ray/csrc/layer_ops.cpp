@@ -1,8 +1,8 @@
 // A decoder layer's elementwise passes on CPU, one op each instead of a chain of torch ops, fp32.
 //
 // At the rows a CPU engine decodes (16 rows x 576 features), HF's RMSNorm is eight dispatched ops over a few KB
-// and the rotary embedding nine: per-op overhead, not arithmetic (BENCHMARKS "Fused norm and rotary"). The math
-// is HF's, in HF's order per element: RMSNorm `weight * (x * rsqrt(mean(x^2) + eps))` with the mean in fp32, the
+// and the rotary embedding nine: per-op overhead, not arithmetic (BENCHMARKS "Our layer ops and linear kernel").
+// The math is HF's, in HF's order per element: RMSNorm `weight * (x * rsqrt(mean(x^2) + eps))` with the mean in fp32, the
 // rotary embedding `x * cos + rotate_half(x) * sin`; only the sum of squares' order differs (and the compiler may
 // fuse a multiply-add): within fp32 rounding.
 //
@@ -13,16 +13,11 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "vectors.h"
+
 #include <cmath>
 
 namespace {
-
-typedef float v8 __attribute__((vector_size(32)));
-
-inline v8 load8(const float* p) { v8 x; __builtin_memcpy(&x, p, sizeof x); return x; }
-inline void store8(float* p, v8 x) { __builtin_memcpy(p, &x, sizeof x); }
-inline v8 splat(float x) { return v8{x, x, x, x, x, x, x, x}; }
-inline float lane_sum(v8 x) { return ((x[0] + x[4]) + (x[1] + x[5])) + ((x[2] + x[6]) + (x[3] + x[7])); }
 
 constexpr int64_t kGrainElements = 1 << 15;  // below this much work a thread's start-up costs more than it saves
 

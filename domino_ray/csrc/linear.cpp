@@ -1,8 +1,8 @@
 // Linear layers at decode batch sizes on CPU, fp32: out [M, N] = x [M, K] @ weight[N, K]^T + bias.
 //
 // At the 1-128 rows a CPU engine decodes, the weights are read from memory once per call and the arithmetic is
-// M times that; MKL's GEMM (packed or not) overlaps the two poorly there (BENCHMARKS "Our linear kernel"). Here
-// the weight is packed once into panels of 16 output columns, `[ceil(N/16), K, 16]` (the last one zero-padded),
+// M times that; MKL's GEMM (packed or not) overlaps the two poorly up to ~32 rows (BENCHMARKS "Our layer ops and
+// linear kernel"). Here the weight is packed once into panels of 16 output columns, `[ceil(N/16), K, 16]` (the last one zero-padded),
 // streamed once per call with a software prefetch ahead of the loads, while up to 16 rows of x (transposed, so one
 // step's broadcasts share a cache line) accumulate in registers: 16 accumulators x 16 floats. From 24 rows two
 // panels share each broadcast (12 rows x 2 panels), which keeps the FMA units busier.
@@ -15,16 +15,13 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "vectors.h"
+
 #include <algorithm>
 #include <cstring>
 #include <vector>
 
 namespace {
-
-typedef float v16 __attribute__((vector_size(64)));
-
-inline v16 load16(const float* p) { v16 x; __builtin_memcpy(&x, p, sizeof x); return x; }
-inline void store16(float* p, v16 x) { __builtin_memcpy(p, &x, sizeof x); }
 
 constexpr int kPanel = 16;       // output columns per panel: one 16-float vector
 constexpr int64_t kPrefetch = 128 * kPanel;  // floats ahead in a panel's stream (8 KB)
