@@ -62,10 +62,11 @@ from domino_ray.verify_width import StepCosts, WidthController, measure_step_cos
 log = logging.getLogger(__name__)
 
 # An eager adaptive engine's W = 0 steps keep the target's taps (`deferred_taps`) and feed the draft's context with
-# up to this many positions at once: before the next drafting step, admission or context-less step, or when full.
-# Fed one position at a time the update is a small GEMM over the projection weights per step (SmolLM2 pair, 16 rows,
-# CPU: 0.53 ms a position, 0.22 ms in a batch of 8); with CUDA graphs it stays in the step (a graph per fill level
-# would multiply the keys).
+# up to this many positions at once: before the next drafting step or admission, or when full. Fed one position at a
+# time the update is a small GEMM over the projection weights per step (SmolLM2 pair, 16 rows, CPU: 0.53 ms a
+# position, 0.22 ms in a batch of 8); with CUDA graphs it stays in the step (a graph per fill level would multiply
+# the keys). While drafting is far off (`WidthController.choose`: context False) a full buffer drops its oldest
+# position instead of feeding: the draft's context then misses those positions but holds the last ones.
 DEFERRED_STEPS = 8
 
 
@@ -150,7 +151,7 @@ class SpecEngine:
         if self.adaptive:
             costs = (width_costs if isinstance(width_costs, StepCosts) else StepCosts(width_costs) if width_costs
                      else self.measure_costs(self.widths))
-            self.width = WidthController(k, max_rows, costs)
+            self.width = WidthController(k, max_rows, costs, lazy_context=self.defer_context)
 
     def _allocate(self, cfg, r: int, k: int):
         """The per-slot buffers, once: target KV, the proposer's state, row state, step outputs."""
@@ -163,6 +164,7 @@ class SpecEngine:
             self.tap_layers = tuple(self.proposer.target_layer_ids)
         self.deferred_taps: torch.Tensor | None = None  # [R, DEFERRED_STEPS, F]: W = 0 steps' taps, not yet fed
         self.num_deferred = 0  # positions held there: the active rows' last `num_deferred` (admission feeds them first)
+        self.deferred_head = 0  # a ring: the oldest held position's index there
         if self.defer_context:
             self.deferred_taps = torch.zeros(r, DEFERRED_STEPS, len(self.tap_layers) * cfg.hidden_size,
                                              dtype=self.dtype, device=self.device)
@@ -317,15 +319,18 @@ class SpecEngine:
         # A W = 0 step writes one position (the anchor's), a drafting step up to `span` (draft block, verify)
         key_groups = self._key_groups(r, self.span if w else 1)  # may move rows between slots first
         usable = self._usable()  # in the slots' order after any move (the width was chosen before them)
-        defer = self._defers(w, context)
         started = time.perf_counter()
         # Timed with the step that needs it: deferred W = 0 work then counts against a drafting width (conservative)
-        if self.num_deferred and (not defer or self.num_deferred == DEFERRED_STEPS):
+        if self.num_deferred and (w or (context and self.num_deferred == DEFERRED_STEPS)):
             self._feed_deferred_context()
         timed = self._device_step(r, key_groups, w, sampled, filtered, context)
         packed = self._read_packed(n, w)  # the step's one host sync
         now = time.perf_counter()
-        self.num_deferred += defer
+        if self._defers(w):  # the step kept its taps; a full ring (drafting far off) dropped its oldest
+            if self.num_deferred < DEFERRED_STEPS:
+                self.num_deferred += 1
+            else:
+                self.deferred_head = (self.deferred_head + 1) % DEFERRED_STEPS
         if self.width is not None:  # a step that captured a graph says nothing about its width's cost
             self.width.learn(r, t, w, now - started if timed else None, [a for a, *_ in packed], usable)
         for row, (a, *row_tokens), u in zip(self.rows, packed, usable):
@@ -347,17 +352,19 @@ class SpecEngine:
         buckets = [self._key_bucket(row.committed - 1 + span) for row in self.rows]
         return buckets + [self._key_bucket(span)] * (r - len(self.rows))
 
-    def _defers(self, w: int, context: bool) -> bool:
-        """Whether a step at width `w` feeding the draft's context keeps its taps for later (`DEFERRED_STEPS`)."""
-        return context and not w and self.defer_context
+    def _defers(self, w: int) -> bool:
+        """Whether a step at width `w` keeps its taps for later (`DEFERRED_STEPS`) instead of feeding them."""
+        return not w and self.defer_context
 
     def _feed_deferred_context(self):
         """The deferred taps into the draft's context, at once: the active rows' last `num_deferred` positions (every
         one of them decoded all the deferred steps, one position a step: admission feeds them first)."""
-        n, m = len(self.rows), self.num_deferred
+        n, m, head = len(self.rows), self.num_deferred, self.deferred_head
         if n:
-            self.proposer.append_context(slice(0, n), self.deferred_taps[:n, :m], self.lens[:n] - m)
-        self.num_deferred = 0
+            taps = self.deferred_taps[:n, :m] if head == 0 else \
+                self.deferred_taps[:n, [(head + i) % DEFERRED_STEPS for i in range(m)]]  # oldest first
+            self.proposer.append_context(slice(0, n), taps, self.lens[:n] - m)
+        self.num_deferred = self.deferred_head = 0
 
     def _usable(self) -> list[int]:
         """Drafts each active row's budget allows, in slot order (the bonus token always comes)."""
@@ -416,16 +423,17 @@ class SpecEngine:
         positions = lens[:, None] + self.verify_offsets[:w + 1]                  # [r, W+1]
         # causal after the prefix
         visible = group_visibility(positions + 1, self.groups, self.key_positions, key_groups, self.kv)
+        defer = self._defers(w)  # the taps of a W = 0 step wait in the ring, whether or not they will be fed
         hidden, taps = run_decoder(self.decoder, self.layers, verify_ids, positions,
                                    RowAttention(self.kv, write_index=positions, visible=visible, key_groups=key_groups),
-                                   self.tap_layers if context else ())
+                                   self.tap_layers if context or defer else ())
         logits = self.lm_head(hidden)  # [r, W+1, V]
         limit = remaining - 1          # drafts that fit the row's budget beside the bonus
         accepted, tokens = self.sampling.accept(slice(0, r), logits, verify_ids[:, 1:], limit, positions, sampled,
                                                 filtered)
         if taps is not None:
-            if self._defers(w, context):
-                self.deferred_taps[:r, self.num_deferred] = taps[:, 0]
+            if defer:  # the next free place in the ring, or the oldest position's when it is full
+                self.deferred_taps[:r, (self.deferred_head + self.num_deferred) % DEFERRED_STEPS] = taps[:, 0]
             else:
                 self.proposer.append_context(slice(0, r), taps, lens)
         advance = torch.where(remaining > 0, accepted + 1, 0)  # padding slots (remaining 0) stay put
@@ -475,8 +483,8 @@ class SpecEngine:
         self.kv.move_row(src_index, dst_index, length)
         if self.proposer is not None:
             self.proposer.move_row(src_index, dst_index, length)
-        if self.num_deferred:
-            self.deferred_taps[dst_index, :self.num_deferred] = self.deferred_taps[src_index, :self.num_deferred]
+        if self.num_deferred:  # the whole ring: its order is the same for every row
+            self.deferred_taps[dst_index] = self.deferred_taps[src_index]
         for t in (self.lens, self.anchor, self.remaining):
             t[dst_index] = t[src_index]  # an index tensor gathers the sources first
         self.sampling.move(src_index, dst_index)

@@ -15,9 +15,10 @@ the Domino correction loop stops at W, so a short width also drafts less. Verify
 
 While the draft is useless (`AcceptanceEstimates.draft_is_useless`: its first draft lands under 5% of the
 time, counted, not assumed; the verdict of the last drafting step, kept until the next one), W = 0 steps
-also skip the draft's context update. The positions decoded then
-are missing from that draft's context (a later probe sees the draft at its worst; rows admitted later
-start with their whole prompt as context). Exploration comes from the prior, which is optimistic (a new
+also skip the draft's context update, and so they do while drafting is far off (`CONTEXT_FLOOR`) in an
+engine that keeps the last positions' taps anyway (eager: `engine.DEFERRED_STEPS`). The positions decoded then
+are missing from that draft's context, but for those last few where the engine keeps them (a later probe sees
+the draft at its worst; rows admitted later start with their whole prompt as context). Exploration comes from the prior, which is optimistic (a new
 engine drafts at once; a few misses bring a bad draft's estimate down): estimates decay towards it while
 a position goes unverified, so a draft written off at W = 0 is tried again after a while (rarely: the
 decay is slow), at the narrowest width: whether its first draft lands is all the verdict asks.
@@ -65,6 +66,19 @@ def width_rates(costs: Mapping[int, float], accept_rows: Sequence[Sequence[float
 # the table and drafting ones 1-10%, and a predicted gain of 5.7% came out a 2% loss (BENCHMARKS "Our
 # decode-attention kernel"); drafting for a smaller promise loses about as often as it gains.
 DRAFTING_MARGIN = 0.10
+
+
+# While the best drafting width promises under this share of W = 0's rate, drafting is far off: an engine that keeps
+# its last positions' taps anyway (`WidthController(lazy_context=True)`) stops feeding the draft's context. Drafting
+# needs 1 + DRAFTING_MARGIN. Measured (CPU, 2026-12-05): the SmolLM2 pair at 16 rows sits at 1.00-1.09 (drafting now
+# and then: the context stays current), the demo pair at 16 rows at 0.77-0.83 (drafting never pays since our CPU
+# kernels made the target faster; the context cost 2-4% of its steps), a random draft at 1 row at 0.69-0.73.
+CONTEXT_FLOOR = 0.9
+
+# While drafting is far off, the policy looks again only every this many steps (or when the batch changes): its
+# estimates move by their slow decay alone meanwhile (0.2% a step), and a look costs 20-60 us of Python, 1-2% of a
+# small model's CPU step (the demo pair: 2.6 ms at 1 row, 5.5 at 16).
+FAR_OFF_STEPS = 8
 
 
 def best_width(rates: Mapping[int, float], margin: float = DRAFTING_MARGIN) -> int:
@@ -168,6 +182,8 @@ class StepCosts:
         self.base = {r: dict(c) for r, c in base.items()}
         self.per_key = per_key or {r: {w: 0.0 for w in c} for r, c in base.items()}
         self.measured = sorted(self.base)  # the row buckets timed; eager steps also run the counts between
+        self._line_at: tuple | None = None  # (r, t) of `_line`, `at`'s drafting widths
+        self._line: dict[int, float] = {}
 
     def _ensure_rows(self, r: int):
         """Costs for a row count between the measured buckets (an eager step runs exactly its active rows), made
@@ -189,8 +205,17 @@ class StepCosts:
         return cls(base, per_key)
 
     def at(self, r: int, t: int) -> dict[int, float]:
+        """`smooth_costs` of the figures at `t` keys: the drafting widths' line is kept until `t`, the bucket or a
+        drafting width's figure changes (W = 0's changes every step; the line is most of the work)."""
         self._ensure_rows(r)
-        return smooth_costs({w: b + self.per_key[r][w] * t for w, b in self.base[r].items()})
+        base, per_key = self.base[r], self.per_key[r]
+        if self._line_at != (r, t):
+            self._line_at = (r, t)
+            self._line = smooth_costs({w: b + per_key[w] * t for w, b in base.items() if w})
+        if 0 not in base:
+            return dict(self._line)
+        plain = base[0] + per_key[0] * t
+        return {0: plain, **{w: max(c, plain) for w, c in self._line.items()}}
 
     def observe(self, r: int, w: int, t: int, seconds: float):
         """Fold in a real step. Start-up figures are the fastest of a few runs, so this tracks the lower
@@ -200,6 +225,8 @@ class StepCosts:
         base = seconds - self.per_key[r][w] * t
         rate = 0.3 if base < self.base[r][w] else 0.02
         self.base[r][w] += rate * (base - self.base[r][w])
+        if w:
+            self._line_at = None
 
 
 # With CUDA graphs, widths whose verify would exceed this many positions (rows x (W+1)) are left out of a row
@@ -266,8 +293,11 @@ class WidthController:
     step-cost table, the candidate widths. The engine asks `choose` before a step and calls `learn` after it;
     `reset_slot` / `move_slots` follow its slot bookkeeping (a slot's counts belong to the row in it)."""
 
-    def __init__(self, num_spec_tokens: int, max_rows: int, costs: StepCosts):
-        self.k, self.costs = num_spec_tokens, costs
+    def __init__(self, num_spec_tokens: int, max_rows: int, costs: StepCosts, lazy_context: bool = False):
+        """`lazy_context`: the engine keeps the last positions' taps of W = 0 steps that skip the draft's context,
+        and feeds them before drafting: the policy may then skip the context while drafting is far off, and not
+        only while the draft is written off."""
+        self.k, self.costs, self.lazy_context = num_spec_tokens, costs, lazy_context
         self.estimates = AcceptanceEstimates(num_spec_tokens)
         self.tried = [[0.0] * num_spec_tokens for _ in range(max_rows)]      # [R][K] steps position i was verified
         self.succeeded = [[0.0] * num_spec_tokens for _ in range(max_rows)]  # [R][K] ... and accepted
@@ -275,10 +305,18 @@ class WidthController:
         # steps after it, which add no evidence (the decayed counts alone would otherwise drop below the
         # minimum and bring the context updates back without a single new draft being tried).
         self.written_off = False
+        self.far_off: tuple | None = None  # (steps left, batch, context) of the last look that found drafting far off
 
     def choose(self, r: int, t: int, usable: Sequence[int]) -> tuple[int, bool]:
-        """(W, whether the step keeps the draft's context current: always unless the draft is useless) for the
-        active rows in slots `0..len(usable)` (`usable[i]`: drafts row i's budget allows), bucket `r`, `t` keys."""
+        """(W, whether the step keeps the draft's context current: unless the draft is useless, or with
+        `lazy_context` drafting is far off) for the active rows in slots `0..len(usable)` (`usable[i]`: drafts row
+        i's budget allows), bucket `r`, `t` keys. While drafting is far off the answer stands for `FAR_OFF_STEPS`
+        steps of the same batch."""
+        if self.far_off is not None:
+            left, batch, context = self.far_off
+            if left and batch == (r, len(usable)):
+                self.far_off = (left - 1, batch, context)
+                return 0, context
         pooled = self.estimates.pooled()
         # Rows never verified whose budget allows every width share the pooled estimate: counted once (a large
         # batch at W = 0 is all such rows, and this runs every step)
@@ -287,10 +325,18 @@ class WidthController:
         accept = [self.estimates.for_row(self.succeeded[i], self.tried[i], pooled) for i in own] + [pooled]
         caps, counts = [usable[i] for i in own] + [self.k], [1] * len(own) + [len(fresh)]
         costs = self.costs.at(r, t)
-        w = best_width(width_rates(costs, accept, caps, counts))
+        rates = width_rates(costs, accept, caps, counts)
+        w = best_width(rates)
         if w > 0 and self.written_off:  # a probe of a written-off draft: its first draft is the whole question,
             w = min(x for x in costs if x > 0)  # asked at the narrowest width (the least verify and correction)
-        return w, w > 0 or not self.written_off
+        self.far_off = None
+        if w > 0:
+            return w, True
+        if max((v for x, v in rates.items() if x), default=0.0) >= CONTEXT_FLOOR * rates[0]:
+            return 0, not self.written_off
+        context = not (self.written_off or self.lazy_context)
+        self.far_off = (FAR_OFF_STEPS - 1, (r, len(usable)), context)
+        return 0, context
 
     def learn(self, r: int, t: int, w: int, seconds: float | None, accepted: Sequence[int], usable: Sequence[int]):
         """Fold one step into the acceptance estimates and the cost table (a decaying average); `seconds`
@@ -300,11 +346,13 @@ class WidthController:
             self.estimates.observe(min(w, u), a, self.succeeded[i], self.tried[i])
         if w > 0:
             self.written_off = self.estimates.draft_is_useless()
+            self.far_off = None  # new evidence: look again
         if seconds is not None:
             self.costs.observe(r, w, t, seconds)
 
     def reset_slot(self, slot: int):
         self.tried[slot], self.succeeded[slot] = [0.0] * self.k, [0.0] * self.k
+        self.far_off = None  # a new row: look again
 
     def move_slots(self, src: list[int], dst: list[int]):
         """Slot `src[i]`'s counts to slot `dst[i]` (the pairs may form cycles)."""
