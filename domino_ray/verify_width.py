@@ -75,9 +75,10 @@ DRAFTING_MARGIN = 0.10
 # kernels made the target faster; the context cost 2-4% of its steps), a random draft at 1 row at 0.69-0.73.
 CONTEXT_FLOOR = 0.9
 
-# While drafting is far off, the policy looks again only every this many steps (or when the batch changes): its
-# estimates move by their slow decay alone meanwhile (0.2% a step), and a look costs 20-60 us of Python, 1-2% of a
-# small model's CPU step (the demo pair: 2.6 ms at 1 row, 5.5 at 16).
+# While drafting is far off or the draft written off, the policy looks again only every this many W = 0 steps (or
+# when the batch changes): its estimates move by their slow decay alone meanwhile (0.2% a step), a written-off
+# draft's probe comes at most this late, and a look costs 20-60 us of Python, 1-2% of a small model's CPU step (the
+# demo pair: 2.6 ms at 1 row, 5.5 at 16).
 FAR_OFF_STEPS = 8
 
 
@@ -121,12 +122,14 @@ class AcceptanceEstimates:
         m = self.row_weight
         return [(s + m * p) / (n + m) for s, n, p in zip(row_success, row_trials, pooled)]
 
-    def draft_is_useless(self, min_trials: float = 3.9, max_rate: float = 0.05) -> bool:
+    def draft_is_useless(self, min_trials: float = 2.9, max_rate: float = 0.05) -> bool:
         """The evidence, not the prior, says the first draft almost never lands: W = 0 steps may then skip
         keeping the draft's context current (the draft is useless, not merely too dear for this batch).
-        `min_trials` 3.9: four tries, as the decay leaves them. Two were too few: a draft whose first token lands
-        half the time misses twice in a row a quarter of the time, and the demo draft at 2 rows was written off by
-        its first step (both rows missed) and never drafted again in a 12-token run."""
+        `min_trials` 2.9: three tries, as the decay leaves them. Two were too few: the demo draft at 2 rows was
+        written off by its first step (both rows missed) in a 12-token run. Four cost a useless draft at one row
+        its context upkeep until a fourth drafting step, ~120 steps later in bench_policy's random cell (1-2% of
+        the run). A written-off draft still drafts when its estimates say so, and an eager engine feeds it its
+        last positions first (a 20-step gap: the SmolLM2 draft accepted 0.91 drafts a step against 1.00)."""
         return bool(self.k) and self.trials[0] >= min_trials and self.success[0] < max_rate * self.trials[0]
 
     def start_step(self):
@@ -305,13 +308,13 @@ class WidthController:
         # steps after it, which add no evidence (the decayed counts alone would otherwise drop below the
         # minimum and bring the context updates back without a single new draft being tried).
         self.written_off = False
-        self.far_off: tuple | None = None  # (steps left, batch, context) of the last look that found drafting far off
+        self.far_off: tuple | None = None  # (steps left, batch, context) while W = 0 stands without a look
 
     def choose(self, r: int, t: int, usable: Sequence[int]) -> tuple[int, bool]:
         """(W, whether the step keeps the draft's context current: unless the draft is useless, or with
         `lazy_context` drafting is far off) for the active rows in slots `0..len(usable)` (`usable[i]`: drafts row
-        i's budget allows), bucket `r`, `t` keys. While drafting is far off the answer stands for `FAR_OFF_STEPS`
-        steps of the same batch."""
+        i's budget allows), bucket `r`, `t` keys. While drafting is far off or the draft written off, W = 0
+        stands for `FAR_OFF_STEPS` steps of the same batch."""
         if self.far_off is not None:
             left, batch, context = self.far_off
             if left and batch == (r, len(usable)):
@@ -332,8 +335,9 @@ class WidthController:
         self.far_off = None
         if w > 0:
             return w, True
-        if max((v for x, v in rates.items() if x), default=0.0) >= CONTEXT_FLOOR * rates[0]:
-            return 0, not self.written_off
+        far = max((v for x, v in rates.items() if x), default=0.0) < CONTEXT_FLOOR * rates[0]
+        if not (far or self.written_off):
+            return 0, True
         context = not (self.written_off or self.lazy_context)
         self.far_off = (FAR_OFF_STEPS - 1, (r, len(usable)), context)
         return 0, context
