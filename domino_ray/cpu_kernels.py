@@ -54,7 +54,7 @@ def decode_attention_op():
 def rms_norm(norm, x: torch.Tensor) -> torch.Tensor:
     """`norm(x)` for an HF RMSNorm module (`weight * (x * rsqrt(mean(x^2) + variance_epsilon))`): one op on fp32
     CPU tensors, the module's own forward otherwise (and wherever autograd records: the op has no backward)."""
-    if _takes(x, norm.weight):
+    if takes(x, norm.weight):
         return torch.ops.domino_ray.rms_norm(x, norm.weight, norm.variance_epsilon)
     return norm(x)
 
@@ -62,14 +62,14 @@ def rms_norm(norm, x: torch.Tensor) -> torch.Tensor:
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """`draft.apply_rotary(x, cos, sin, head_axis=2)` for x `[b, q, H, D]`, cos/sin `[b, q, D]`: one op on fp32 CPU
     tensors with D a multiple of 16, torch's ops otherwise."""
-    if x.shape[-1] % 16 == 0 and _takes(x, cos):
+    if x.shape[-1] % 16 == 0 and takes(x, cos):
         return torch.ops.domino_ray.rotary(x, cos, sin)
     from domino_ray.draft import apply_rotary  # here: draft imports kv_cache, which imports this module
 
     return apply_rotary(x, cos, sin, head_axis=2)
 
 
-def _takes(x: torch.Tensor, other: torch.Tensor) -> bool:
+def takes(x: torch.Tensor, other: torch.Tensor) -> bool:
     """Whether our layer ops run on `x` (with `other`, the norm's weight or the rotary table): fp32 on CPU, nothing
     for autograd to record."""
     recording = torch.is_grad_enabled() and (x.requires_grad or other.requires_grad)

@@ -63,7 +63,7 @@ def test_a_draft_is_useless_on_evidence_not_on_the_prior():
     for tries in range(1, 5):
         est.start_step()
         est.observe(4, 0, row_s, row_n)  # the first draft rejected every time
-        assert est.draft_is_useless() == (tries >= 3)  # two misses happen to decent drafts
+        assert est.draft_is_useless() == (tries >= 3)  # two misses (one step at 2 rows) happen to decent drafts
     assert est.pooled()[1] == pytest.approx(0.8)  # later positions: untried
     est.observe(4, 2, row_s, row_n)
     assert not est.draft_is_useless()  # a hit in 5 tries is not "almost never"
