@@ -16,9 +16,10 @@ the Domino correction loop stops at W, so a short width also drafts less. Verify
 While the draft is useless (`AcceptanceEstimates.draft_is_useless`: its first draft lands under 5% of the
 time, counted, not assumed; the verdict of the last drafting step, kept until the next one), W = 0 steps
 also skip the draft's context update, and so they do while drafting is far off (`CONTEXT_FLOOR`) in an
-engine that keeps the last positions' taps anyway (eager: `engine.DEFERRED_STEPS`). The positions decoded then
-are missing from that draft's context, but for those last few where the engine keeps them (a later probe sees
-the draft at its worst; rows admitted later start with their whole prompt as context). Exploration comes from the prior, which is optimistic (a new
+engine that keeps the last positions' taps anyway (eager: `engine.DEFERRED_STEPS`). The positions decoded
+then are missing from that draft's context, but for those last few where the engine keeps them (a later
+probe sees the draft at its worst; rows admitted later start with their whole prompt as context).
+Exploration comes from the prior, which is optimistic (a new
 engine drafts at once; a few misses bring a bad draft's estimate down): estimates decay towards it while
 a position goes unverified, so a draft written off at W = 0 is tried again after a while (rarely: the
 decay is slow), at the narrowest width: whether its first draft lands is all the verdict asks.
@@ -78,8 +79,8 @@ CONTEXT_FLOOR = 0.9
 
 # While drafting is far off or the draft written off, the policy looks again only every this many W = 0 steps (or
 # when the batch changes): its estimates move by their slow decay alone meanwhile (0.2% a step), a written-off
-# draft's probe comes at most this late, and a look costs 20-60 us of Python, 1-2% of a small model's CPU step (the
-# demo pair: 2.6 ms at 1 row, 5.5 at 16).
+# draft's probe comes at most this late, and a look cost 36-61 us of Python in the engine, 1-2% of a small model's
+# CPU step (the demo pair: 2.6 ms at 1 row, 5.5 at 16).
 FAR_OFF_STEPS = 8
 
 

@@ -13,8 +13,9 @@ from domino_ray.engine import DEFERRED_STEPS, SpecEngine
 from domino_ray.request import Request
 from domino_ray.proposer import DominoProposer
 from domino_ray.sampling_params import SamplingParams
-from domino_ray.verify_width import (CONTEXT_FLOOR, DRAFTING_MARGIN, FAR_OFF_STEPS, AcceptanceEstimates, best_width, candidate_widths, choose_width,
-                                     expected_tokens, smooth_costs, StepCosts, WidthController, width_rates)
+from domino_ray.verify_width import (CONTEXT_FLOOR, DRAFTING_MARGIN, FAR_OFF_STEPS, AcceptanceEstimates, best_width,
+                                     candidate_widths, choose_width, expected_tokens, smooth_costs, StepCosts,
+                                     WidthController, width_rates)
 from oracles import OracleProposer
 from tiny_models import hf_greedy, ragged_prompts, tiny_draft, tiny_target
 
@@ -239,15 +240,16 @@ class ContextChecker(DominoProposer):
     def propose(self, r, anchor, offsets, *args):
         for slot, length in enumerate(offsets.tolist()):
             row = self.engine.rows[slot]
-            ids = (list(row.request.prompt_token_ids) + row.tokens)[:length]  # [0, length): the context; the anchor next
+            ids = (list(row.request.prompt_token_ids) + row.tokens)[:length]  # the context; the anchor comes next
             hidden = self.target(torch.tensor([ids]), output_hidden_states=True).hidden_states
             oracle = DominoProposer(self.draft, self.target)
             oracle.allocate(1, self.kv.keys[0].shape[2])
             oracle.append_context(slice(0, 1), torch.cat([hidden[i + 1] for i in self.target_layer_ids], -1),
                                   torch.zeros(1, dtype=torch.long))
-            for p in range(length):
-                match = all(torch.allclose(mine[slot, :, p], theirs[0, :, p], rtol=1e-4, atol=1e-5)  # fp32, other shapes
-                            for mine, theirs in zip((*self.kv.keys, *self.kv.values), (*oracle.kv.keys, *oracle.kv.values)))
+            buffers = zip((*self.kv.keys, *self.kv.values), (*oracle.kv.keys, *oracle.kv.values))
+            pairs = [(mine[slot], theirs[0]) for mine, theirs in buffers]  # [Hkv, T, D] each
+            for p in range(length):  # fp32 from other shapes (one GEMM over a prompt or a few positions): a tolerance
+                match = all(torch.allclose(mine[:, p], theirs[:, p], rtol=1e-4, atol=1e-5) for mine, theirs in pairs)
                 self.checked.append((p, len(row.request.prompt_token_ids), length, match))
         return super().propose(r, anchor, offsets, *args)
 
