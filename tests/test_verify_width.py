@@ -432,7 +432,7 @@ def test_far_off_drafting_skips_the_context_of_lazy_engines_only_and_holds_for_a
         return WidthController(4, 2, StepCosts({r: {0: 1.0, **{w: draft_cost + 0.01 * w for w in range(1, 5)}}
                                                 for r in (1, 2)}), lazy_context=lazy)
 
-    prior_rate = expected_tokens([0.8] * 4, 4, 100)  # ~2.95 tokens a row at the prior
+    prior_rate = expected_tokens([0.8] * 4, 4, 100)  # 3.36 tokens a row at the prior, W = 4
     near, far = prior_rate / (1 + DRAFTING_MARGIN / 2), prior_rate / (CONTEXT_FLOOR * 0.9)  # drafting costs
     assert controller(near).choose(1, 64, [100]) == (0, True)  # close to paying: W = 0, context kept
     assert controller(far, lazy=False).choose(1, 64, [100]) == (0, True)
