@@ -9,8 +9,9 @@ group and takes each query's key limit instead of a mask. For head sizes in mult
 a set of K/V buffers is decided when they are made (`KVBuffers.kernel`), through `kv_cache.row_attention`.
 
 RMSNorm and the rotary embedding (`csrc/layer_ops.cpp`): HF's are 8 and 9 dispatched torch ops, and at the rows
-a CPU engine decodes each op's overhead outweighs its arithmetic (BENCHMARKS "Our layer ops and linear kernel"). `rms_norm`
-and `rotary` run one op each on fp32 CPU tensors and HF's ops on anything else (`fused_layers.FusedLayer`).
+a CPU engine decodes each op's overhead outweighs its arithmetic (BENCHMARKS "Our layer ops and linear kernel").
+`rms_norm` and `rotary` run one op each on fp32 CPU tensors and HF's ops on anything else
+(`fused_layers.FusedLayer`; the draft's own norms and rotary embedding too, through `takes`).
 
 All fp32 and CPU only; CUDA, other dtypes and a machine where they do not build keep torch's ops. Built with
 the machine's C++ compiler for its own CPU (`-march=native`) into `~/.cache/domino-ray/kernels` (or

@@ -2,9 +2,9 @@
 //
 // At the rows a CPU engine decodes (16 rows x 576 features), HF's RMSNorm is eight dispatched ops over a few KB
 // and the rotary embedding nine: per-op overhead, not arithmetic (BENCHMARKS "Our layer ops and linear kernel").
-// The math is HF's, in HF's order per element: RMSNorm `weight * (x * rsqrt(mean(x^2) + eps))` with the mean in fp32, the
-// rotary embedding `x * cos + rotate_half(x) * sin`; only the sum of squares' order differs (and the compiler may
-// fuse a multiply-add): within fp32 rounding.
+// The math is HF's, in HF's order per element: RMSNorm `weight * (x * rsqrt(mean(x^2) + eps))` with the mean in
+// fp32, the rotary embedding `x * cos + rotate_half(x) * sin`; only the sum of squares' order differs (and the
+// compiler may fuse a multiply-add): within fp32 rounding.
 //
 // rms_norm(x [..., C], weight [C], eps) -> [..., C] contiguous; x's last dim contiguous, other strides any
 // rotary(x [b, q, H, D], cos [b, q, D], sin [b, q, D]) -> [b, q, H, D] contiguous; last dims contiguous, D % 16 == 0

@@ -2,10 +2,10 @@
 //
 // At the 1-128 rows a CPU engine decodes, the weights are read from memory once per call and the arithmetic is
 // M times that; MKL's GEMM (packed or not) overlaps the two poorly up to ~32 rows (BENCHMARKS "Our layer ops and
-// linear kernel"). Here the weight is packed once into panels of 16 output columns, `[ceil(N/16), K, 16]` (the last one zero-padded),
-// streamed once per call with a software prefetch ahead of the loads, while up to 16 rows of x (transposed, so one
-// step's broadcasts share a cache line) accumulate in registers: 16 accumulators x 16 floats. From 24 rows two
-// panels share each broadcast (12 rows x 2 panels), which keeps the FMA units busier.
+// linear kernel"). Here the weight is packed once into panels of 16 output columns, `[ceil(N/16), K, 16]` (the last
+// one zero-padded), streamed once per call with a software prefetch ahead of the loads, while up to 16 rows of x
+// (transposed, so one step's broadcasts share a cache line) accumulate in registers: 16 accumulators x 16 floats.
+// From 24 rows two panels share each broadcast (12 rows x 2 panels), which keeps the FMA units busier.
 //
 // Every output is the same fp32 sum whatever M, the tile, or a row's place in the batch (a verify of W+1 positions
 // computes each position as a one-row step would): fused multiply-add chains over blocks of 64 k in order, the
