@@ -3,9 +3,11 @@
 // At the 1-128 rows a CPU engine decodes, the weights are read from memory once per call and the arithmetic is
 // M times that; MKL's GEMM (packed or not) overlaps the two poorly up to ~32 rows (BENCHMARKS "Our layer ops and
 // linear kernel"). Here the weight is packed once into panels of 16 output columns, `[ceil(N/16), K, 16]` (the last
-// one zero-padded), streamed once per call with a software prefetch ahead of the loads, while up to 16 rows of x
-// (transposed, so one step's broadcasts share a cache line) accumulate in registers: 16 accumulators x 16 floats.
-// From 24 rows two panels share each broadcast (12 rows x 2 panels), which keeps the FMA units busier.
+// one zero-padded), and each thread takes groups of 3 panels (AVX-512; 1 on AVX2). A group's weights stream once
+// from memory, with a software prefetch ahead of the loads, k-block by k-block (64 k): every chunk of up to 8 rows
+// of x (transposed, so one step's broadcasts share a cache line) runs over the block while it is in L1, 8 rows x 3
+// panels accumulating in 24 registers. Running each chunk over the whole group in turn instead left memory idle
+// while the later chunks computed (16 rows: 30.1 ms a pass against 35.9, BENCHMARKS "The linear kernel's k-blocks").
 //
 // Every output is the same fp32 sum whatever M, the tile, or a row's place in the batch (a verify of W+1 positions
 // computes each position as a one-row step would): fused multiply-add chains over blocks of 64 k in order, the
@@ -24,68 +26,85 @@
 namespace {
 
 constexpr int kPanel = 16;       // output columns per panel: one 16-float vector
-constexpr int64_t kPrefetch = 128 * kPanel;  // floats ahead in a panel's stream (8 KB)
+constexpr int64_t kPrefetch = 32 * kPanel;  // floats ahead in a panel's stream (2 KB)
 constexpr int64_t kBlock = 64;   // products summed in registers before joining an output's running sum
 #ifdef __AVX512F__
-constexpr int kRows = 16;        // rows per one-panel tile: 16 accumulators of the 32 vector registers
-constexpr int kPairRows = 12;    // rows per two-panel tile: 24 accumulators
-constexpr int64_t kPairFrom = 24;  // rows from which two-panel tiles run
+constexpr int kRows = 8;         // rows per tile: 8 x 3 accumulators of the 32 vector registers
+constexpr int kPanels = 3;       // panels per group
 #else  // AVX2: a 16-float vector is two of the 16 registers
 constexpr int kRows = 6;
-constexpr int kPairRows = 3;
-constexpr int64_t kPairFrom = 1 << 30;  // never: too few registers to gain
+constexpr int kPanels = 1;
 #endif
 
-// out[m, 0..cols) (+ bias) for `M` rows of xt [K, M] against `P` consecutive panels.
+// sum[P][M][16] += the products of k in [start, stop) for `M` rows of xt [K, M] against `P` consecutive panels.
 template <int M, int P>
-inline void tile(const float* xt, const float* panels, int64_t k, const float* bias, float* out, int64_t ldo,
-                 int64_t cols) {
-  alignas(64) float sum[P][M][kPanel] = {};  // the blocks' sums, in L1: the registers hold the block being summed
-  for (int64_t start = 0; start < k; start += kBlock) {
-    const int64_t stop = std::min<int64_t>(start + kBlock, k);
-    v16 acc[P][M];
-    for (int p = 0; p < P; ++p)
-      for (int m = 0; m < M; ++m) acc[p][m] = v16{};
-    for (int64_t i = start; i < stop; ++i) {
-      v16 w[P];
-      for (int p = 0; p < P; ++p) {
-        const float* panel = panels + p * k * kPanel + i * kPanel;
-        w[p] = load16(panel);
-        __builtin_prefetch(panel + kPrefetch);
-      }
+inline void block(const float* xt, const float* panels, int64_t k, int64_t start, int64_t stop, float* sum,
+                  bool prefetch) {
+  v16 acc[P][M];
+  for (int p = 0; p < P; ++p)
+    for (int m = 0; m < M; ++m) acc[p][m] = v16{};
+  for (int64_t i = start; i < stop; ++i) {
+    v16 w[P];
+    for (int p = 0; p < P; ++p) {
+      const float* panel = panels + p * k * kPanel + i * kPanel;
+      w[p] = load16(panel);
+      if (prefetch) __builtin_prefetch(panel + kPrefetch);
+    }
 #pragma GCC unroll 16
-      for (int m = 0; m < M; ++m) {
-        const float x = xt[i * M + m];
-        for (int p = 0; p < P; ++p) acc[p][m] += w[p] * x;
-      }
-    }
-    for (int p = 0; p < P; ++p)
-      for (int m = 0; m < M; ++m) store16(sum[p][m], load16(sum[p][m]) + acc[p][m]);
-  }
-  for (int p = 0; p < P; ++p) {
-    const int64_t c = std::min<int64_t>(kPanel, cols - p * kPanel);
-    float b[kPanel] = {};
-    if (bias) std::memcpy(b, bias + p * kPanel, c * sizeof(float));
     for (int m = 0; m < M; ++m) {
-      const v16 r = load16(sum[p][m]) + load16(b);
-      if (c == kPanel) {
-        store16(out + m * ldo + p * kPanel, r);
-      } else {
-        float tail[kPanel];
-        store16(tail, r);
-        std::memcpy(out + m * ldo + p * kPanel, tail, c * sizeof(float));
-      }
+      const float x = xt[i * M + m];
+      for (int p = 0; p < P; ++p) acc[p][m] += w[p] * x;
     }
+  }
+  for (int p = 0; p < P; ++p)
+    for (int m = 0; m < M; ++m) {
+      float* s = sum + (p * M + m) * kPanel;
+      store16(s, load16(s) + acc[p][m]);
+    }
+}
+
+// `block<rows, P>` for a run-time `rows` in 1..M.
+template <int M, int P>
+inline void block_rows(int rows, const float* xt, const float* panels, int64_t k, int64_t start, int64_t stop,
+                       float* sum, bool prefetch) {
+  if constexpr (M > 0) {
+    if (rows == M) return block<M, P>(xt, panels, k, start, stop, sum, prefetch);
+    return block_rows<M - 1, P>(rows, xt, panels, k, start, stop, sum, prefetch);
   }
 }
 
-// `tile<rows, P>` for a run-time `rows` in 1..M.
-template <int M, int P>
-inline void tile_rows(int rows, const float* xt, const float* panels, int64_t k, const float* bias, float* out,
-                      int64_t ldo, int64_t cols) {
-  if constexpr (M > 0) {
-    if (rows == M) return tile<M, P>(xt, panels, k, bias, out, ldo, cols);
-    return tile_rows<M - 1, P>(rows, xt, panels, k, bias, out, ldo, cols);
+// out[0..m, 0..cols) (+ bias) against `P` consecutive panels, for the m rows of xt in chunks of `chunk`; `sum` holds
+// m x P x 16 floats.
+template <int P>
+void group(int64_t m, int chunk, const float* xt, const float* panels, int64_t k, const float* bias, float* out,
+           int64_t ldo, int64_t cols, float* sum) {
+  std::fill(sum, sum + m * P * kPanel, 0.0f);
+  for (int64_t start = 0; start < k; start += kBlock) {
+    const int64_t stop = std::min<int64_t>(start + kBlock, k);
+    for (int64_t r = 0; r < m; r += chunk) {  // the first chunk brings the block in; the others find it in L1
+      const int rows = static_cast<int>(std::min<int64_t>(chunk, m - r));
+      block_rows<kRows, P>(rows, xt + r * k, panels, k, start, stop, sum + r * P * kPanel, r == 0);
+    }
+  }
+  for (int64_t r = 0; r < m; r += chunk) {
+    const int rows = static_cast<int>(std::min<int64_t>(chunk, m - r));
+    const float* s = sum + r * P * kPanel;
+    for (int p = 0; p < P; ++p) {
+      const int64_t c = std::min<int64_t>(kPanel, cols - p * kPanel);
+      float b[kPanel] = {};
+      if (bias) std::memcpy(b, bias + p * kPanel, c * sizeof(float));
+      for (int j = 0; j < rows; ++j) {
+        const v16 v = load16(s + (p * rows + j) * kPanel) + load16(b);
+        float* o = out + (r + j) * ldo + p * kPanel;
+        if (c == kPanel) {
+          store16(o, v);
+        } else {
+          float tail[kPanel];
+          store16(tail, v);
+          std::memcpy(o, tail, c * sizeof(float));
+        }
+      }
+    }
   }
 }
 
@@ -123,28 +142,32 @@ at::Tensor linear(const at::Tensor& input, const at::Tensor& packed, int64_t n, 
   const float *xp = x.data_ptr<float>(), *wp = packed.data_ptr<float>();
   const float* bp = has_bias ? bias->data_ptr<float>() : nullptr;
   float* op = out.data_ptr<float>();
-  const bool pairs = m >= kPairFrom && panels % 2 == 0;
-  const int chunk = pairs ? kPairRows : kRows;
+  const int chunks = static_cast<int>((m + kRows - 1) / kRows);
+  const int chunk = static_cast<int>((m + chunks - 1) / chunks);  // balanced: 9 rows are 5 + 4, not 8 + 1
   // x transposed chunk by chunk: rows [r, r + rows) as [K, rows]
   std::vector<float> xt(m * k);
   for (int64_t r = 0; r < m; r += chunk) {
     const int rows = static_cast<int>(std::min<int64_t>(chunk, m - r));
     float* t = xt.data() + r * k;
-    for (int64_t i = 0; i < k; ++i)
-      for (int j = 0; j < rows; ++j) t[i * rows + j] = xp[(r + j) * k + i];
+    for (int j = 0; j < rows; ++j) {
+      const float* row = xp + (r + j) * k;
+      for (int64_t i = 0; i < k; ++i) t[i * rows + j] = row[i];
+    }
   }
-  const int step = pairs ? 2 : 1;  // panels per tile
-  at::parallel_for(0, panels / step, 1, [&](int64_t lo, int64_t hi) {
-    for (int64_t t = lo; t < hi; ++t) {
-      const int64_t p = t * step, col = p * kPanel, cols = std::min<int64_t>(step * kPanel, n - col);
+  const int64_t groups = (panels + kPanels - 1) / kPanels;
+  at::parallel_for(0, groups, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> sum(m * kPanels * kPanel);
+    for (int64_t g = lo; g < hi; ++g) {
+      const int64_t p = g * kPanels, group_panels = std::min<int64_t>(kPanels, panels - p), col = p * kPanel;
+      const int64_t cols = std::min<int64_t>(group_panels * kPanel, n - col);
       const float* panel = wp + p * k * kPanel;
       const float* b = bp ? bp + col : nullptr;
-      for (int64_t r = 0; r < m; r += chunk) {
-        const int rows = static_cast<int>(std::min<int64_t>(chunk, m - r));
-        if (pairs)
-          tile_rows<kPairRows, 2>(rows, xt.data() + r * k, panel, k, b, op + r * n + col, n, cols);
-        else
-          tile_rows<kRows, 1>(rows, xt.data() + r * k, panel, k, b, op + r * n + col, n, cols);
+      if (group_panels == kPanels) {
+        group<kPanels>(m, chunk, xt.data(), panel, k, b, op + col, n, cols, sum.data());
+      } else {  // the last panels, one at a time
+        for (int64_t q = 0; q < group_panels; ++q)
+          group<1>(m, chunk, xt.data(), panel + q * k * kPanel, k, b ? b + q * kPanel : nullptr, op + col + q * kPanel,
+                   n, std::min<int64_t>(kPanel, cols - q * kPanel), sum.data());
       }
     }
   });
