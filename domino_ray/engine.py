@@ -5,7 +5,8 @@ number of slots; a finished row frees its slot and the next pending request is p
 
 Glossary (shape comments): n active rows (at most R slots), r = the rows a step runs (n, or with CUDA
 graphs n padded up to a row bucket), q query positions, T buffer positions (the key bucket), K draft
-tokens per step, B draft block size, V vocabulary, C hidden size, F = len(target_layer_ids) * C.
+tokens per step, B draft block size (S <= B the slots a step runs), V vocabulary, C hidden size,
+F = len(target_layer_ids) * C.
 Speculative-decoding words (draft tokens, accepted, bonus, step) are defined in `verify.py`.
 
 A row's committed tokens are prompt + generated. Its last committed token, the *anchor*, has not been
