@@ -4,8 +4,9 @@ At the rows a CPU engine decodes (a few to a hundred positions per forward), fp3
 the weight-read bound: on the 2-core VM the projections of a SmolLM2-shaped model take ~50 ms at 16 rows
 against ~21 at one. MKL's packed GEMM (each weight reordered once into its kernel's layout; torch exposes it as
 `mkl::_mkl_linear`, what inductor's freezing uses) takes ~40 ms at 16 rows. Our kernel, over the weight packed
-once into panels of 16 output columns, streamed with a prefetch while up to 16 rows accumulate in registers,
-takes ~34 ms: 8-20% less than MKL's up to 32 rows, 4-23% more from 48 (BENCHMARKS "Our layer ops and linear kernel"). So
+once into panels of 16 output columns, streamed once a call with a prefetch while chunks of up to 8 rows accumulate
+in registers block by block, takes ~30 ms: 5-30% less than MKL's up to 32 rows, 5-10% more from 48 (BENCHMARKS
+"The linear kernel's k-blocks"). So
 each call takes the faster of the two by its rows (`OUR_ROWS`, `MKL_ROWS`) and prefills `F.linear`. Our kernel
 gives a row the same numbers whatever batch it is in.
 
@@ -30,8 +31,8 @@ from domino_ray import cpu_kernels
 log = logging.getLogger(__name__)
 
 # Rows (positions) per call that take our kernel, then MKL's packed GEMM; from 129 (prefills) `F.linear`'s GEMM is
-# as fast. Our kernel is 8-20% faster than MKL's up to 32 rows and 4-23% slower from 48 (BENCHMARKS "Our layer
-# ops and linear kernel"); MKL's packing depends on the batch it is packed for, although any batch may use it:
+# as fast. Our kernel is 5-30% faster than MKL's up to 32 rows and 5-10% slower from 48 (BENCHMARKS "The linear
+# kernel's k-blocks"); MKL's packing depends on the batch it is packed for, although any batch may use it:
 # packed for 64 it is the fastest over 4-64 rows and no slower up to 256.
 OUR_ROWS = range(1, 33)
 MKL_ROWS = range(33, 129)

@@ -464,13 +464,13 @@ def test_a_written_off_draft_is_probed_at_the_narrowest_width():
         return best_width(width_rates(width.costs.at(1, 64), [accept], [100]))
 
     for widths, narrowest in ((range(5), 1), ((0, 2, 4), 2)):  # every width, or a graphs-style subset
-        width = WidthController(4, 1, StepCosts({1: {w: 1.0 + 0.3 * (w > 0) + 0.01 * w for w in widths}}))
+        width = WidthController(4, 1, StepCosts({1: {w: 1.0 + 0.5 * (w > 0) + 0.01 * w for w in widths}}))
         for _ in range(4):
-            width.learn(1, 64, 4, 1.34, [0], [100])  # the first draft rejected every time: written off
+            width.learn(1, 64, 4, 1.54, [0], [100])  # the first draft rejected every time: written off
         width.reset_slot(0)  # a new row in the slot: the pooled evidence and the prior decide
         assert width.written_off and unclamped(width) == 4
         assert width.choose(1, 64, [100]) == (narrowest, True)
-        width.learn(1, 64, narrowest, 1.3, [1], [100])  # it lands: the draft is back
+        width.learn(1, 64, narrowest, 1.5, [1], [100])  # it lands: the draft is back
         assert not width.written_off and width.choose(1, 64, [100]) == (unclamped(width), True) == (4, True)
 
 
