@@ -77,7 +77,7 @@ class DominoProposer:
         block = torch.cat([self.embed(anchor)[:, None].to(self.dtype),
                            self.mask_embedding.expand(r, slots - 1, -1)], 1)  # [r, S, C]
         positions = offsets[:, None] + self.block_offsets[:slots]  # [r, S]
-        # Non-causal: every block slot sees the whole context and the whole block.
+        # Non-causal: every slot sees the whole context and every slot of the step.
         key_limit = (offsets + slots)[:, None].expand(r, slots)  # [r, S]
         visible = group_visibility(key_limit, self.groups, self.key_positions, key_groups, self.kv)
         cos, sin = self.draft.rope(positions, self.dtype)
@@ -101,5 +101,5 @@ def block_slots(block_size: int, width: int, shift_label: bool) -> int:
     """Slots of the draft block a step of `width` drafts runs: `width` more past the last slot that drafts, not the
     whole block. The slots past a step's drafts only shape the earlier slots' attention, and the draft's work grows
     with its slots (SmolLM2 pair, 16 rows, W = 1: accepted drafts per row-step 0.408 with 2 slots against
-    0.417 with all 8, 174 against 166 tok/s; BENCHMARKS "The draft block's slots")."""
+    0.417 with all 8, 174 against 166 tok/s; BENCHMARKS "The linear kernel's k-blocks; the draft block's slots")."""
     return min(block_size, 2 * width + (0 if shift_label else 1))

@@ -12,7 +12,8 @@ from domino_ray.sampling_params import SamplingParams
 from tiny_models import Recorder, ragged_prompts, tiny_draft, tiny_target
 
 
-def stateless_drafts(target, draft, sequence: list[int], committed: int, k: int, slots: int | None = None) -> list[int]:
+def stateless_drafts(target, draft, sequence: list[int], committed: int, k: int,
+                     slots: int | None = None) -> list[int]:
     """Draft tokens for a row whose first `committed` tokens are fixed, computed from scratch with a block of
     `slots` (None: the whole block)."""
     ids = torch.tensor([sequence[:committed - 1]])
