@@ -7,7 +7,7 @@
 // from memory, with a software prefetch ahead of the loads, k-block by k-block (64 k): every chunk of up to 8 rows
 // of x (transposed, so one step's broadcasts share a cache line) runs over the block while it is in L1, 8 rows x 3
 // panels accumulating in 24 registers. Running each chunk over the whole group in turn instead left memory idle
-// while the later chunks computed (16 rows: 30.1 ms a pass against 35.9, BENCHMARKS "The linear kernel's k-blocks").
+// while the later chunks computed (16 rows: 29.5 ms a pass against 35.9, BENCHMARKS "The linear kernel's k-blocks").
 //
 // Every output is the same fp32 sum whatever M, the tile, or a row's place in the batch (a verify of W+1 positions
 // computes each position as a one-row step would): fused multiply-add chains over blocks of 64 k in order, the
