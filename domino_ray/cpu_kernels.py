@@ -11,7 +11,13 @@ a set of K/V buffers is decided when they are made (`KVBuffers.kernel`), through
 RMSNorm and the rotary embedding (`csrc/layer_ops.cpp`): HF's are 8 and 9 dispatched torch ops, and at the rows
 a CPU engine decodes each op's overhead outweighs its arithmetic (BENCHMARKS "Our layer ops and linear kernel").
 `rms_norm` and `rotary` run one op each on fp32 CPU tensors and HF's ops on anything else
-(`fused_layers.FusedLayer`; the draft's own norms and rotary embedding too, through `takes`).
+(`fused_layers.FusedLayer`; the draft's own norms and rotary embedding too, through `takes`). So does `kv_write`,
+a step's new keys and values into the KV buffers (`KVBuffers.write`, target and draft): torch's `index_copy_` of
+the transposed keys was 8 ops a layer, and its call cost grows cold: ~50 us after a linear layer's weights have
+streamed through the caches, 5 us hot (SmolLM2 at 16 rows: 105-117 us a layer against 31-40 for ours).
+
+A whole Llama-family layer of a decode step (`csrc/decode_layer.cpp`, `fused_layers.FusedLayer`): the ops above and
+the linear kernel called from C++ (their entry points in `csrc/ops.h`), the views as pointer arithmetic.
 
 All fp32 and CPU only; CUDA, other dtypes and a machine where they do not build keep torch's ops. Built with
 the machine's C++ compiler for its own CPU (`-march=native`) into `~/.cache/domino-ray/kernels` (or
@@ -34,8 +40,8 @@ from pathlib import Path
 import torch
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / name for name in ("decode_attention.cpp", "layer_ops.cpp", "linear.cpp")]
-HEADERS = [CSRC / "vectors.h"]
+SOURCES = [CSRC / name for name in ("decode_attention.cpp", "layer_ops.cpp", "linear.cpp", "decode_layer.cpp")]
+HEADERS = [CSRC / "vectors.h", CSRC / "ops.h"]
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]  # OpenMP: at::parallel_for, on torch's own libgomp
 STALE_LOCK_S = 600  # a build takes ~10-20 s; a lock this old is left by a killed one
 
@@ -68,6 +74,17 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     from domino_ray.draft import apply_rotary  # here: draft imports kv_cache, which imports this module
 
     return apply_rotary(x, cos, sin, head_axis=2)
+
+
+def kv_write(key_buffer: torch.Tensor, value_buffer: torch.Tensor, at: torch.Tensor, keys: torch.Tensor,
+             values: torch.Tensor) -> bool:
+    """`keys/values [b, Hkv, q, D]` into rows `at` of the buffers seen as `[rows, D]` (`kv_cache.KVBuffers.write`) as
+    one op, on fp32 CPU tensors with the last dims contiguous; False (nothing written) otherwise."""
+    if not (takes(keys, values) and key_buffer.dtype == keys.dtype and key_buffer.is_contiguous()
+            and value_buffer.is_contiguous() and keys.stride(-1) == 1 and values.stride(-1) == 1):
+        return False
+    torch.ops.domino_ray.kv_write(key_buffer, value_buffer, at, keys, values)
+    return True
 
 
 def takes(x: torch.Tensor, other: torch.Tensor) -> bool:

@@ -53,17 +53,30 @@ class PackedLinear(nn.Linear):
         self.mkl_weight = torch.ops.mkl._mkl_reorder_linear_weight(weight, MKL_PACKED_FOR)
         self.packed_from = (weight.data_ptr(), self.weight._version)
 
+    def current_pack(self) -> torch.Tensor:
+        """The packed weight for our kernel, packed again (both copies) if the weight changed since."""
+        if self.packed_from != (self.weight.data_ptr(), self.weight._version):
+            self.pack()
+        return self.packed_weight
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
         recording = torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
         if recording or not OUR_ROWS.start <= rows < MKL_ROWS.stop:
             return F.linear(x, self.weight, self.bias)
-        if self.packed_from != (self.weight.data_ptr(), self.weight._version):
-            self.pack()
         if rows in OUR_ROWS:
-            return torch.ops.domino_ray.linear(x, self.packed_weight, self.out_features, self.bias)
+            return torch.ops.domino_ray.linear(x, self.current_pack(), self.out_features, self.bias)
+        self.current_pack()
         # The op's last argument must equal the input's rows, or it runs F.linear on the unpacked weight.
         return torch.ops.mkl._mkl_linear(x, self.mkl_weight, self.weight, self.bias, rows)
+
+
+def current_pack(linear: nn.Module) -> torch.Tensor | None:
+    """`linear`'s weight packed for our kernel (packed again if the weight changed since), or None where it is not a
+    `PackedLinear` or autograd would record its use."""
+    if not isinstance(linear, PackedLinear) or (torch.is_grad_enabled() and linear.weight.requires_grad):
+        return None
+    return linear.current_pack()
 
 
 def can_pack(model: nn.Module) -> bool:

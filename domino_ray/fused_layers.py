@@ -7,6 +7,11 @@ rotary pass over the query and key heads together. The norms and the rotary embe
 on fp32 CPU tensors one op each (`cpu_kernels.py`), elsewhere HF's own modules and ops; so only the fused GEMMs'
 and the norms' summation order may differ (fp32: within the tests' 1e-5).
 
+On fp32 CPU tensors with the linears packed (`cpu_linear.pack_linears`), a decode or verify step of up to 32
+positions runs each layer as one op of ours (`csrc/decode_layer.cpp`: this forward's math calling our kernels
+directly), not ~48 dispatched ops: 12-15% off a SmolLM2 step at 1 and 16 rows (BENCHMARKS "One op a layer").
+Prefills, other dtypes and devices, larger steps and non-SiLU MLPs run the forward below.
+
 No second copy of the weights: the fused `[q; k; v]` and `[gate; up]` matrices are built once and the HF
 projections' weights become row-slices (views) of them, so the stock layers keep working for other callers
 (HF `generate`, training, `save_pretrained`, which writes them as separate tensors).
@@ -21,7 +26,8 @@ import weakref
 import torch
 from torch import nn
 
-from domino_ray.cpu_kernels import rms_norm, rotary
+from domino_ray.cpu_kernels import rms_norm, rotary, takes
+from domino_ray.cpu_linear import OUR_ROWS, current_pack
 from domino_ray.target_forward import engine_attention
 
 # The layer classes whose forward `FusedLayer` reproduces: pre-norm residual blocks, q/k/v/o attention with the
@@ -29,6 +35,7 @@ from domino_ray.target_forward import engine_attention
 FUSABLE = {"LlamaDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer"}
 # Their norms: `weight * (x * rsqrt(mean(x^2) + variance_epsilon))`, what `cpu_kernels.rms_norm` computes.
 RMS_NORMS = {"LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"}
+SILU = {"SiLUActivation", "SiLU"}  # HF's `ACT2FN["silu"]`, torch's module
 
 
 def fuse_linears(*linears: nn.Linear) -> nn.Linear:
@@ -72,12 +79,18 @@ class FusedLayer(nn.Module):
         self.o_proj, self.down_proj, self.act_fn = attn.o_proj, mlp.down_proj, mlp.act_fn
         self.input_layernorm, self.post_attention_layernorm = layer.input_layernorm, layer.post_attention_layernorm
         self.q_norm, self.k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)  # Qwen3
+        # Whether decode steps may run as our one op (`csrc/decode_layer.cpp`): its MLP activation is SiLU's
+        self.native = type(self.act_fn).__name__ in SILU and (self.q_norm is None) == (self.k_norm is None)
 
     def forward(self, hidden: torch.Tensor, *, position_embeddings: tuple[torch.Tensor, torch.Tensor], domino_rows,
                 **kwargs) -> torch.Tensor:
         """hidden `[r, q, C]`, cos/sin `[r, q, D]`, the step's `RowAttention` -> `[r, q, C]` (the engine's
         forward only: other keyword arguments of HF's layer call are ignored)."""
         r, q, _ = hidden.shape
+        if self.native and _native_step(hidden, domino_rows):
+            out = self._native_forward(hidden, position_embeddings, domino_rows)
+            if out is not None:
+                return out
         h, hkv, d = self.heads, self.kv_heads, self.head_dim
         x = self.qkv(rms_norm(self.input_layernorm, hidden)).view(r, q, h + 2 * hkv, d)  # [r, q, H + 2Hkv, D]
         query, key, value = x.split((h, hkv, hkv), 2)
@@ -91,6 +104,34 @@ class FusedLayer(nn.Module):
         hidden = hidden + self.o_proj(out.reshape(r, q, h * d))
         gate, up = self.gate_up(rms_norm(self.post_attention_layernorm, hidden)).split(self.intermediate, -1)
         return hidden + self.down_proj(self.act_fn(gate) * up)
+
+
+    def _native_forward(self, hidden: torch.Tensor, position_embeddings, step) -> torch.Tensor | None:
+        """`forward` of a decode step as our one op over the packed weights (`csrc/decode_layer.cpp`), or None where
+        a linear is not packed (`cpu_linear.pack_linears`)."""
+        linears = (self.qkv, self.o_proj, self.gate_up, self.down_proj)
+        packed = [current_pack(m) for m in linears]
+        if any(p is None for p in packed):
+            return None
+        (qkv, o, gate_up, down), norms = packed, (self.q_norm, self.k_norm)
+        weights = [self.input_layernorm.weight, qkv, self.qkv.bias, o, self.o_proj.bias,
+                   self.post_attention_layernorm.weight, gate_up, self.gate_up.bias, down, self.down_proj.bias,
+                   *(n.weight if n is not None else None for n in norms)]
+        eps = [n.variance_epsilon if n is not None else 0.0 for n in norms]
+        buffers, layer = step.buffers, self.layer_idx
+        return torch.ops.domino_ray.decode_layer(
+            hidden, weights, [self.heads, self.kv_heads, self.head_dim, self.intermediate],
+            [self.input_layernorm.variance_epsilon, self.post_attention_layernorm.variance_epsilon, *eps, self.scaling],
+            buffers.keys[layer], buffers.values[layer], step.write_at, *position_embeddings,
+            [stop for stop, _ in step.key_groups], [t for _, t in step.key_groups], list(step.visible))
+
+
+def _native_step(hidden: torch.Tensor, step) -> bool:
+    """Whether a layer's forward over `hidden` may be our one op: an engine decode step (not a prefill) attended by our
+    CPU kernel (`KVBuffers.kernel`: fp32 on CPU, key limits) at rows our linear kernel takes (`cpu_linear.OUR_ROWS`),
+    nothing for autograd to record."""
+    return (step is not None and step.prefill_rows is None and step.buffers.kernel
+            and hidden.shape[0] * hidden.shape[1] in OUR_ROWS and takes(hidden, hidden))
 
 
 # Per decoder, its fused layers: engines built on one target share them (and their packed weights).

@@ -56,7 +56,10 @@ class KVBuffers:
         return ((slots[..., None] * heads + head) * length + positions[..., None]).reshape(-1)
 
     def write(self, layer: int, at: torch.Tensor, keys: torch.Tensor, values: torch.Tensor):
-        """`keys/values [b, Hkv, q, D]` to the positions `at` of layer `layer` (`flat_index`)."""
+        """`keys/values [b, Hkv, q, D]` to the positions `at` of layer `layer` (`flat_index`): one op of ours on fp32
+        CPU tensors (`cpu_kernels.kv_write`), torch's otherwise."""
+        if cpu_kernels.kv_write(self.keys[layer], self.values[layer], at, keys, values):
+            return
         d = keys.shape[-1]
         self.keys[layer].view(-1, d).index_copy_(0, at, keys.transpose(1, 2).reshape(-1, d))
         self.values[layer].view(-1, d).index_copy_(0, at, values.transpose(1, 2).reshape(-1, d))

@@ -4,6 +4,8 @@ import pytest
 import torch
 from torch import nn
 
+from domino_ray import cpu_kernels
+from domino_ray.cpu_linear import pack_linears
 from domino_ray.engine import SpecEngine
 from domino_ray.fused_layers import FusedLayer, fuse_layers, fuse_linears
 from domino_ray.kv_cache import KVBuffers, group_visibility
@@ -21,9 +23,10 @@ def family(name: str, dtype=torch.float32):
     return tiny_target(name.split("-")[0], dtype=dtype, **FAMILIES[name])
 
 
-def forward_both(target, rows: int, prompt: int, width: int):
-    """The decoder over HF's layers and over `fuse_layers`, prefill then one decode step of `width` positions,
-    each into its own KV buffers: (hidden states, KV buffers) of each."""
+def forward_both(target, rows: int, prompt: int, width: int, key_groups=None, runs=None):
+    """The decoder over HF's layers and over `fuse_layers`, prefill then one decode step of `width` positions
+    (attended in `key_groups`, default one), each into its own KV buffers: (hidden states, KV buffers) of each.
+    `runs`: instead, (layers, whether a `FusedLayer` may run a decode step as our one op) pairs to run."""
     cfg, decoder = target.config, target.get_decoder()
     install(target)
     g = torch.Generator().manual_seed(0)
@@ -31,7 +34,10 @@ def forward_both(target, rows: int, prompt: int, width: int):
     step_ids = torch.randint(0, cfg.vocab_size, (rows, width), generator=g)
     key_positions = torch.arange(64)
     results = []
-    for layers in (decoder.layers, fuse_layers(decoder)):
+    for layers, native in runs or ((decoder.layers, False), (fuse_layers(decoder), False)):
+        for layer in layers:
+            if isinstance(layer, FusedLayer):
+                layer.native = native
         kv = KVBuffers(cfg.num_hidden_layers, rows, 64, cfg.num_key_value_heads, cfg.head_dim, torch.float32, "cpu")
         positions = key_positions[:prompt].repeat(rows)[None]  # [1, rows * prompt]: the prompts back to back
         with torch.inference_mode():
@@ -39,7 +45,7 @@ def forward_both(target, rows: int, prompt: int, width: int):
                                    RowAttention(kv, positions, prefill_rows=slice(0, rows),
                                                 prefill_lengths=(prompt,) * rows), ())
             positions = prompt + torch.arange(width).expand(rows, width)
-            groups = ((rows, 32),)
+            groups = key_groups or ((rows, 32),)
             visible = group_visibility(positions + 1, cfg.num_attention_heads // cfg.num_key_value_heads, key_positions,
                                        groups, kv)
             second, taps = run_decoder(decoder, layers, step_ids, positions,
@@ -59,6 +65,30 @@ def test_fused_layers_compute_what_hf_layers_compute(name):
     torch.testing.assert_close(ours_kv.all_keys, hf_kv.all_keys, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(ours_kv.all_values, hf_kv.all_values, rtol=1e-5, atol=1e-5)
     assert ours_kv.all_keys[:, :, :, :10].abs().sum() > 0 and ours_kv.all_keys[:, :, :, 10:].abs().sum() == 0
+
+
+@pytest.mark.parametrize("width", [1, 3])
+@pytest.mark.parametrize("name", FAMILIES)
+def test_a_decode_step_as_our_one_op_computes_what_hf_layers_compute(name, width, monkeypatch):
+    """`FusedLayer`'s decode steps as `decode_layer` (packed weights, our CPU ops, two key groups) against HF's
+    layers and against the same fused layers in Python."""
+    target = family(name)
+    decoder = target.get_decoder()
+    layers = fuse_layers(decoder)
+    assert pack_linears(layers) > 0
+    native_calls = []
+    forward = FusedLayer._native_forward
+    monkeypatch.setattr(FusedLayer, "_native_forward",
+                        lambda self, *a: native_calls.append(out := forward(self, *a)) or out)
+    runs = ((decoder.layers, False), (layers, False), (layers, True))
+    (hf_out, hf_kv), (python_out, python_kv), (ours_out, ours_kv) = forward_both(
+        target, rows=5, prompt=7, width=width, key_groups=((2, 32), (5, 64)), runs=runs)
+    assert len(native_calls) == len(layers) and all(out is not None for out in native_calls)  # the decode step only
+    for reference, kv in ((hf_out, hf_kv), (python_out, python_kv)):
+        for theirs, ours in zip(reference, ours_out):
+            torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ours_kv.all_keys, kv.all_keys, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ours_kv.all_values, kv.all_values, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("name", ["qwen2", "llama-biased"])
@@ -124,7 +154,12 @@ def test_layers_outside_the_family_or_with_hooks_keep_hf_forward():
     assert all(isinstance(layer, FusedLayer) for layer in layers[2:])
 
 
-def test_kv_write_puts_each_row_at_its_own_positions():
+@pytest.mark.parametrize("op", ["ours", "torch"])
+def test_kv_write_puts_each_row_at_its_own_positions(op, monkeypatch):
+    if op == "torch":  # the path for other dtypes and devices, and where our kernels do not build
+        monkeypatch.setattr(cpu_kernels, "kv_write", lambda *args: False)
+    else:
+        assert cpu_kernels.kernels_loaded()
     kv = KVBuffers(2, 4, 16, 2, 3, torch.float32, "cpu")
     index = torch.tensor([[5, 6], [0, 1], [9, 10]])        # [b, q] for slots 1..3
     keys = torch.randn(3, 2, 2, 3)                          # [b, Hkv, q, D]

@@ -16,6 +16,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "ops.h"
 #include "vectors.h"
 
 #include <algorithm>
@@ -165,6 +166,10 @@ void attend(const float* q, const float* k, const float* v, const int64_t* limit
     for (int i = 0; i < nv; ++i) store8(out + m * D + 8 * i, load8(out + m * D + 8 * i) * splat(inv[m]));
 }
 
+}  // namespace
+
+namespace domino_ray {
+
 at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values,
                             const at::Tensor& limits, double scale) {
   TORCH_CHECK(query.dim() == 4 && keys.dim() == 4 && values.dim() == 4 && limits.dim() == 2,
@@ -207,10 +212,10 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& keys, con
   return out;
 }
 
-}  // namespace
+}  // namespace domino_ray
 
 TORCH_LIBRARY(domino_ray, m) {
   m.def("decode_attention(Tensor query, Tensor keys, Tensor values, Tensor limits, float scale) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(domino_ray, CPU, m) { m.impl("decode_attention", &decode_attention); }
+TORCH_LIBRARY_IMPL(domino_ray, CPU, m) { m.impl("decode_attention", &domino_ray::decode_attention); }

@@ -8,14 +8,20 @@
 //
 // rms_norm(x [..., C], weight [C], eps) -> [..., C] contiguous; x's last dim contiguous, other strides any
 // rotary(x [b, q, H, D], cos [b, q, D], sin [b, q, D]) -> [b, q, H, D] contiguous; last dims contiguous, D % 16 == 0
+// kv_write(key_buffer, value_buffer, at [b*q*Hkv], keys [b, Hkv, q, D], values [b, Hkv, q, D]): key (i, h, p) to row
+//   at[(i*q + p)*Hkv + h] of key_buffer seen as [rows, D] (contiguous buffers), the same for values. What
+//   `index_copy_` of the transposed keys does, as one op: in a decode step that was 8 ops (two transposing copies),
+//   and index_copy_'s call cost ~50 us cold after a linear layer's weights have streamed through the caches.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "ops.h"
 #include "vectors.h"
 
 #include <cmath>
+#include <cstring>
 
 namespace {
 
@@ -30,6 +36,10 @@ inline int64_t row_offset(int64_t row, const at::Tensor& x) {
   }
   return offset;
 }
+
+}  // namespace
+
+namespace domino_ray {
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat,
@@ -91,14 +101,46 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
   return out;
 }
 
-}  // namespace
+void kv_write(at::Tensor key_buffer, at::Tensor value_buffer, const at::Tensor& rows_at, const at::Tensor& keys,
+              const at::Tensor& values) {
+  TORCH_CHECK(key_buffer.device().is_cpu() && key_buffer.scalar_type() == at::kFloat &&
+              value_buffer.scalar_type() == at::kFloat && keys.scalar_type() == at::kFloat &&
+              values.scalar_type() == at::kFloat && rows_at.scalar_type() == at::kLong, "kv_write: fp32 CPU tensors, int64 at");
+  TORCH_CHECK(keys.dim() == 4 && values.sizes() == keys.sizes() && keys.stride(3) == 1 && values.stride(3) == 1,
+              "kv_write: keys/values [b, Hkv, q, D], last dim contiguous");
+  const int64_t b = keys.size(0), heads = keys.size(1), q = keys.size(2), d = keys.size(3);
+  TORCH_CHECK(key_buffer.is_contiguous() && value_buffer.is_contiguous() && value_buffer.sizes() == key_buffer.sizes() &&
+              key_buffer.size(-1) == d, "kv_write: contiguous buffers of the same shape, last dim D");
+  TORCH_CHECK(rows_at.is_contiguous() && rows_at.numel() == b * q * heads, "kv_write: at [b*q*Hkv] contiguous");
+  const int64_t rows = key_buffer.numel() / std::max<int64_t>(d, 1);
+  const int64_t* index = rows_at.data_ptr<int64_t>();
+  for (int64_t n = 0; n < rows_at.numel(); ++n)
+    TORCH_CHECK(index[n] >= 0 && index[n] < rows, "kv_write: index ", index[n], " out of range for ", rows, " rows");
+  float *kb = key_buffer.data_ptr<float>(), *vb = value_buffer.data_ptr<float>();
+  const float *ks = keys.data_ptr<float>(), *vs = values.data_ptr<float>();
+  at::parallel_for(0, b * q, std::max<int64_t>(1, kGrainElements / (2 * heads * d)), [&](int64_t lo, int64_t hi) {
+    for (int64_t bq = lo; bq < hi; ++bq) {
+      const int64_t i = bq / q, p = bq % q;
+      for (int64_t h = 0; h < heads; ++h) {
+        const int64_t row = index[bq * heads + h];
+        std::memcpy(kb + row * d, ks + i * keys.stride(0) + h * keys.stride(1) + p * keys.stride(2), d * sizeof(float));
+        std::memcpy(vb + row * d, vs + i * values.stride(0) + h * values.stride(1) + p * values.stride(2),
+                    d * sizeof(float));
+      }
+    }
+  });
+}
+
+}  // namespace domino_ray
 
 TORCH_LIBRARY_FRAGMENT(domino_ray, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("rotary(Tensor x, Tensor cos, Tensor sin) -> Tensor");
+  m.def("kv_write(Tensor(a!) key_buffer, Tensor(b!) value_buffer, Tensor at, Tensor keys, Tensor values) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(domino_ray, CPU, m) {
-  m.impl("rms_norm", &rms_norm);
-  m.impl("rotary", &rotary);
+  m.impl("rms_norm", &domino_ray::rms_norm);
+  m.impl("rotary", &domino_ray::rotary);
+  m.impl("kv_write", &domino_ray::kv_write);
 }

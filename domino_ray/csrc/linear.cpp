@@ -17,6 +17,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "ops.h"
 #include "vectors.h"
 
 #include <algorithm>
@@ -108,6 +109,10 @@ void group(int64_t m, int chunk, const float* xt, const float* panels, int64_t k
   }
 }
 
+}  // namespace
+
+namespace domino_ray {
+
 at::Tensor pack_linear(const at::Tensor& weight) {
   TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kFloat && weight.dim() == 2,
               "pack_linear: an fp32 CPU weight [N, K]");
@@ -174,7 +179,7 @@ at::Tensor linear(const at::Tensor& input, const at::Tensor& packed, int64_t n, 
   return out;
 }
 
-}  // namespace
+}  // namespace domino_ray
 
 TORCH_LIBRARY_FRAGMENT(domino_ray, m) {
   m.def("pack_linear(Tensor weight) -> Tensor");
@@ -182,6 +187,6 @@ TORCH_LIBRARY_FRAGMENT(domino_ray, m) {
 }
 
 TORCH_LIBRARY_IMPL(domino_ray, CPU, m) {
-  m.impl("pack_linear", &pack_linear);
-  m.impl("linear", &linear);
+  m.impl("pack_linear", &domino_ray::pack_linear);
+  m.impl("linear", &domino_ray::linear);
 }

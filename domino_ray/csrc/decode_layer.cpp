@@ -1,0 +1,98 @@
+// One Llama-family decoder layer over a decode or verify step, as one op: `fused_layers.FusedLayer`'s forward
+// (HF's math, in HF's order) calling our ops directly, fp32 CPU.
+//
+// The layer in Python is ~48 dispatched ops (views, splits, transposes around the ten that compute), each a
+// Python call and a dispatch; on a small target that fixed part is a large share of a CPU step (SmolLM2 at one
+// row: ~11 of 33 ms outside the linear layers), and an op's call costs more cold, after a linear layer's weights
+// have streamed through the caches. Here the views are pointer arithmetic and the ops plain calls.
+//
+// decode_layer(hidden [r, q, C], weights, shape [H, Hkv, D, I], scalars [eps1, eps2, q_eps, k_eps, scale],
+//              key_buffer, value_buffer [R, Hkv, T, D] (the layer's), rows_at [r*q*Hkv] (`KVBuffers.flat_index`),
+//              cos, sin [r, q, D], group_stops, group_lengths, limits [stop - start, G*q] per key group)
+//   -> the layer's output [r, q, C]; writes the step's keys and values.
+// weights: input_layernorm, qkv packed, qkv bias?, o_proj packed, o_proj bias?, post_attention_layernorm,
+//          gate_up packed, gate_up bias?, down_proj packed, down_proj bias?, q_norm?, k_norm? (Qwen3)
+
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include "ops.h"
+
+namespace {
+
+at::Tensor required(const c10::List<c10::optional<at::Tensor>>& weights, int64_t i) {
+  c10::optional<at::Tensor> w = weights.get(i);  // a copy (a reference to the tensor, not its data)
+  TORCH_CHECK(w.has_value() && w->defined(), "decode_layer: weight ", i, " is required");
+  return *w;
+}
+
+// `cpu_kernels.rotary`: our op for head sizes in multiples of 16, HF's math in torch's ops otherwise
+at::Tensor rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  const int64_t half = x.size(3) / 2;
+  if (x.size(3) % 16 == 0) return domino_ray::rotary(x, cos, sin);
+  const auto rotated = at::cat({x.narrow(3, half, half).neg(), x.narrow(3, 0, half)}, 3);  // rotate_half(x)
+  return x * cos.unsqueeze(2) + rotated * sin.unsqueeze(2);
+}
+
+}  // namespace
+
+namespace domino_ray {
+
+at::Tensor decode_layer(const at::Tensor& hidden, const c10::List<c10::optional<at::Tensor>>& weights,
+                        at::IntArrayRef shape, at::ArrayRef<double> scalars, at::Tensor key_buffer,
+                        at::Tensor value_buffer, const at::Tensor& rows_at, const at::Tensor& cos,
+                        const at::Tensor& sin, at::IntArrayRef group_stops, at::IntArrayRef group_lengths,
+                        at::TensorList limits) {
+  TORCH_CHECK(hidden.dim() == 3 && weights.size() == 12 && shape.size() == 4 && scalars.size() == 5 &&
+              group_stops.size() == group_lengths.size() && limits.size() == group_stops.size() && !limits.empty(),
+              "decode_layer: hidden [r, q, C], 12 weights, shape [H, Hkv, D, I], 5 scalars, one limit per group");
+  const int64_t r = hidden.size(0), q = hidden.size(1), c = hidden.size(2);
+  const int64_t heads = shape[0], kv_heads = shape[1], d = shape[2], inter = shape[3];
+  const auto bias = [&](int64_t i) { return weights.get(i); };
+  const c10::optional<at::Tensor> q_norm = weights.get(10), k_norm = weights.get(11);
+
+  // attention: q/k/v in one GEMM, the rotary embedding on the query and key heads at once
+  const auto qkv = linear(rms_norm(hidden, required(weights, 0), scalars[0]), required(weights, 1),
+                          (heads + 2 * kv_heads) * d, bias(2)).view({r, q, heads + 2 * kv_heads, d});
+  at::Tensor qk;
+  if (q_norm.has_value() && q_norm->defined()) {  // Qwen3: a per-head RMSNorm before the rotary embedding
+    qk = at::cat({rms_norm(qkv.narrow(2, 0, heads), *q_norm, scalars[2]),
+                  rms_norm(qkv.narrow(2, heads, kv_heads), required(weights, 11), scalars[3])}, 2);
+  } else {
+    qk = qkv.narrow(2, 0, heads + kv_heads);
+  }
+  qk = rotate(qk, cos, sin);  // [r, q, H + Hkv, D]
+  kv_write(key_buffer, value_buffer, rows_at, qk.narrow(2, heads, kv_heads).transpose(1, 2),
+           qkv.narrow(2, heads + kv_heads, kv_heads).transpose(1, 2));
+  // the query heads of a K/V group folded into the query axis: [r, Hkv, G*q, D]
+  const auto folded = qk.narrow(2, 0, heads).transpose(1, 2).reshape({r, kv_heads, -1, d});
+  std::vector<at::Tensor> parts;
+  int64_t start = 0;
+  for (size_t g = 0; g < group_stops.size(); ++g) {
+    const int64_t stop = group_stops[g], t = group_lengths[g];
+    TORCH_CHECK(start < stop && stop <= r && t <= key_buffer.size(2), "decode_layer: key group ", g, " out of range");
+    parts.push_back(decode_attention(folded.narrow(0, start, stop - start), key_buffer.narrow(0, start, stop - start)
+                                     .narrow(2, 0, t), value_buffer.narrow(0, start, stop - start).narrow(2, 0, t),
+                                     limits[g], scalars[4]));
+    start = stop;
+  }
+  TORCH_CHECK(start == r, "decode_layer: the key groups cover ", start, " of ", r, " rows");
+  const auto attended = (parts.size() == 1 ? parts[0] : at::cat(parts))  // [r, Hkv, G*q, D] = [r, H, q, D]
+                            .view({r, heads, q, d}).transpose(1, 2).reshape({r, q, heads * d});
+  auto out = linear(attended, required(weights, 3), c, bias(4)).add_(hidden);  // hidden + o_proj(...)
+
+  // MLP: gate/up in one GEMM
+  const auto gate_up = linear(rms_norm(out, required(weights, 5), scalars[1]), required(weights, 6), 2 * inter, bias(7));
+  const auto act = at::silu(gate_up.narrow(-1, 0, inter)).mul_(gate_up.narrow(-1, inter, inter));
+  return linear(act, required(weights, 8), c, bias(9)).add_(out);
+}
+
+}  // namespace domino_ray
+
+TORCH_LIBRARY_FRAGMENT(domino_ray, m) {
+  m.def("decode_layer(Tensor hidden, Tensor?[] weights, int[] shape, float[] scalars, Tensor(a!) key_buffer, "
+        "Tensor(b!) value_buffer, Tensor rows_at, Tensor cos, Tensor sin, int[] group_stops, int[] group_lengths, "
+        "Tensor[] limits) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(domino_ray, CPU, m) { m.impl("decode_layer", &domino_ray::decode_layer); }
