@@ -425,18 +425,17 @@ class SpecEngine:
         # causal after the prefix
         visible = group_visibility(positions + 1, self.groups, self.key_positions, key_groups, self.kv)
         defer = self._defers(w)  # the taps of a W = 0 step wait in the ring, whether or not they will be fed
+        slot = (self.deferred_head + self.num_deferred) % DEFERRED_STEPS  # the next free place, or the oldest's
         hidden, taps = run_decoder(self.decoder, self.layers, verify_ids, positions,
                                    RowAttention(self.kv, write_index=positions, visible=visible, key_groups=key_groups),
-                                   self.tap_layers if context or defer else ())
+                                   self.tap_layers if context or defer else (),
+                                   self.deferred_taps[:r, slot:slot + 1] if defer else None)
         logits = self.lm_head(hidden)  # [r, W+1, V]
         limit = remaining - 1          # drafts that fit the row's budget beside the bonus
         accepted, tokens = self.sampling.accept(slice(0, r), logits, verify_ids[:, 1:], limit, positions, sampled,
                                                 filtered)
-        if taps is not None:
-            if defer:  # the next free place in the ring, or the oldest position's when it is full
-                self.deferred_taps[:r, (self.deferred_head + self.num_deferred) % DEFERRED_STEPS] = taps[:, 0]
-            else:
-                self.proposer.append_context(slice(0, r), taps, lens)
+        if taps is not None and not defer:
+            self.proposer.append_context(slice(0, r), taps, lens)
         advance = torch.where(remaining > 0, accepted + 1, 0)  # padding slots (remaining 0) stay put
         self.packed[:r, 0] = accepted
         self.packed[:r, 1:w + 2] = tokens

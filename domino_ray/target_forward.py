@@ -78,8 +78,10 @@ def install(target) -> None:
 
 
 def run_decoder(decoder, layers, input_ids: torch.Tensor, positions: torch.Tensor, attention: RowAttention,
-                tap_layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """input_ids/positions `[r, q]` -> (normed last hidden `[r, q, C]`, taps `[r, q, L*C]` or None).
+                tap_layers: tuple[int, ...], taps_into: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """input_ids/positions `[r, q]` -> (normed last hidden `[r, q, C]`, taps `[r, q, L*C]` or None); `taps_into`: where
+    the taps go (a view of the engine's ring of deferred taps: no copy after).
 
     `layers`: the decoder's layers as the engine runs them (`fused_layers.fuse_layers`: ours for the Llama
     family, HF's otherwise). `tap_layers`: decoder layers whose outputs feed the draft, as HF's
@@ -95,4 +97,4 @@ def run_decoder(decoder, layers, input_ids: torch.Tensor, positions: torch.Tenso
             taps[i] = hidden
     hidden = decoder.norm(hidden)
     taps[len(layers) - 1] = hidden
-    return hidden, (torch.cat([taps[i] for i in tap_layers], -1) if tap_layers else None)
+    return hidden, (torch.cat([taps[i] for i in tap_layers], -1, out=taps_into) if tap_layers else None)
