@@ -166,6 +166,10 @@ class SpecEngine:
         self.deferred_taps: torch.Tensor | None = None  # [R, DEFERRED_STEPS, F]: W = 0 steps' taps, not yet fed
         self.num_deferred = 0  # positions held there: the active rows' last `num_deferred` (admission feeds them first)
         self.deferred_head = 0  # a ring: the oldest held position's index there
+        # Slot -> its prompt's taps `[1, m, F]`, for rows admitted while the last step skipped the draft's context: fed
+        # before the next step that keeps it (drafting or not), never if none comes (a written-off draft's rows)
+        self.pending_prompts: dict[int, torch.Tensor] = {}
+        self.context_kept = True  # whether the last step kept the draft's context (`WidthController.choose`)
         if self.defer_context:
             self.deferred_taps = torch.zeros(r, DEFERRED_STEPS, len(self.tap_layers) * cfg.hidden_size,
                                              dtype=self.dtype, device=self.device)
@@ -300,10 +304,9 @@ class SpecEngine:
                                         (lengths - 1)[:, None], *sampling_mode(r.request.params for r in batch))
         first = first[:, 0]  # [k]
         if taps is not None:
-            # The draft's context prompt by prompt: padded together, each prompt would take the longest one's memory
-            start = torch.zeros(1, dtype=torch.long, device=self.device)
-            for slot, prompt_taps in zip(range(rows.start, rows.stop), taps.split(sizes, 1)):  # [1, m, F]
-                self.proposer.append_context(slice(slot, slot + 1), prompt_taps, start)
+            self.pending_prompts.update(zip(range(rows.start, rows.stop), taps.split(sizes, 1)))  # [1, m, F] each
+            if self.context_kept or not self.defer_context:
+                self._feed_pending_prompts()
         self.lens[rows] = lengths
         self.anchor[rows] = first
         self.remaining[rows] = ints[:, 1]
@@ -324,6 +327,9 @@ class SpecEngine:
         # Timed with the step that needs it: deferred W = 0 work then counts against a drafting width (conservative)
         if self.num_deferred and (w or (context and self.num_deferred == DEFERRED_STEPS)):
             self._feed_deferred_context()
+        if self.pending_prompts and (w or context):
+            self._feed_pending_prompts()
+        self.context_kept = bool(w or context)
         timed = self._device_step(r, key_groups, w, sampled, filtered, context)
         packed = self._read_packed(n, w)  # the step's one host sync
         now = time.perf_counter()
@@ -356,6 +362,14 @@ class SpecEngine:
     def _defers(self, w: int) -> bool:
         """Whether a step at width `w` keeps its taps for later (`DEFERRED_STEPS`) instead of feeding them."""
         return not w and self.defer_context
+
+    def _feed_pending_prompts(self):
+        """The draft's context of the prompts waiting in `pending_prompts`, prompt by prompt (padded together, each
+        would take the longest one's memory)."""
+        start = torch.zeros(1, dtype=torch.long, device=self.device)
+        for slot, prompt_taps in sorted(self.pending_prompts.items()):
+            self.proposer.append_context(slice(slot, slot + 1), prompt_taps, start)
+        self.pending_prompts.clear()
 
     def _feed_deferred_context(self):
         """The deferred taps into the draft's context, at once: the active rows' last `num_deferred` positions (every
@@ -462,6 +476,7 @@ class SpecEngine:
                 continue
             if row.finish_reason == "abort":
                 events.append(StepEvent(row.request.request_id, [], row.completion(time.perf_counter())))
+            self.pending_prompts.pop(slot, None)  # the finished row's, before the last row moves in
             last = len(self.rows) - 1
             if slot != last:
                 self._move_rows([last], [slot])
@@ -483,6 +498,9 @@ class SpecEngine:
         self.kv.move_row(src_index, dst_index, length)
         if self.proposer is not None:
             self.proposer.move_row(src_index, dst_index, length)
+        if self.pending_prompts:
+            moved = {d: self.pending_prompts.pop(s, None) for s, d in zip(src, dst)}
+            self.pending_prompts.update((d, taps) for d, taps in moved.items() if taps is not None)
         if self.num_deferred:  # the whole ring: its order is the same for every row
             self.deferred_taps[dst_index] = self.deferred_taps[src_index]
         for t in (self.lens, self.anchor, self.remaining):

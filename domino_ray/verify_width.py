@@ -77,11 +77,10 @@ DRAFTING_MARGIN = 0.10
 # drafting steps saw the gaps); a useless draft's fresh rows at 0.97-1.05 (the write-off, not the floor, is for it).
 CONTEXT_FLOOR = 0.9
 
-# While drafting is far off or the draft written off, the policy looks again only every this many W = 0 steps (or
-# when the batch changes): its estimates move by their slow decay alone meanwhile (0.2% a step), a written-off
-# draft's probe comes at most this late, and a look cost 36-61 us of Python in the engine, 1-2% of a small model's
-# CPU step (the demo pair: 2.6 ms at 1 row, 5.5 at 16).
-FAR_OFF_STEPS = 8
+# A W = 0 answer stands for this many steps of the same batch (a new row or drafting evidence looks again at once): its
+# estimates move by their slow decay alone meanwhile (0.2% a step), so drafting comes at most this late, and a look
+# cost 36-61 us of Python in the engine, 1-2% of a small model's CPU step (the demo pair: 2.6 ms at 1 row, 5.5 at 16).
+HOLD_STEPS = 8
 
 
 def best_width(rates: Mapping[int, float], margin: float = DRAFTING_MARGIN) -> int:
@@ -310,17 +309,16 @@ class WidthController:
         # steps after it, which add no evidence (the decayed counts alone would otherwise drop below the
         # minimum and bring the context updates back without a single new draft being tried).
         self.written_off = False
-        self.far_off: tuple | None = None  # (steps left, batch, context) while W = 0 stands without a look
+        self.hold: tuple | None = None  # (steps left, batch, context) while W = 0 stands without a look
 
     def choose(self, r: int, t: int, usable: Sequence[int]) -> tuple[int, bool]:
         """(W, whether the step keeps the draft's context current: unless the draft is useless, or with
         `lazy_context` drafting is far off) for the active rows in slots `0..len(usable)` (`usable[i]`: drafts row
-        i's budget allows), bucket `r`, `t` keys. While drafting is far off or the draft written off, W = 0
-        stands for `FAR_OFF_STEPS` steps of the same batch."""
-        if self.far_off is not None:
-            left, batch, context = self.far_off
+        i's budget allows), bucket `r`, `t` keys. A W = 0 answer stands for `HOLD_STEPS` steps of the same batch."""
+        if self.hold is not None:
+            left, batch, context = self.hold
             if left and batch == (r, len(usable)):
-                self.far_off = (left - 1, batch, context)
+                self.hold = (left - 1, batch, context)
                 return 0, context
         pooled = self.estimates.pooled()
         # Rows never verified whose budget allows every width share the pooled estimate: counted once (a large
@@ -334,14 +332,12 @@ class WidthController:
         w = best_width(rates)
         if w > 0 and self.written_off:  # a probe of a written-off draft: its first draft is the whole question,
             w = min(x for x in costs if x > 0)  # asked at the narrowest width (the least verify and correction)
-        self.far_off = None
+        self.hold = None
         if w > 0:
             return w, True
         far = max((v for x, v in rates.items() if x), default=0.0) < CONTEXT_FLOOR * rates[0]
-        if not (far or self.written_off):
-            return 0, True
-        context = not (self.written_off or self.lazy_context)
-        self.far_off = (FAR_OFF_STEPS - 1, (r, len(usable)), context)
+        context = not (far or self.written_off) or not (self.written_off or self.lazy_context)
+        self.hold = (HOLD_STEPS - 1, (r, len(usable)), context)
         return 0, context
 
     def learn(self, r: int, t: int, w: int, seconds: float | None, accepted: Sequence[int], usable: Sequence[int]):
@@ -352,13 +348,13 @@ class WidthController:
             self.estimates.observe(min(w, u), a, self.succeeded[i], self.tried[i])
         if w > 0:
             self.written_off = self.estimates.draft_is_useless()
-            self.far_off = None  # new evidence: look again
+            self.hold = None  # new evidence: look again
         if seconds is not None:
             self.costs.observe(r, w, t, seconds)
 
     def reset_slot(self, slot: int):
         self.tried[slot], self.succeeded[slot] = [0.0] * self.k, [0.0] * self.k
-        self.far_off = None  # a new row: look again
+        self.hold = None  # a new row: look again
 
     def move_slots(self, src: list[int], dst: list[int]):
         """Slot `src[i]`'s counts to slot `dst[i]` (the pairs may form cycles)."""

@@ -13,7 +13,7 @@ from domino_ray.engine import DEFERRED_STEPS, SpecEngine
 from domino_ray.request import Request
 from domino_ray.proposer import DominoProposer
 from domino_ray.sampling_params import SamplingParams
-from domino_ray.verify_width import (CONTEXT_FLOOR, DRAFTING_MARGIN, FAR_OFF_STEPS, AcceptanceEstimates, best_width,
+from domino_ray.verify_width import (CONTEXT_FLOOR, DRAFTING_MARGIN, HOLD_STEPS, AcceptanceEstimates, best_width,
                                      candidate_widths, choose_width, expected_tokens, smooth_costs, StepCosts,
                                      WidthController, width_rates)
 from oracles import OracleProposer
@@ -259,6 +259,7 @@ def test_while_drafting_is_far_off_the_draft_context_keeps_the_prompt_and_the_la
     """W = 0 steps that skip the draft's context (drafting far off, or the draft written off) keep their taps in a ring
     of the last `DEFERRED_STEPS` positions and feed no context: at a drafting step after such a stretch, each row's
     draft context holds its prompt and its last `DEFERRED_STEPS` positions exactly, and misses positions between.
+    Rows admitted then get their prompt's context before the next step that keeps it, not at admission.
     With the context kept current at every step, every position matches (the oracle's own check)."""
     prompts = ragged_prompts(5, seed=3, max_len=20)
     params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (70, 25, 55, 33, 61)]
@@ -272,7 +273,10 @@ def test_while_drafting_is_far_off_the_draft_context_keeps_the_prompt_and_the_la
         proposer.engine = engine
         steps = iter(schedule * 20)
         engine.width.choose = lambda r, t, usable: next(steps) if skip else (next(steps)[0], True)
+        prefill, waiting = engine._prefill, []
+        engine._prefill = lambda *a: (first := prefill(*a), waiting.append(len(engine.pending_prompts)))[0]
         out = engine.generate([Request(i, p, sp) for i, (p, sp) in enumerate(zip(prompts, params))])
+        assert (sum(waiting) > 0) == skip and not engine.pending_prompts  # admissions in a stretch wait, then none
         assert [c.token_ids for c in out] == [hf_greedy(target, p, sp.max_new_tokens) for p, sp in zip(prompts, params)]
         kept = [match for p, prompt, length, match in proposer.checked if p < prompt or p >= length - DEFERRED_STEPS]
         between = [match for p, prompt, length, match in proposer.checked if prompt <= p < length - DEFERRED_STEPS]
@@ -424,26 +428,27 @@ def test_a_written_off_draft_stays_written_off_until_a_drafting_step_says_otherw
     assert not width.written_off and width.choose(1, 64, [100])[1] is True
 
 
-def test_far_off_drafting_skips_the_context_of_lazy_engines_only_and_holds_for_a_few_steps():
+def test_far_off_drafting_skips_the_context_of_lazy_engines_only_and_w0_holds_for_a_few_steps():
     """Drafting far off (the best drafting rate under `CONTEXT_FLOOR` of W = 0's): W = 0, and the context skipped where
-    the engine keeps its last taps (`lazy_context`); near the margin it is kept. A far-off answer stands for
-    `FAR_OFF_STEPS` steps of the same batch: a new batch, a new row or a drafting step's evidence looks again."""
+    the engine keeps its last taps (`lazy_context`); near the margin it is kept. A W = 0 answer, far off or near,
+    stands for `HOLD_STEPS` steps of the same batch: a new batch, a new row or a drafting step's evidence looks
+    again."""
     def controller(draft_cost, lazy=True):
         return WidthController(4, 2, StepCosts({r: {0: 1.0, **{w: draft_cost + 0.01 * w for w in range(1, 5)}}
                                                 for r in (1, 2)}), lazy_context=lazy)
 
     prior_rate = expected_tokens([0.8] * 4, 4, 100)  # 3.36 tokens a row at the prior, W = 4
     near, far = prior_rate / (1 + DRAFTING_MARGIN / 2), prior_rate / (CONTEXT_FLOOR * 0.9)  # drafting costs
-    assert controller(near).choose(1, 64, [100]) == (0, True)  # close to paying: W = 0, context kept
     assert controller(far, lazy=False).choose(1, 64, [100]) == (0, True)
-    width = controller(far)
-    looks = []
-    rates = width.costs.at
-    width.costs.at = lambda r, t: looks.append(r) or rates(r, t)
-    for _ in range(FAR_OFF_STEPS):
-        assert width.choose(1, 64, [100]) == (0, False)
-        width.learn(1, 64, 0, 1.0, [0], [100])
-    assert len(looks) == 1
+    for cost, context in ((near, True), (far, False)):  # close to paying: W = 0, context kept; far off: skipped
+        width = controller(cost)
+        looks = []
+        rates = width.costs.at
+        width.costs.at = lambda r, t: looks.append(r) or rates(r, t)
+        for _ in range(HOLD_STEPS):
+            assert width.choose(1, 64, [100]) == (0, context)
+            width.learn(1, 64, 0, 1.0, [0], [100])
+        assert len(looks) == 1
     width.choose(1, 64, [100])
     width.choose(2, 64, [100, 100])  # another batch
     width.reset_slot(1)
