@@ -81,6 +81,7 @@ class FusedLayer(nn.Module):
         self.q_norm, self.k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)  # Qwen3
         # Whether decode steps may run as our one op (`csrc/decode_layer.cpp`): its MLP activation is SiLU's
         self.native = type(self.act_fn).__name__ in SILU and (self.q_norm is None) == (self.k_norm is None)
+        self._native_args: tuple | None = None  # (the linears' weight states, decode_layer's weights, shape, scalars)
 
     def forward(self, hidden: torch.Tensor, *, position_embeddings: tuple[torch.Tensor, torch.Tensor], domino_rows,
                 **kwargs) -> torch.Tensor:
@@ -109,29 +110,43 @@ class FusedLayer(nn.Module):
     def _native_forward(self, hidden: torch.Tensor, position_embeddings, step) -> torch.Tensor | None:
         """`forward` of a decode step as our one op over the packed weights (`csrc/decode_layer.cpp`), or None where
         a linear is not packed (`cpu_linear.pack_linears`)."""
-        linears = (self.qkv, self.o_proj, self.gate_up, self.down_proj)
-        packed = [current_pack(m) for m in linears]
-        if any(p is None for p in packed):
+        args = self._decode_layer_args()
+        if args is None:
             return None
-        (qkv, o, gate_up, down), norms = packed, (self.q_norm, self.k_norm)
-        weights = [self.input_layernorm.weight, qkv, self.qkv.bias, o, self.o_proj.bias,
-                   self.post_attention_layernorm.weight, gate_up, self.gate_up.bias, down, self.down_proj.bias,
-                   *(n.weight if n is not None else None for n in norms)]
-        eps = [n.variance_epsilon if n is not None else 0.0 for n in norms]
         buffers, layer = step.buffers, self.layer_idx
-        return torch.ops.domino_ray.decode_layer(
-            hidden, weights, [self.heads, self.kv_heads, self.head_dim, self.intermediate],
-            [self.input_layernorm.variance_epsilon, self.post_attention_layernorm.variance_epsilon, *eps, self.scaling],
-            buffers.keys[layer], buffers.values[layer], step.write_at, *position_embeddings,
-            [stop for stop, _ in step.key_groups], [t for _, t in step.key_groups], list(step.visible))
+        return torch.ops.domino_ray.decode_layer(hidden, *args, buffers.keys[layer], buffers.values[layer], step.write_at,
+                                                 *position_embeddings, *step.key_group_args)
+
+    def _decode_layer_args(self) -> tuple | None:
+        """`decode_layer`'s weights, shape and scalars, built once (per layer and step the Python around the op was ~60
+        us, ~8% of a 1-row SmolLM2 step) and again when a linear's weight changed, which packs it again; None where a
+        linear is not packed."""
+        linears = (self.qkv, self.o_proj, self.gate_up, self.down_proj)
+        state = tuple((m.weight.data_ptr(), m.weight._version) for m in linears)
+        if self._native_args is None or self._native_args[0] != state:
+            packed = [current_pack(m) for m in linears]
+            if any(p is None for p in packed):
+                return None
+            (qkv, o, gate_up, down), norms = packed, (self.q_norm, self.k_norm)
+            weights = [self.input_layernorm.weight, qkv, self.qkv.bias, o, self.o_proj.bias,
+                       self.post_attention_layernorm.weight, gate_up, self.gate_up.bias, down, self.down_proj.bias,
+                       *(n.weight if n is not None else None for n in norms)]
+            scalars = [self.input_layernorm.variance_epsilon, self.post_attention_layernorm.variance_epsilon,
+                       *(n.variance_epsilon if n is not None else 0.0 for n in norms), self.scaling]
+            self._native_args = (state, weights, [self.heads, self.kv_heads, self.head_dim, self.intermediate], scalars)
+        return self._native_args[1:]
 
 
 def _native_step(hidden: torch.Tensor, step) -> bool:
     """Whether a layer's forward over `hidden` may be our one op: an engine decode step (not a prefill) attended by our
     CPU kernel (`KVBuffers.kernel`: fp32 on CPU, key limits) at rows our linear kernel takes (`cpu_linear.OUR_ROWS`),
-    nothing for autograd to record."""
-    return (step is not None and step.prefill_rows is None and step.buffers.kernel
-            and hidden.shape[0] * hidden.shape[1] in OUR_ROWS and takes(hidden, hidden))
+    with nothing for autograd to record (the op has no backward). The same for every layer of a forward: decided once."""
+    if step is None or step.prefill_rows is not None:
+        return False
+    if step.native is None:
+        step.native = (step.buffers.kernel and hidden.shape[0] * hidden.shape[1] in OUR_ROWS
+                       and not torch.is_grad_enabled() and takes(hidden, hidden))
+    return step.native
 
 
 # Per decoder, its fused layers: engines built on one target share them (and their packed weights).

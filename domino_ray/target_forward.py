@@ -12,6 +12,7 @@ outside the engine.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +38,12 @@ class RowAttention:
     key_groups: tuple[tuple[int, int], ...] = ()
     prefill_rows: slice | None = None
     prefill_lengths: tuple[int, ...] = ()
+    native: bool | None = None  # whether a fused layer runs the step as our one op (`fused_layers`), decided once
+
+    @functools.cached_property
+    def key_group_args(self) -> tuple[list[int], list[int], list[torch.Tensor]]:
+        """`key_groups` and `visible` as `decode_layer` takes them: group stops, key lengths, key limits."""
+        return [stop for stop, _ in self.key_groups], [t for _, t in self.key_groups], list(self.visible)
 
     def __post_init__(self):  # every layer writes at `write_at`
         if self.prefill_rows is None:

@@ -91,6 +91,24 @@ def test_a_decode_step_as_our_one_op_computes_what_hf_layers_compute(name, width
         torch.testing.assert_close(ours_kv.all_values, kv.all_values, rtol=1e-5, atol=1e-5)
 
 
+def test_our_one_op_follows_weights_changed_in_place():
+    """`decode_layer`'s arguments are built once per layer; a weight changed in place (an optimizer step) is packed
+    again and used: the one op still computes what the Python forward computes."""
+    target = family("qwen3-d16")
+    layers = fuse_layers(target.get_decoder())
+    pack_linears(layers)
+    runs = ((layers, False), (layers, True))
+    (before, _), (ours_before, _) = forward_both(target, rows=3, prompt=5, width=1, runs=runs)
+    with torch.no_grad():
+        for layer in target.get_decoder().layers:
+            layer.mlp.down_proj.weight.mul_(2.0)
+            layer.self_attn.k_proj.weight.add_(0.1)  # a view of the fused q/k/v weight
+    (python, _), (ours, _) = forward_both(target, rows=3, prompt=5, width=1, runs=runs)
+    assert not torch.allclose(python[1], before[1], rtol=1e-3, atol=1e-3)  # the change reaches the step's output
+    for theirs, mine in zip(python, ours):
+        torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("name", ["qwen2", "llama-biased"])
 def test_engine_greedy_equals_hf_generate_on_fused_families(name):
     target = family(name, dtype=torch.float64)
