@@ -166,8 +166,9 @@ class SpecEngine:
         self.deferred_taps: torch.Tensor | None = None  # [R, DEFERRED_STEPS, F]: W = 0 steps' taps, not yet fed
         self.num_deferred = 0  # positions held there: the active rows' last `num_deferred` (admission feeds them first)
         self.deferred_head = 0  # a ring: the oldest held position's index there
-        # Slot -> its prompt's taps `[1, m, F]`, for rows admitted while the last step skipped the draft's context: fed
-        # before the next step that keeps it (drafting or not), never if none comes (a written-off draft's rows)
+        # Slot -> its prompt's taps `[1, m, F]` (a view: the prefill's taps stay alive meanwhile), for rows an eager
+        # engine admitted while its last step skipped the draft's context: fed before the next step that keeps it
+        # (drafting or not), never if none comes (a written-off draft's rows)
         self.pending_prompts: dict[int, torch.Tensor] = {}
         self.context_kept = True  # whether the last step kept the draft's context (`WidthController.choose`)
         if self.defer_context:

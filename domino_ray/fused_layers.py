@@ -106,7 +106,6 @@ class FusedLayer(nn.Module):
         gate, up = self.gate_up(rms_norm(self.post_attention_layernorm, hidden)).split(self.intermediate, -1)
         return hidden + self.down_proj(self.act_fn(gate) * up)
 
-
     def _native_forward(self, hidden: torch.Tensor, position_embeddings, step) -> torch.Tensor | None:
         """`forward` of a decode step as our one op over the packed weights (`csrc/decode_layer.cpp`), or None where
         a linear is not packed (`cpu_linear.pack_linears`)."""
@@ -114,8 +113,8 @@ class FusedLayer(nn.Module):
         if args is None:
             return None
         buffers, layer = step.buffers, self.layer_idx
-        return torch.ops.domino_ray.decode_layer(hidden, *args, buffers.keys[layer], buffers.values[layer], step.write_at,
-                                                 *position_embeddings, *step.key_group_args)
+        return torch.ops.domino_ray.decode_layer(hidden, *args, buffers.keys[layer], buffers.values[layer],
+                                                 step.write_at, *position_embeddings, *step.key_group_args)
 
     def _decode_layer_args(self) -> tuple | None:
         """`decode_layer`'s weights, shape and scalars, built once (per layer and step the Python around the op was ~60
@@ -140,7 +139,8 @@ class FusedLayer(nn.Module):
 def _native_step(hidden: torch.Tensor, step) -> bool:
     """Whether a layer's forward over `hidden` may be our one op: an engine decode step (not a prefill) attended by our
     CPU kernel (`KVBuffers.kernel`: fp32 on CPU, key limits) at rows our linear kernel takes (`cpu_linear.OUR_ROWS`),
-    with nothing for autograd to record (the op has no backward). The same for every layer of a forward: decided once."""
+    with nothing for autograd to record (the op has no backward). The same for every layer of a forward: decided
+    once."""
     if step is None or step.prefill_rows is not None:
         return False
     if step.native is None:

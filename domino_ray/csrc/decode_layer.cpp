@@ -82,7 +82,8 @@ at::Tensor decode_layer(const at::Tensor& hidden, const c10::List<c10::optional<
   auto out = linear(attended, required(weights, 3), c, bias(4)).add_(hidden);  // hidden + o_proj(...)
 
   // MLP: gate/up in one GEMM
-  const auto gate_up = linear(rms_norm(out, required(weights, 5), scalars[1]), required(weights, 6), 2 * inter, bias(7));
+  const auto gate_up =
+      linear(rms_norm(out, required(weights, 5), scalars[1]), required(weights, 6), 2 * inter, bias(7));
   const auto act = at::silu(gate_up.narrow(-1, 0, inter)).mul_(gate_up.narrow(-1, inter, inter));
   return linear(act, required(weights, 8), c, bias(9)).add_(out);
 }

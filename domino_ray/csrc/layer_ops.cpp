@@ -105,12 +105,14 @@ void kv_write(at::Tensor key_buffer, at::Tensor value_buffer, const at::Tensor& 
               const at::Tensor& values) {
   TORCH_CHECK(key_buffer.device().is_cpu() && key_buffer.scalar_type() == at::kFloat &&
               value_buffer.scalar_type() == at::kFloat && keys.scalar_type() == at::kFloat &&
-              values.scalar_type() == at::kFloat && rows_at.scalar_type() == at::kLong, "kv_write: fp32 CPU tensors, int64 at");
+              values.scalar_type() == at::kFloat && rows_at.scalar_type() == at::kLong,
+              "kv_write: fp32 CPU tensors, int64 at");
   TORCH_CHECK(keys.dim() == 4 && values.sizes() == keys.sizes() && keys.stride(3) == 1 && values.stride(3) == 1,
               "kv_write: keys/values [b, Hkv, q, D], last dim contiguous");
   const int64_t b = keys.size(0), heads = keys.size(1), q = keys.size(2), d = keys.size(3);
-  TORCH_CHECK(key_buffer.is_contiguous() && value_buffer.is_contiguous() && value_buffer.sizes() == key_buffer.sizes() &&
-              key_buffer.size(-1) == d, "kv_write: contiguous buffers of the same shape, last dim D");
+  TORCH_CHECK(key_buffer.is_contiguous() && value_buffer.is_contiguous() &&
+              value_buffer.sizes() == key_buffer.sizes() && key_buffer.size(-1) == d,
+              "kv_write: contiguous buffers of the same shape, last dim D");
   TORCH_CHECK(rows_at.is_contiguous() && rows_at.numel() == b * q * heads, "kv_write: at [b*q*Hkv] contiguous");
   const int64_t rows = key_buffer.numel() / std::max<int64_t>(d, 1);
   const int64_t* index = rows_at.data_ptr<int64_t>();
