@@ -14,7 +14,8 @@ a CPU engine decodes each op's overhead outweighs its arithmetic (BENCHMARKS "Ou
 (`fused_layers.FusedLayer`; the draft's own norms and rotary embedding too, through `takes`). So does `kv_write`,
 a step's new keys and values into the KV buffers (`KVBuffers.write`, target and draft): torch's `index_copy_` of
 the transposed keys was 8 ops a layer, and its call cost grows cold: ~50 us after a linear layer's weights have
-streamed through the caches, 5 us hot (SmolLM2 at 16 rows: 105-117 us a layer against 31-40 for ours).
+streamed through the caches, 5 us hot (SmolLM2 at 16 rows, a layer's write in the engine: 71-75 us against 22-24
+for ours, `work/kvw/percall.py`).
 
 A whole Llama-family layer of a decode step (`csrc/decode_layer.cpp`, `fused_layers.FusedLayer`): the ops above and
 the linear kernel called from C++ (their entry points in `csrc/ops.h`), the views as pointer arithmetic.

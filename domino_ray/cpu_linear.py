@@ -71,14 +71,6 @@ class PackedLinear(nn.Linear):
         return torch.ops.mkl._mkl_linear(x, self.mkl_weight, self.weight, self.bias, rows)
 
 
-def current_pack(linear: nn.Module) -> torch.Tensor | None:
-    """`linear`'s weight packed for our kernel (packed again if the weight changed since), or None where it is not a
-    `PackedLinear` or autograd would record its use."""
-    if not isinstance(linear, PackedLinear) or (torch.is_grad_enabled() and linear.weight.requires_grad):
-        return None
-    return linear.current_pack()
-
-
 def can_pack(model: nn.Module) -> bool:
     """fp32 weights on CPU, our kernels built and a torch built with MKL's packed GEMM."""
     weight = next(model.parameters(), None)

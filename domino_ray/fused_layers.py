@@ -26,8 +26,8 @@ import weakref
 import torch
 from torch import nn
 
-from domino_ray.cpu_kernels import rms_norm, rotary, takes
-from domino_ray.cpu_linear import OUR_ROWS, current_pack
+from domino_ray.cpu_kernels import rms_norm, rotary
+from domino_ray.cpu_linear import OUR_ROWS, PackedLinear
 from domino_ray.target_forward import engine_attention
 
 # The layer classes whose forward `FusedLayer` reproduces: pre-norm residual blocks, q/k/v/o attention with the
@@ -123,10 +123,9 @@ class FusedLayer(nn.Module):
         linears = (self.qkv, self.o_proj, self.gate_up, self.down_proj)
         state = tuple((m.weight.data_ptr(), m.weight._version) for m in linears)
         if self._native_args is None or self._native_args[0] != state:
-            packed = [current_pack(m) for m in linears]
-            if any(p is None for p in packed):
+            if not all(isinstance(m, PackedLinear) for m in linears):
                 return None
-            (qkv, o, gate_up, down), norms = packed, (self.q_norm, self.k_norm)
+            (qkv, o, gate_up, down), norms = [m.current_pack() for m in linears], (self.q_norm, self.k_norm)
             weights = [self.input_layernorm.weight, qkv, self.qkv.bias, o, self.o_proj.bias,
                        self.post_attention_layernorm.weight, gate_up, self.gate_up.bias, down, self.down_proj.bias,
                        *(n.weight if n is not None else None for n in norms)]
@@ -145,7 +144,7 @@ def _native_step(hidden: torch.Tensor, step) -> bool:
         return False
     if step.native is None:
         step.native = (step.buffers.kernel and hidden.shape[0] * hidden.shape[1] in OUR_ROWS
-                       and not torch.is_grad_enabled() and takes(hidden, hidden))
+                       and not torch.is_grad_enabled())
     return step.native
 
 

@@ -336,7 +336,7 @@ class WidthController:
         if w > 0:
             return w, True
         far = max((v for x, v in rates.items() if x), default=0.0) < CONTEXT_FLOOR * rates[0]
-        context = not (far or self.written_off) or not (self.written_off or self.lazy_context)
+        context = not self.written_off and not (far and self.lazy_context)
         self.hold = (HOLD_STEPS - 1, (r, len(usable)), context)
         return 0, context
 

@@ -174,10 +174,12 @@ def test_layers_outside_the_family_or_with_hooks_keep_hf_forward():
 
 @pytest.mark.parametrize("op", ["ours", "torch"])
 def test_kv_write_puts_each_row_at_its_own_positions(op, monkeypatch):
+    ran = []
     if op == "torch":  # the path for other dtypes and devices, and where our kernels do not build
         monkeypatch.setattr(cpu_kernels, "kv_write", lambda *args: False)
     else:
-        assert cpu_kernels.kernels_loaded()
+        ours = cpu_kernels.kv_write
+        monkeypatch.setattr(cpu_kernels, "kv_write", lambda *args: ran.append(ours(*args)) or ran[-1])
     kv = KVBuffers(2, 4, 16, 2, 3, torch.float32, "cpu")
     index = torch.tensor([[5, 6], [0, 1], [9, 10]])        # [b, q] for slots 1..3
     keys = torch.randn(3, 2, 2, 3)                          # [b, Hkv, q, D]
@@ -188,3 +190,4 @@ def test_kv_write_puts_each_row_at_its_own_positions(op, monkeypatch):
             expected[1 + b, :, index[b, i]] = keys[b, :, i]
     assert torch.equal(kv.keys[1], expected) and torch.equal(kv.values[1], -expected)
     assert kv.keys[0].abs().sum() == 0
+    assert ran == ([True] if op == "ours" else [])  # our op wrote it, not torch's fallback
