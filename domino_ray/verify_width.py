@@ -19,10 +19,11 @@ also skip the draft's context update, and so they do while drafting is far off (
 engine that keeps the last positions' taps anyway (eager: `engine.DEFERRED_STEPS`). The positions decoded
 then are missing from that draft's context, but for those last few where the engine keeps them (a later
 probe sees the draft at its worst; rows admitted later start with their whole prompt as context).
-Exploration comes from the prior, which is optimistic (a new
-engine drafts at once; a few misses bring a bad draft's estimate down): estimates decay towards it while
-a position goes unverified, so a draft written off at W = 0 is tried again after a while (rarely: the
-decay is slow), at the narrowest width: whether its first draft lands is all the verdict asks.
+Exploration comes from the prior, which is optimistic (a new engine drafts at once): estimates decay towards it
+while a position goes unverified, so a draft written off at W = 0 is tried again after a while (rarely: the decay
+is slow). Until a first draft has landed, a drafting step is a probe and verifies the narrowest width (whether
+the first draft lands is all it asks), and the first `TRIAL_TRIES` probes come whenever the prior says drafting
+pays, whatever the misses so far say: at one row a single miss would stop a draft that lands 75-90% of the time.
 """
 
 from __future__ import annotations
@@ -83,6 +84,13 @@ CONTEXT_FLOOR = 0.9
 HOLD_STEPS = 8
 
 
+# A draft's first drafts are tried this often (decayed counts: three steps at one row, one at three rows or more) before
+# the evidence may stop it or write it off. At one row a single miss brings the estimate from the prior's 0.8 to 0.43,
+# enough to stop drafting on most cost tables; the demo draft's first draft misses in 25% of its rows' first steps
+# (16% from the seventh step on, 24 rows at K = 8), so one miss is no verdict. A useless draft costs three narrow probes.
+TRIAL_TRIES = 2.5
+
+
 def best_width(rates: Mapping[int, float], margin: float = DRAFTING_MARGIN) -> int:
     """The width with the highest rate, W = 0 unless a drafting width beats it by `margin`; ties go to the
     narrower width."""
@@ -112,7 +120,7 @@ class AcceptanceEstimates:
     def __init__(self, num_draft_tokens: int, *, decay: float = 0.998, prior: float = 0.8, prior_weight: float = 2.0,
                  row_weight: float = 4.0):
         self.k, self.decay, self.row_weight = num_draft_tokens, decay, row_weight
-        self.prior_hits, self.prior_trials = prior * prior_weight, prior_weight
+        self.prior, self.prior_hits, self.prior_trials = prior, prior * prior_weight, prior_weight
         self.success = [0.0] * num_draft_tokens
         self.trials = [0.0] * num_draft_tokens
 
@@ -123,15 +131,17 @@ class AcceptanceEstimates:
         m = self.row_weight
         return [(s + m * p) / (n + m) for s, n, p in zip(row_success, row_trials, pooled)]
 
-    def draft_is_useless(self, min_trials: float = 2.5, max_rate: float = 0.05) -> bool:
+    def draft_is_useless(self, max_rate: float = 0.05) -> bool:
         """The evidence, not the prior, says the first draft almost never lands: W = 0 steps may then skip
-        keeping the draft's context current (the draft is useless, not merely too dear for this batch).
-        `min_trials` 2.5: three tries within ~150 steps, as the decay leaves them (a random draft at one row is
-        tried twice at the start and once more when a fresh row comes: 2.55 tries at the third). Two were too few:
-        the demo draft at 2 rows was written off by its first step (both rows missed) in a 12-token run. A
-        written-off draft still drafts when its estimates say so, and an eager engine feeds it its last positions
-        first (a 20-step gap: the SmolLM2 draft accepted 0.91 drafts a step against 1.00)."""
-        return bool(self.k) and self.trials[0] >= min_trials and self.success[0] < max_rate * self.trials[0]
+        keeping the draft's context current (the draft is useless, not merely too dear for this batch), once its
+        trial is over (`TRIAL_TRIES`). A written-off draft still drafts when its estimates say so, and an eager
+        engine feeds it its last positions first (a 20-step gap: the SmolLM2 draft accepted 0.91 drafts a step
+        against 1.00)."""
+        return bool(self.k) and self.trials[0] >= TRIAL_TRIES and self.success[0] < max_rate * self.trials[0]
+
+    def first_draft_landed(self) -> bool:
+        """A first draft landed lately: a hit's decayed count stays over 0.5 for ~350 steps."""
+        return bool(self.k) and self.success[0] >= 0.5
 
     def start_step(self):
         self.success = [s * self.decay for s in self.success]
@@ -330,8 +340,14 @@ class WidthController:
         costs = self.costs.at(r, t)
         rates = width_rates(costs, accept, caps, counts)
         w = best_width(rates)
-        if w > 0 and self.written_off:  # a probe of a written-off draft: its first draft is the whole question,
-            w = min(x for x in costs if x > 0)  # asked at the narrowest width (the least verify and correction)
+        landed = self.estimates.first_draft_landed()
+        # Until a first draft lands (and while written off) a drafting step is a probe: whether the first draft lands
+        # is its whole question, asked at the narrowest width (the least verify and correction). A draft never
+        # written off is on trial until `TRIAL_TRIES` probes: the prior decides whether to probe, not the misses so far
+        trial = not (landed or self.written_off) and self.estimates.trials[0] < TRIAL_TRIES and best_width(
+            width_rates(costs, [[self.estimates.prior] * self.k] * len(caps), caps, counts)) > 0
+        if trial or (w > 0 and (self.written_off or not landed)):
+            w = min(x for x in costs if x > 0)
         self.hold = None
         if w > 0:
             return w, True

@@ -13,7 +13,7 @@ from domino_ray.engine import DEFERRED_STEPS, SpecEngine
 from domino_ray.request import Request
 from domino_ray.proposer import DominoProposer
 from domino_ray.sampling_params import SamplingParams
-from domino_ray.verify_width import (CONTEXT_FLOOR, DRAFTING_MARGIN, HOLD_STEPS, AcceptanceEstimates, best_width,
+from domino_ray.verify_width import (CONTEXT_FLOOR, DRAFTING_MARGIN, HOLD_STEPS, TRIAL_TRIES, AcceptanceEstimates, best_width,
                                      candidate_widths, choose_width, expected_tokens, smooth_costs, StepCosts,
                                      WidthController, width_rates)
 from oracles import OracleProposer
@@ -106,8 +106,8 @@ def test_rows_without_history_count_once_for_the_same_choice():
             if rng.random() < 0.5:  # some rows with history of their own
                 controller.tried[i] = [float(rng.randint(0, 9)) for _ in range(K)]
                 controller.succeeded[i] = [rng.uniform(0, t) for t in controller.tried[i]]
-        for _ in range(rng.randint(0, 20)):
-            controller.estimates.observe(K, rng.randint(0, K), [0.0] * K, [0.0] * K)
+        for landed in [K, K] + [rng.randint(0, K) for _ in range(rng.randint(0, 20))]:  # first drafts land: no
+            controller.estimates.observe(K, landed, [0.0] * K, [0.0] * K)  # probe narrows the width
         usable = [rng.choice([1, 2, K, 50]) for _ in range(rows)]
         pooled = controller.estimates.pooled()
         every_row = [controller.estimates.for_row(controller.succeeded[i], controller.tried[i], pooled)
@@ -477,6 +477,39 @@ def test_a_written_off_draft_is_probed_at_the_narrowest_width():
         assert width.choose(1, 64, [100]) == (narrowest, True)
         width.learn(1, 64, narrowest, 1.5, [1], [100])  # it lands: the draft is back
         assert not width.written_off and width.choose(1, 64, [100]) == (unclamped(width), True) == (4, True)
+
+
+def test_a_new_draft_gets_a_trial_of_narrow_probes_before_misses_stop_it():
+    """One row, drafting dear enough that a single miss stops it by the estimates alone: still, until a first draft
+    lands, the first `TRIAL_TRIES` probes come whenever the prior says drafting pays, each at the narrowest width. A
+    landing hands the choice back to the estimates; three misses write the draft off, and its decaying counts do not
+    put it on trial again. Where even the prior says drafting does not pay, no trial."""
+    costs = {0: 1.0, **{w: 2.2 + 0.01 * w for w in range(1, 5)}}
+
+    def unclamped(width):
+        accept = width.estimates.for_row(width.succeeded[0], width.tried[0], width.estimates.pooled())
+        return best_width(width_rates(width.costs.at(1, 64), [accept], [100]))
+
+    useless = WidthController(4, 1, StepCosts({1: costs}), lazy_context=True)
+    assert unclamped(useless) == 4  # the prior: the widest block
+    for probe in range(3):
+        assert useless.choose(1, 64, [100]) == (1, True)
+        useless.learn(1, 64, 1, 2.2, [0], [100])  # missed
+        assert unclamped(useless) == 0 and useless.written_off == (probe == 2)  # the estimates alone would stop
+    for _ in range(300):  # written off: W = 0 without the context, while the counts decay below the trial's
+        assert useless.choose(1, 64, [100]) == (0, False)
+        useless.learn(1, 64, 0, 1.0, [0], [100])
+    assert useless.estimates.trials[0] < TRIAL_TRIES
+
+    good = WidthController(4, 1, StepCosts({1: costs}), lazy_context=True)
+    assert good.choose(1, 64, [100]) == (1, True)
+    good.learn(1, 64, 1, 2.2, [0], [100])  # an unlucky first draft
+    assert good.choose(1, 64, [100]) == (1, True)  # on trial: probed again
+    good.learn(1, 64, 1, 2.2, [1], [100])  # it lands
+    assert good.choose(1, 64, [100]) == (unclamped(good), True) == (4, True)
+
+    dear = WidthController(4, 1, StepCosts({1: {0: 1.0, **{w: 5.0 for w in range(1, 5)}}}))
+    assert dear.choose(1, 64, [100]) == (0, True)  # the prior says drafting does not pay: no trial
 
 
 def test_start_up_times_four_widths_and_puts_the_rest_on_their_line():
