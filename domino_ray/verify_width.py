@@ -87,7 +87,8 @@ HOLD_STEPS = 8
 # A draft's first drafts are tried this often (decayed counts: three steps at one row, one at three rows or more) before
 # the evidence may stop it or write it off. At one row a single miss brings the estimate from the prior's 0.8 to 0.43,
 # enough to stop drafting on most cost tables; the demo draft's first draft misses in 25% of its rows' first steps
-# (16% from the seventh step on, 24 rows at K = 8), so one miss is no verdict. A useless draft costs three narrow probes.
+# (16% from the seventh step on, 24 rows at K = 8), so one miss is no verdict. A useless draft costs three narrow
+# probes.
 TRIAL_TRIES = 2.5
 
 

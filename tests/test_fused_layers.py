@@ -12,7 +12,8 @@ from domino_ray.kv_cache import KVBuffers, group_visibility
 from domino_ray.request import Request
 from domino_ray.sampling_params import SamplingParams
 from domino_ray.target_forward import RowAttention, install, run_decoder
-from tiny_models import hf_greedy, ragged_prompts, tiny_target
+from domino_ray.proposer import DominoProposer
+from tiny_models import hf_greedy, ragged_prompts, tiny_draft, tiny_target
 
 FAMILIES = {"qwen3": {}, "llama": {}, "qwen2": {},  # Qwen2: q/k/v biases
             "llama-biased": {"attention_bias": True, "mlp_bias": True},
@@ -106,6 +107,46 @@ def test_our_one_op_follows_weights_changed_in_place():
     (python, _), (ours, _) = forward_both(target, rows=3, prompt=5, width=1, runs=runs)
     assert not torch.allclose(python[1], before[1], rtol=1e-3, atol=1e-3)  # the change reaches the step's output
     for theirs, mine in zip(python, ours):
+        torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("width", [1, 3])
+def test_the_draft_layers_as_our_one_op_compute_what_their_python_forward_computes(width, monkeypatch):
+    """Where the engine packed the draft's linears, the draft block's layers run as `decode_layer` (q/k/v and gate/up
+    fused copies): the block's hidden states and the keys and values it writes are the Python layers', for rows in two
+    key groups; a weight changed in place reaches the op."""
+    target = family("qwen3-d16")
+    draft = tiny_draft(target, block_size=4)
+    pack_linears(draft)
+    proposer = DominoProposer(draft, target)
+    rows, g = 3, torch.Generator().manual_seed(0)
+    proposer.allocate(rows, 64)
+    taps = torch.randn(rows, 9, len(draft.config.target_layer_ids) * target.config.hidden_size, generator=g)
+    anchor = torch.randint(0, target.config.vocab_size, (rows,), generator=g)
+    lens = torch.tensor([5, 9, 7])
+    with torch.inference_mode():
+        proposer.append_context(slice(0, rows), taps, torch.zeros(rows, dtype=torch.long))
+    seen = []
+    draft_tokens = draft.draft_tokens
+    monkeypatch.setattr(draft, "draft_tokens", lambda hidden, *args: seen.append(hidden) or draft_tokens(hidden, *args))
+    native_layers = proposer._native_layers
+
+    def block(native: bool):
+        monkeypatch.setattr(proposer, "_native_layers", native_layers if native else lambda: None)
+        with torch.inference_mode():
+            proposer.propose(rows, anchor, lens, ((1, 32), (3, 32)), width)
+        return seen[-1], [b.clone() for b in (*proposer.kv.keys, *proposer.kv.values)]
+
+    python, ours = block(False), block(True)
+    assert proposer._native is not None  # our op ran
+    for theirs, mine in ((python[0], ours[0]), *zip(python[1], ours[1])):
+        torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        draft.layers[0].mlp.down_proj.weight.mul_(2.0)
+        draft.layers[1].self_attn.k_proj.weight.add_(0.1)
+    changed_python, changed_ours = block(False), block(True)
+    assert not torch.allclose(changed_python[0], python[0], rtol=1e-3, atol=1e-3)
+    for theirs, mine in ((changed_python[0], changed_ours[0]), *zip(changed_python[1], changed_ours[1])):
         torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5)
 
 

@@ -13,9 +13,9 @@ from domino_ray.engine import DEFERRED_STEPS, SpecEngine
 from domino_ray.request import Request
 from domino_ray.proposer import DominoProposer
 from domino_ray.sampling_params import SamplingParams
-from domino_ray.verify_width import (CONTEXT_FLOOR, DRAFTING_MARGIN, HOLD_STEPS, TRIAL_TRIES, AcceptanceEstimates, best_width,
-                                     candidate_widths, choose_width, expected_tokens, smooth_costs, StepCosts,
-                                     WidthController, width_rates)
+from domino_ray.verify_width import (CONTEXT_FLOOR, DRAFTING_MARGIN, HOLD_STEPS, TRIAL_TRIES, AcceptanceEstimates,
+                                     best_width, candidate_widths, choose_width, expected_tokens, smooth_costs,
+                                     StepCosts, WidthController, width_rates)
 from oracles import OracleProposer
 from tiny_models import hf_greedy, ragged_prompts, tiny_draft, tiny_target
 
