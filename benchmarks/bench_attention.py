@@ -51,7 +51,8 @@ def sweep(model: str, rows: int, keys: list[int], positions: list[int], seed: in
                                       for k, v in views], passes=7)
             ours = median_ms(lambda: [op(query, k, v, limits, dim ** -0.5) for k, v in views], passes=7)
             gb = 2 * layers * rows * heads * t * dim * 4 / 1e6  # K/V bytes per step, in MB (per ms = GB/s)
-            print(f"{t:>6} {q:>9} {sdpa:9.1f} ({gb / sdpa:4.1f}) {ours:9.1f} ({gb / ours:4.1f}) {sdpa / ours:8.2f}x")
+            # three significant digits: on a loaded machine a slow step's rate would print as 0.0 to one decimal
+            print(f"{t:>6} {q:>9} {sdpa:9.3g} ({gb / sdpa:4.3g}) {ours:9.3g} ({gb / ours:4.3g}) {sdpa / ours:8.2f}x")
 
 
 def engine_steps(rows: int):
