@@ -71,6 +71,14 @@ class PackedLinear(nn.Linear):
         return torch.ops.mkl._mkl_linear(x, self.mkl_weight, self.weight, self.bias, rows)
 
 
+def packed_states(linears) -> tuple | None:
+    """Each of `linears`' weight state (data_ptr, version), to key what is built from their packed weights (rebuilt
+    when a weight changed, as `current_pack` packs it again); None unless all are `PackedLinear`s."""
+    if not all(isinstance(m, PackedLinear) for m in linears):
+        return None
+    return tuple((m.weight.data_ptr(), m.weight._version) for m in linears)
+
+
 def can_pack(model: nn.Module) -> bool:
     """fp32 weights on CPU, our kernels built and a torch built with MKL's packed GEMM."""
     weight = next(model.parameters(), None)

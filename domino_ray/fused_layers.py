@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from domino_ray.cpu_kernels import rms_norm, rotary
-from domino_ray.cpu_linear import OUR_ROWS, PackedLinear
+from domino_ray.cpu_linear import OUR_ROWS, packed_states
 from domino_ray.target_forward import engine_attention
 
 # The layer classes whose forward `FusedLayer` reproduces: pre-norm residual blocks, q/k/v/o attention with the
@@ -121,10 +121,10 @@ class FusedLayer(nn.Module):
         us, ~8% of a 1-row SmolLM2 step) and again when a linear's weight changed, which packs it again; None where a
         linear is not packed."""
         linears = (self.qkv, self.o_proj, self.gate_up, self.down_proj)
-        state = tuple((m.weight.data_ptr(), m.weight._version) for m in linears)
+        state = packed_states(linears)
+        if state is None:
+            return None
         if self._native_args is None or self._native_args[0] != state:
-            if not all(isinstance(m, PackedLinear) for m in linears):
-                return None
             (qkv, o, gate_up, down), norms = [m.current_pack() for m in linears], (self.q_norm, self.k_norm)
             weights = [self.input_layernorm.weight, qkv, self.qkv.bias, o, self.o_proj.bias,
                        self.post_attention_layernorm.weight, gate_up, self.gate_up.bias, down, self.down_proj.bias,

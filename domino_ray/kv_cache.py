@@ -118,6 +118,13 @@ def group_visibility(key_limit: torch.Tensor, groups: int, key_positions: torch.
     return tuple(out)
 
 
+def decode_layer_groups(key_groups: tuple, visible: tuple[torch.Tensor, ...]
+                        ) -> tuple[list[int], list[int], list[torch.Tensor]]:
+    """`key_groups` and their key limits (`group_visibility`) as `decode_layer` takes them: group stops, key lengths,
+    key limits."""
+    return [stop for stop, _ in key_groups], [t for _, t in key_groups], list(visible)
+
+
 def grouped_attention(query: torch.Tensor, buffers: KVBuffers, layer: int, key_groups: tuple,
                       visible: tuple[torch.Tensor, ...], scale: float) -> torch.Tensor:
     """`row_attention` of query `[r, H, q, D]` over layer `layer` of `buffers`, one call per range of

@@ -26,9 +26,9 @@ from __future__ import annotations
 import torch
 
 from domino_ray.checkpoint import check_against_target
-from domino_ray.cpu_linear import OUR_ROWS, PackedLinear
+from domino_ray.cpu_linear import OUR_ROWS, packed_states
 from domino_ray.draft import DominoDraft, context_key_value_weights, context_keys_values, resolve_num_spec_tokens
-from domino_ray.kv_cache import KVBuffers, group_visibility, grouped_attention
+from domino_ray.kv_cache import KVBuffers, decode_layer_groups, group_visibility, grouped_attention
 
 
 class DominoProposer:
@@ -97,12 +97,12 @@ class DominoProposer:
         if native is None:
             hidden = self.draft.run_layers(block, cos, sin, attend_layer)  # [r, S, C]
         else:  # each layer as our one op (`csrc/decode_layer.cpp`): the draft's layers are Qwen3's
-            stops, lengths, limits = [stop for stop, _ in key_groups], [t for _, t in key_groups], list(visible)
+            groups = decode_layer_groups(key_groups, visible)
             hidden = block
             for i, (weights, shape, scalars) in enumerate(native):
                 keys, values = self.kv.keys[i], self.kv.values[i]
                 hidden = torch.ops.domino_ray.decode_layer(hidden, weights, shape, scalars, keys, values, write_at,
-                                                           cos, sin, stops, lengths, limits)
+                                                           cos, sin, *groups)
             hidden = self.draft.norm(hidden)
         return self.draft.draft_tokens(hidden, anchor, width, self.embed, self.lm_head)  # the GRU loop stops at W
 
@@ -114,10 +114,10 @@ class DominoProposer:
         linears = [m for layer in layers for attn, mlp in [(layer.self_attn, layer.mlp)]
                    for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj,
                              mlp.down_proj)]
-        state = tuple((m.weight.data_ptr(), m.weight._version) for m in linears)
+        state = packed_states(linears)
+        if state is None:
+            return None
         if self._native is None or self._native[0] != state:
-            if not all(isinstance(m, PackedLinear) for m in linears):
-                return None
             self._native = (state, [_decode_layer_args(layer) for layer in layers])
         return self._native[1]
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from domino_ray.kv_cache import KVBuffers, causal_prefill_attention, grouped_attention
+from domino_ray.kv_cache import KVBuffers, causal_prefill_attention, decode_layer_groups, grouped_attention
 
 ATTENTION = "domino_ray"
 
@@ -42,8 +42,8 @@ class RowAttention:
 
     @functools.cached_property
     def key_group_args(self) -> tuple[list[int], list[int], list[torch.Tensor]]:
-        """`key_groups` and `visible` as `decode_layer` takes them: group stops, key lengths, key limits."""
-        return [stop for stop, _ in self.key_groups], [t for _, t in self.key_groups], list(self.visible)
+        """`kv_cache.decode_layer_groups` of the step, for every layer."""
+        return decode_layer_groups(self.key_groups, self.visible)
 
     def __post_init__(self):  # every layer writes at `write_at`
         if self.prefill_rows is None:
