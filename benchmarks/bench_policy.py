@@ -5,8 +5,10 @@
 Drafts: the shipped demo draft, a random draft (same shapes, accepts ~nothing) and a half-trained one
 (the demo draft with its GRU head switched off: the backbone alone). Batch 1, 4, 16, 32; 128 new tokens
 per row (`ignore_eos`), 2 x rows prompts per run (so every slot is reused once); greedy, every output
-checked against target-only. Configurations run interleaved within each repeat; tok/s is the median
-over repeats. The adaptive engine's start-up (its cost table) is timed separately, not in tok/s.
+checked against target-only. Configurations run interleaved within each repeat, `auto` next to target-only (the
+ratio the policy promises, measured side by side) and the order reversed every other repeat (no configuration
+always runs first); tok/s is the median over repeats. The adaptive engine's start-up (its cost table) is timed
+separately, not in tok/s.
 """
 
 from __future__ import annotations
@@ -66,12 +68,12 @@ def main(argv=None):
     for rows in (int(b) for b in args.batch_sizes.split(",")):
         prompts = all_prompts[:2 * rows]
         for name, draft in drafts.items():
-            configs = {"target-only": None, **{f"K={k}": k for k in range(1, k_max + 1)}, "auto": "auto"}
+            configs = {"target-only": None, "auto": "auto", **{f"K={k}": k for k in range(1, k_max + 1)}}
             tps = {c: [] for c in configs}
             starts = []
             reference = None
-            for _ in range(args.repeats):
-                for label, k in configs.items():
+            for repeat in range(args.repeats):
+                for label, k in list(configs.items())[::-1 if repeat % 2 else 1]:
                     rate, out, started = run(target, draft if k is not None else None, k, prompts, rows,
                                              args.max_new_tokens)
                     tps[label].append(rate)
