@@ -36,6 +36,25 @@ def check_acceptance(tau: float, per_position: list[float], k: int, decimals: in
     assert tau == pytest.approx(1 + sum(per_position), abs=k * 10 ** -decimals)
 
 
+def test_policy_benchmark_smoke(tmp_path):
+    """bench_policy at a toy size (its script asserts every configuration's tokens equal target-only's): each
+    configuration ran every repeat, the medians and the ratios are those of the runs, and the paired ratio lies
+    within the runs' own auto / target-only ratios."""
+    out = tmp_path / "policy.json"
+    run_script("bench_policy.py", "--threads", "1", "--repeats", "3", "--batch-sizes", "1", "--drafts", "random",
+               "--max-new-tokens", "6", "--json", str(out))
+    cell = json.loads(out.read_text())["results"]["random batch 1"]
+    runs, median = cell["runs_tokens_per_s"], cell["tokens_per_s"]
+    assert set(runs) == set(median) == {"target-only", "auto", *(f"K={k}" for k in range(1, 9))}
+    for config, rates in runs.items():
+        assert len(rates) == 3 and all(positive(x) for x in rates)
+        assert median[config] == pytest.approx(sorted(rates)[1], abs=0.05)
+    ratios = sorted(a / b for a, b in zip(runs["auto"], runs["target-only"]))
+    assert ratios[0] - 1e-3 <= cell["auto_over_target_only_paired"] <= ratios[-1] + 1e-3
+    assert cell["auto_over_target_only"] == pytest.approx(median["auto"] / median["target-only"], abs=2e-3)
+    assert 2 <= sum(cell["auto_widths"]) <= 10  # two rows, their 5 tokens past the prefill's first in 1-5 steps each
+
+
 @pytest.mark.slow
 def test_engine_cpu_benchmark_smoke(tmp_path):
     """Every mode is timed at every batch size (the script itself asserts equal tokens across modes),
