@@ -169,10 +169,10 @@ class SpecEngine:
         self.num_deferred = 0  # positions held there: the active rows' last `num_deferred` (admission feeds them first)
         self.deferred_head = 0  # a ring: the oldest held position's index there
         # Slot -> its prompt's taps `[1, m, F]` (a view: the prefill's taps stay alive meanwhile), for rows an eager
-        # engine admitted while its last step skipped the draft's context: fed before the next step that keeps it
-        # (drafting or not), never if none comes (a written-off draft's rows)
+        # adaptive engine admitted: fed before the next step that keeps the draft's context (drafting or not), never
+        # if none comes (a written-off draft's rows, drafting far off: the demo pair at 16 rows fed 16 prompts it never
+        # drafted from, 0.5-0.9% of a run)
         self.pending_prompts: dict[int, torch.Tensor] = {}
-        self.context_kept = True  # whether the last step kept the draft's context (`WidthController.choose`)
         if self.defer_context:
             self.deferred_taps = torch.zeros(r, DEFERRED_STEPS, len(self.tap_layers) * cfg.hidden_size,
                                              dtype=self.dtype, device=self.device)
@@ -308,7 +308,7 @@ class SpecEngine:
         first = first[:, 0]  # [k]
         if taps is not None:
             self.pending_prompts.update(zip(range(rows.start, rows.stop), taps.split(sizes, 1)))  # [1, m, F] each
-            if self.context_kept or not self.defer_context:
+            if not self.defer_context:
                 self._feed_pending_prompts()
         self.lens[rows] = lengths
         self.anchor[rows] = first
@@ -332,7 +332,6 @@ class SpecEngine:
             self._feed_deferred_context()
         if self.pending_prompts and (w or context):
             self._feed_pending_prompts()
-        self.context_kept = bool(w or context)
         timed = self._device_step(r, key_groups, w, sampled, filtered, context)
         packed = self._read_packed(n, w)  # the step's one host sync
         now = time.perf_counter()

@@ -181,6 +181,39 @@ def test_random_draft_settles_on_plain_decoding_at_no_cost(target):
         check_stats(c, K)
 
 
+class FeedRecorder(DominoProposer):
+    """Records each context update as (slots, positions, first offset)."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.feeds = []
+
+    def append_context(self, rows, target_hidden, offsets):
+        self.feeds.append((range(rows.start, rows.stop), target_hidden.shape[1], offsets.tolist()))
+        super().append_context(rows, target_hidden, offsets)
+
+
+def test_an_admitted_prompt_reaches_the_draft_only_before_a_step_that_keeps_its_context(target):
+    """An eager adaptive engine feeds an admitted row's prompt to the draft's context before the first step that keeps
+    that context, once, not at admission: while every step skips it (drafting far off) no prompt is ever fed. The
+    tokens are the target's either way."""
+    prompts = ragged_prompts(5, seed=6, max_len=20)
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    for context in (False, True):
+        proposer = FeedRecorder(tiny_draft(target, block_size=K), target)
+        engine = SpecEngine(target, proposer, max_rows=2, adaptive=True,
+                            width_costs={r: {w: 1.0 + w for w in range(K + 1)} for r in (1, 2)})
+        engine.width.choose = lambda r, t, usable: (0, context)
+        prefill, waiting = engine._prefill, []
+        engine._prefill = lambda *a: (first := prefill(*a), waiting.append(len(engine.pending_prompts)))[0]
+        out = engine.generate([Request(i, p, params) for i, p in enumerate(prompts)])
+        assert [c.token_ids for c in out] == [hf_greedy(target, p, 12) for p in prompts]
+        assert all(waiting) and not engine.pending_prompts
+        prompt_feeds = sorted(q for slots, q, offsets in proposer.feeds if offsets == [0])  # a prompt from position 0
+        assert prompt_feeds == (sorted(len(p) for p in prompts) if context else [])
+        assert context or not proposer.feeds  # far off: nothing fed at all (a full ring drops its oldest)
+
+
 def test_a_written_off_drafts_plain_steps_keep_no_taps(target):
     """Once the evidence writes a useless draft off, its steps neither feed the draft's context nor keep the target's
     taps for later: the ring of deferred taps is never written again and holds nothing; the tokens stay the
@@ -308,7 +341,7 @@ def test_while_drafting_is_far_off_the_draft_context_keeps_the_prompt_and_the_la
     """W = 0 steps that skip the draft's context while drafting is far off (False) keep their taps in a ring of the
     last `DEFERRED_STEPS` positions and feed no context: at a drafting step after such a stretch, each row's
     draft context holds its prompt and its last `DEFERRED_STEPS` positions exactly, and misses positions between.
-    Rows admitted then get their prompt's context before the next step that keeps it, not at admission.
+    Rows admitted get their prompt's context before the next step that keeps it, not at admission.
     With the context kept current at every step, every position matches (the oracle's own check)."""
     prompts = ragged_prompts(5, seed=3, max_len=20)
     params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (70, 25, 55, 33, 61)]
@@ -325,7 +358,7 @@ def test_while_drafting_is_far_off_the_draft_context_keeps_the_prompt_and_the_la
         prefill, waiting = engine._prefill, []
         engine._prefill = lambda *a: (first := prefill(*a), waiting.append(len(engine.pending_prompts)))[0]
         out = engine.generate([Request(i, p, sp) for i, (p, sp) in enumerate(zip(prompts, params))])
-        assert (sum(waiting) > 0) == skip and not engine.pending_prompts  # admissions in a stretch wait, then none
+        assert all(waiting) and not engine.pending_prompts  # each admission's prompts wait for a step, then none
         assert [c.token_ids for c in out] == [hf_greedy(target, p, sp.max_new_tokens) for p, sp in zip(prompts, params)]
         kept = [match for p, prompt, length, match in proposer.checked if p < prompt or p >= length - DEFERRED_STEPS]
         between = [match for p, prompt, length, match in proposer.checked if prompt <= p < length - DEFERRED_STEPS]
