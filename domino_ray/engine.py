@@ -67,9 +67,10 @@ log = logging.getLogger(__name__)
 # time the update is a small GEMM over the projection weights per step (SmolLM2 pair, 16 rows, CPU: 0.53 ms a
 # position, 0.22 ms in a batch of 8); with CUDA graphs it stays in the step (a graph per fill level would multiply
 # the keys). While drafting is far off (`WidthController.choose`: context False) a full buffer drops its oldest
-# position instead of feeding: the draft's context then misses those positions but holds the last ones. A written-off
-# draft's W = 0 steps (context None) keep no taps at all: the ring's copy cost 21 us of a 1.9 ms step (the demo
-# target at one row, 1.1%), and such a draft drafts again where a fresh row comes, whose prompt is its context.
+# position instead of feeding: the draft's context then misses those positions but holds the last ones. So do a
+# written-off draft's steps: its re-probes come mid-row too, and the demo draft's first draft landed in 68 of 72 and 22
+# of 24 probes after 20 and 60 skipped steps with them, 42 of 72 and 9 of 24 without (copying them: ~20 us a step,
+# 1% of the demo target's step at one row, far less of a real model's).
 DEFERRED_STEPS = 8
 
 
@@ -170,8 +171,8 @@ class SpecEngine:
         self.deferred_head = 0  # a ring: the oldest held position's index there
         # Slot -> its prompt's taps `[1, m, F]` (a view: the prefill's taps stay alive meanwhile), for rows an eager
         # adaptive engine admitted: fed before the next step that keeps the draft's context (drafting or not), never
-        # if none comes (a written-off draft's rows, drafting far off: the demo pair at 16 rows fed 16 prompts it never
-        # drafted from, 0.5-0.9% of a run)
+        # if none comes (a written-off draft's rows, drafting far off: feeding 16 prompts of the demo pair at admission
+        # took 7.8 ms, ~0.8% of a bench_policy 16-row run where the draft never drafts)
         self.pending_prompts: dict[int, torch.Tensor] = {}
         if self.defer_context:
             self.deferred_taps = torch.zeros(r, DEFERRED_STEPS, len(self.tap_layers) * cfg.hidden_size,
@@ -335,13 +336,11 @@ class SpecEngine:
         timed = self._device_step(r, key_groups, w, sampled, filtered, context)
         packed = self._read_packed(n, w)  # the step's one host sync
         now = time.perf_counter()
-        if self._defers(w, context):  # the step kept its taps; a full ring (drafting far off) dropped its oldest
+        if self._defers(w):  # the step kept its taps; a full ring (drafting far off) dropped its oldest
             if self.num_deferred < DEFERRED_STEPS:
                 self.num_deferred += 1
             else:
                 self.deferred_head = (self.deferred_head + 1) % DEFERRED_STEPS
-        elif not w and context is None:  # kept nothing: what the ring held are no longer the rows' last positions
-            self.num_deferred = self.deferred_head = 0
         if self.width is not None:  # a step that captured a graph says nothing about its width's cost
             self.width.learn(r, t, w, now - started if timed else None, [a for a, *_ in packed], usable)
         for row, (a, *row_tokens), u in zip(self.rows, packed, usable):
@@ -363,10 +362,9 @@ class SpecEngine:
         buckets = [self._key_bucket(row.committed - 1 + span) for row in self.rows]
         return buckets + [self._key_bucket(span)] * (r - len(self.rows))
 
-    def _defers(self, w: int, context: bool | None) -> bool:
-        """Whether a step at width `w` keeps its taps for later (`DEFERRED_STEPS`) instead of feeding them: an eager
-        adaptive engine's W = 0 steps, unless the draft is written off (`context` None: nothing is kept)."""
-        return not w and self.defer_context and context is not None
+    def _defers(self, w: int) -> bool:
+        """Whether a step at width `w` keeps its taps for later (`DEFERRED_STEPS`) instead of feeding them."""
+        return not w and self.defer_context
 
     def _feed_pending_prompts(self):
         """The draft's context of the prompts waiting in `pending_prompts`, prompt by prompt (padded together, each
@@ -394,8 +392,7 @@ class SpecEngine:
         """The shortest key bucket holding `length` positions."""
         return self.key_buckets[bisect_left(self.key_buckets, min(length, self.capacity))]
 
-    def _device_step(self, r: int, key_groups: Groups, w: int, sampled: bool, filtered: bool,
-                     context: bool | None) -> bool:
+    def _device_step(self, r: int, key_groups: Groups, w: int, sampled: bool, filtered: bool, context: bool) -> bool:
         """Draft `w` tokens (none when 0), then verify and accept them, for slots `0..r` over `key_groups`: one
         CUDA graph with graphs. False when that graph was captured now (the step's time is not a step's cost)."""
         def step():
@@ -436,17 +433,15 @@ class SpecEngine:
         self.drafts[:r, :w] = self.proposer.propose(r, self.anchor[:r], self.lens[:r], key_groups, w, committed,
                                                     request_ids)
 
-    def _verify_step(self, r: int, key_groups: Groups, w: int, sampled: bool, filtered: bool,
-                     context: bool | None = True):
+    def _verify_step(self, r: int, key_groups: Groups, w: int, sampled: bool, filtered: bool, context: bool = True):
         """Verify `[anchor, drafts[:w]]` for slots `0..r` over `key_groups`, accept, advance the rows and
-        write `self.packed[:r, :w+2]` = (accepted, tokens); `context`: also feed the draft's context (None: nor keep
-        the taps for later, `_defers`)."""
+        write `self.packed[:r, :w+2]` = (accepted, tokens); `context`: also feed the draft's context."""
         lens, remaining = self.lens[:r], self.remaining[:r]
         verify_ids = torch.cat([self.anchor[:r, None], self.drafts[:r, :w]], 1)  # [r, W+1]
         positions = lens[:, None] + self.verify_offsets[:w + 1]                  # [r, W+1]
         # causal after the prefix
         visible = group_visibility(positions + 1, self.groups, self.key_positions, key_groups, self.kv)
-        defer = self._defers(w, context)  # the taps of a W = 0 step wait in the ring, whether or not they will be fed
+        defer = self._defers(w)  # the taps of a W = 0 step wait in the ring, whether or not they will be fed
         slot = (self.deferred_head + self.num_deferred) % DEFERRED_STEPS  # the next free place, or the oldest's
         hidden, taps = run_decoder(self.decoder, self.layers, verify_ids, positions,
                                    RowAttention(self.kv, write_index=positions, visible=visible, key_groups=key_groups),

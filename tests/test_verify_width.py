@@ -214,55 +214,6 @@ def test_an_admitted_prompt_reaches_the_draft_only_before_a_step_that_keeps_its_
         assert context or not proposer.feeds  # far off: nothing fed at all (a full ring drops its oldest)
 
 
-def test_a_written_off_drafts_plain_steps_keep_no_taps(target):
-    """Once the evidence writes a useless draft off, its steps neither feed the draft's context nor keep the target's
-    taps for later: the ring of deferred taps is never written again and holds nothing; the tokens stay the
-    target's."""
-    costs = {r: {w: 1.0 + 0.3 * w for w in range(K + 1)} for r in (1, 2)}
-    engine = SpecEngine(target, DominoProposer(tiny_draft(target, block_size=K, seed=9), target), max_rows=2,
-                        adaptive=True, width_costs=costs)
-    assert engine.defer_context
-    decode, checked = engine._decode, []
-
-    def decode_checked(events):
-        before, written_off = engine.deferred_taps.clone(), engine.width.written_off
-        decode(events)
-        if written_off:
-            checked.append(engine.num_deferred == 0 and torch.equal(engine.deferred_taps, before))
-
-    engine._decode = decode_checked
-    prompts = ragged_prompts(4, seed=1)
-    params = SamplingParams(max_new_tokens=60, ignore_eos=True)
-    out = engine.generate([Request(i, p, params) for i, p in enumerate(prompts)])
-    assert [c.token_ids for c in out] == [hf_greedy(target, p, 60) for p in prompts]
-    assert len(checked) > 60 and all(checked), checked
-
-
-def test_a_step_that_keeps_no_taps_empties_the_ring(target):
-    """The ring holds the rows' last positions only while every W = 0 step adds to it: a step that keeps no taps
-    (`context` None) after a far-off stretch (False) leaves nothing in it to feed at the wrong positions later."""
-    schedule = [(0, False)] * 5 + [(0, None)] * 3 + [(2, True)] + [(0, True)] * 3 + [(0, None)] + [(1, True)]
-    engine = SpecEngine(target, DominoProposer(tiny_draft(target, block_size=K), target), max_rows=2, adaptive=True,
-                        width_costs={r: {w: 1.0 + w for w in range(K + 1)} for r in (1, 2)})
-    steps, held = iter(schedule * 10), []
-    decode = engine._decode
-
-    def decode_recorded(events):
-        decode(events)
-        held.append(engine.num_deferred)
-
-    engine.width.choose = lambda r, t, usable: (choice := next(steps), held.append(choice))[0]
-    engine._decode = decode_recorded
-    prompts = ragged_prompts(2, seed=4)
-    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
-    out = engine.generate([Request(i, p, params) for i, p in enumerate(prompts)])
-    assert [c.token_ids for c in out] == [hf_greedy(target, p, 40) for p in prompts]
-    after = list(zip(held[::2], held[1::2]))  # (the step's choice, positions the ring holds after it)
-    kept_none = [n for (w, context), n in after if context is None]
-    assert len(kept_none) > 5 and not any(kept_none)
-    assert any(n == 5 for (w, context), n in after if context is False)  # the far-off stretch filled it
-
-
 class ContextRecorder(DominoProposer):
     """Records the draft's context (every layer's keys and values of each row's committed positions) at each
     drafting step, and the positions each context update brings."""
@@ -338,8 +289,8 @@ class ContextChecker(DominoProposer):
 
 @torch.inference_mode()
 def test_while_drafting_is_far_off_the_draft_context_keeps_the_prompt_and_the_last_positions(target):
-    """W = 0 steps that skip the draft's context while drafting is far off (False) keep their taps in a ring of the
-    last `DEFERRED_STEPS` positions and feed no context: at a drafting step after such a stretch, each row's
+    """W = 0 steps that skip the draft's context (drafting far off, or the draft written off) keep their taps in a ring
+    of the last `DEFERRED_STEPS` positions and feed no context: at a drafting step after such a stretch, each row's
     draft context holds its prompt and its last `DEFERRED_STEPS` positions exactly, and misses positions between.
     Rows admitted get their prompt's context before the next step that keeps it, not at admission.
     With the context kept current at every step, every position matches (the oracle's own check)."""
@@ -496,15 +447,14 @@ def test_a_step_that_captured_a_graph_teaches_acceptance_not_cost():
 
 def test_a_written_off_draft_stays_written_off_until_a_drafting_step_says_otherwise():
     """The verdict comes from drafting steps only: W = 0 steps add no evidence, so however far the decayed counts
-    fall meanwhile, they keep skipping the draft's context, and keeping no taps (None), until the next drafting step
-    decides again."""
+    fall meanwhile, they keep skipping the draft's context until the next drafting step decides again."""
     costs = StepCosts({1: {w: 1.0 + 2.0 * w for w in range(5)}})  # dear drafts: W = 0 once the evidence is in
     width = WidthController(4, 1, costs)
     for _ in range(4):
         width.learn(1, 64, 4, 9.0, [0], [100])  # drafting steps: the first draft rejected every time
-    assert width.written_off and width.choose(1, 64, [100]) == (0, None)
+    assert width.written_off and width.choose(1, 64, [100]) == (0, False)
     for _ in range(2000):  # the decayed counts fall far below the verdict's minimum of evidence
-        assert width.choose(1, 64, [100])[1] is None
+        assert width.choose(1, 64, [100])[1] is False
         width.learn(1, 64, 0, 1.0, [0], [100])
     assert width.estimates.trials[0] < 0.1 and width.written_off
     width.learn(1, 64, 4, 9.0, [3], [100])  # a probe that lands: the draft is back
@@ -580,7 +530,7 @@ def test_a_new_draft_gets_a_trial_of_narrow_probes_before_misses_stop_it():
         useless.learn(1, 64, 1, 2.2, [0], [100])  # missed
         assert unclamped(useless) == 0 and useless.written_off == (probe == 2)  # the estimates alone would stop
     for _ in range(300):  # written off: W = 0 without the context, while the counts decay below the trial's
-        assert useless.choose(1, 64, [100]) == (0, None)
+        assert useless.choose(1, 64, [100]) == (0, False)
         useless.learn(1, 64, 0, 1.0, [0], [100])
     assert useless.estimates.trials[0] < TRIAL_TRIES
 
