@@ -8,8 +8,8 @@ per row (`ignore_eos`), 2 x rows prompts per run (so every slot is reused once);
 checked against target-only. Configurations run interleaved within each repeat, `auto` next to target-only (the
 ratio the policy promises, measured side by side) and the order reversed every other repeat (no configuration
 always runs first); tok/s is the median over repeats, and "paired" the median over repeats of auto / target-only
-within a repeat (less of the machine's drift between the two). The adaptive engine's start-up (its cost table) is timed
-separately, not in tok/s.
+within a repeat (less of the machine's drift between the two). The adaptive engine's start-up (its cost table) is
+timed separately, not in tok/s.
 """
 
 from __future__ import annotations
