@@ -71,6 +71,13 @@ class PackedLinear(nn.Linear):
         return torch.ops.mkl._mkl_linear(x, self.mkl_weight, self.weight, self.bias, rows)
 
 
+def one_op_layers(kernel_attention: bool, positions: int) -> bool:
+    """Whether a decode step's layers may each run as our `decode_layer` op: attention by our CPU kernel
+    (`KVBuffers.kernel`: fp32 on CPU, key limits), `positions` (rows x queries) our linear kernel takes (`OUR_ROWS`),
+    and nothing for autograd to record (the op has no backward). The target's layers and the draft block's ask it."""
+    return kernel_attention and positions in OUR_ROWS and not torch.is_grad_enabled()
+
+
 def packed_states(linears) -> tuple | None:
     """Each of `linears`' weight state (data_ptr, version), to key what is built from their packed weights (rebuilt
     when a weight changed, as `current_pack` packs it again); None unless all are `PackedLinear`s."""

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from domino_ray.cpu_kernels import rms_norm, rotary
-from domino_ray.cpu_linear import OUR_ROWS, packed_states
+from domino_ray.cpu_linear import one_op_layers, packed_states
 from domino_ray.target_forward import engine_attention
 
 # The layer classes whose forward `FusedLayer` reproduces: pre-norm residual blocks, q/k/v/o attention with the
@@ -136,15 +136,12 @@ class FusedLayer(nn.Module):
 
 
 def _native_step(hidden: torch.Tensor, step) -> bool:
-    """Whether a layer's forward over `hidden` may be our one op: an engine decode step (not a prefill) attended by our
-    CPU kernel (`KVBuffers.kernel`: fp32 on CPU, key limits) at rows our linear kernel takes (`cpu_linear.OUR_ROWS`),
-    with nothing for autograd to record (the op has no backward). The same for every layer of a forward: decided
-    once."""
+    """Whether a layer's forward over `hidden` may be our one op: an engine decode step (not a prefill) that
+    `cpu_linear.one_op_layers` takes. The same for every layer of a forward: decided once."""
     if step is None or step.prefill_rows is not None:
         return False
     if step.native is None:
-        step.native = (step.buffers.kernel and hidden.shape[0] * hidden.shape[1] in OUR_ROWS
-                       and not torch.is_grad_enabled())
+        step.native = one_op_layers(step.buffers.kernel, hidden.shape[0] * hidden.shape[1])
     return step.native
 
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from domino_ray.checkpoint import check_against_target
-from domino_ray.cpu_linear import OUR_ROWS, packed_states
+from domino_ray.cpu_linear import one_op_layers, packed_states
 from domino_ray.draft import DominoDraft, context_key_value_weights, context_keys_values, resolve_num_spec_tokens
 from domino_ray.kv_cache import KVBuffers, decode_layer_groups, group_visibility, grouped_attention
 
@@ -92,8 +92,7 @@ class DominoProposer:
             self.kv.write(i, write_at, k, v)
             return attn.output(grouped_attention(q, self.kv, i, key_groups, visible, attn.head_dim ** -0.5))
 
-        native = self._native_layers() if self.kv.kernel and r * slots in OUR_ROWS and not torch.is_grad_enabled() \
-            else None
+        native = self._native_layers() if one_op_layers(self.kv.kernel, r * slots) else None
         if native is None:
             hidden = self.draft.run_layers(block, cos, sin, attend_layer)  # [r, S, C]
         else:  # each layer as our one op (`csrc/decode_layer.cpp`): the draft's layers are Qwen3's
