@@ -80,10 +80,16 @@ def one_op_layers(kernel_attention: bool, positions: int) -> bool:
 
 def packed_states(linears) -> tuple | None:
     """Each of `linears`' weight state (data_ptr, version), to key what is built from their packed weights (rebuilt
-    when a weight changed, as `current_pack` packs it again); None unless all are `PackedLinear`s."""
-    if not all(isinstance(m, PackedLinear) for m in linears):
-        return None
-    return tuple((m.weight.data_ptr(), m.weight._version) for m in linears)
+    when a weight changed, as `current_pack` packs it again); None unless all are `PackedLinear`s. Runs for every layer
+    of every step: `_parameters` directly (`m.weight` goes through `Module.__getattr__`, ~1 us a lookup; this way the
+    check over a layer's four linears takes ~1.5 us instead of ~8)."""
+    states = []
+    for m in linears:
+        if not isinstance(m, PackedLinear):
+            return None
+        weight = m._parameters["weight"]
+        states.append((weight.data_ptr(), weight._version))
+    return tuple(states)
 
 
 def can_pack(model: nn.Module) -> bool:

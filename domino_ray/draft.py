@@ -276,6 +276,8 @@ class DominoDraft(nn.Module):
             return self.to_target_ids(greedy_choice(base))
         p = min(self.config.num_uncorrected, num_draft)
         tokens = [self.to_target_ids(greedy_choice(base[:, :p]))]  # [b, P] uncorrected prefix
+        if num_draft <= p:  # no corrected draft: the GRU's state would go unused (a narrow probe, W = 1)
+            return tokens[0]
         w_ih, w_hh = self.prefix_gru.weight_ih_l0.float(), self.prefix_gru.weight_hh_l0.float()
         prefix = embed(torch.cat([anchor[:, None], tokens[0]], 1)).float()  # [b, P+1, C]
         state = prefix.new_zeros(prefix.shape[0], w_hh.shape[1])            # [b, G] float32

@@ -82,6 +82,7 @@ class FusedLayer(nn.Module):
         # Whether decode steps may run as our one op (`csrc/decode_layer.cpp`): its MLP activation is SiLU's
         self.native = type(self.act_fn).__name__ in SILU and (self.q_norm is None) == (self.k_norm is None)
         self._native_args: tuple | None = None  # (the linears' weight states, decode_layer's weights, shape, scalars)
+        self._linears = (self.qkv, self.o_proj, self.gate_up, self.down_proj)  # a plain tuple: no submodule lookups
 
     def forward(self, hidden: torch.Tensor, *, position_embeddings: tuple[torch.Tensor, torch.Tensor], domino_rows,
                 **kwargs) -> torch.Tensor:
@@ -120,7 +121,7 @@ class FusedLayer(nn.Module):
         """`decode_layer`'s weights, shape and scalars, built once (per layer and step the Python around the op was ~60
         us, ~8% of a 1-row SmolLM2 step) and again when a linear's weight changed, which packs it again; None where a
         linear is not packed."""
-        linears = (self.qkv, self.o_proj, self.gate_up, self.down_proj)
+        linears = self._linears
         state = packed_states(linears)
         if state is None:
             return None

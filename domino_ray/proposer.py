@@ -59,17 +59,22 @@ class DominoProposer:
         self.kv: KVBuffers | None = None
         self.key_positions: torch.Tensor | None = None
         self._native: tuple | None = None  # (the draft linears' weight states, each layer's `decode_layer` arguments)
+        self._linears: list | None = None  # the draft layers' 14 linears (`_native_layers`), listed at first use
 
     def allocate(self, max_rows: int, max_len: int):
         cfg = self.config
         self.kv = KVBuffers(cfg.num_hidden_layers, max_rows, max_len, cfg.num_key_value_heads, cfg.head_dim,
                             self.dtype, self.device)
         self.key_positions = torch.arange(max_len, device=self.device)  # [T]
+        # Every position's rotary cos/sin, looked up by each call (computed per call they were ~10 ops: ~45 us of a
+        # demo draft's one-row step on CPU, twice a drafting step)
+        cos, sin = self.draft.rope(self.key_positions[None], self.dtype)
+        self.rope_cos, self.rope_sin = cos[0], sin[0]  # [T, D]
 
     def append_context(self, rows: slice, target_hidden: torch.Tensor, offsets: torch.Tensor):
         context = self.draft.project_context(target_hidden.to(self.device))  # [b, q, C]
-        positions = offsets[:, None] + torch.arange(context.shape[1], device=self.device)  # [b, q]
-        cos, sin = self.draft.rope(positions, self.dtype)
+        positions = offsets[:, None] + self.key_positions[:context.shape[1]]  # [b, q]
+        cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # [b, q, D]
         k, v = context_keys_values(context, self.context_weights, self.config.rms_norm_eps, self.config.head_dim, cos, sin)
         self.kv.write_all_layers(rows, positions, k, v)
 
@@ -82,7 +87,7 @@ class DominoProposer:
         # Non-causal: every slot sees the whole context and every slot of the step.
         key_limit = (offsets + slots)[:, None].expand(r, slots)  # [r, S]
         visible = group_visibility(key_limit, self.groups, self.key_positions, key_groups, self.kv)
-        cos, sin = self.draft.rope(positions, self.dtype)
+        cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # [r, S, D]
         write_at = self.kv.flat_index(rows, positions)
 
         def attend_layer(i, layer, x, cos, sin):
@@ -110,10 +115,11 @@ class DominoProposer:
         kernel: one op call instead of ~40 a layer; the demo draft's block at one row 0.9 ms instead of 1.5), built once
         and again when a weight changed; None where the engine left the linears unpacked."""
         layers = self.draft.layers
-        linears = [m for layer in layers for attn, mlp in [(layer.self_attn, layer.mlp)]
-                   for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj,
-                             mlp.down_proj)]
-        state = packed_states(linears)
+        if self._linears is None:  # the same module objects for the proposer's life (packing changes their class)
+            self._linears = [m for layer in layers for attn, mlp in [(layer.self_attn, layer.mlp)]
+                             for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj,
+                                       mlp.down_proj)]
+        state = packed_states(self._linears)
         if state is None:
             return None
         if self._native is None or self._native[0] != state:

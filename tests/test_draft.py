@@ -31,6 +31,24 @@ def test_stepwise_gru_equals_full_prefix(shift_label, num_uncorrected, draft_voc
     assert corrected[:, num_uncorrected:].any()          # the head changes later ones
 
 
+@pytest.mark.parametrize("num_uncorrected,draft_vocab", [(1, None), (0, None), (2, 40)])
+def test_a_narrower_width_drafts_the_prefix_of_the_widest(num_uncorrected, draft_vocab):
+    """Every width W drafts the first W tokens of the widest draft, W <= P (uncorrected drafts alone, no GRU) too."""
+    target = tiny_target("qwen3", seed=53)
+    draft = tiny_draft(target, block_size=8, num_uncorrected=num_uncorrected, draft_vocab=draft_vocab)
+    with torch.no_grad():
+        draft.embed_proj[2].weight.mul_(40.0)  # decisive corrections: a wrong GRU state would show
+    embed, head = target.get_input_embeddings(), target.get_output_embeddings()
+    g = torch.Generator().manual_seed(1)
+    hidden = torch.randn(6, 8, 32, generator=g, dtype=torch.float64)
+    anchor = torch.randint(0, 95, (6,), generator=g)
+    k = draft.config.max_draft_tokens
+    with torch.no_grad():
+        widest = draft.draft_tokens(hidden, anchor, k, embed, head)  # [6, K]
+        for w in range(1, k + 1):
+            assert torch.equal(draft.draft_tokens(hidden, anchor, w, embed, head), widest[:, :w]), w
+
+
 def test_gru_is_the_bias_free_cell_of_the_papers():
     target = tiny_target("qwen3", seed=52)
     gru = tiny_draft(target).prefix_gru
