@@ -59,10 +59,14 @@ def decode_attention_op():
     return torch.ops.domino_ray.decode_attention if kernels_loaded() else None
 
 
+# HF's RMSNorm classes: `weight * (x * rsqrt(mean(x^2) + variance_epsilon))`, what our `rms_norm` op computes.
+RMS_NORMS = {"LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"}
+
+
 def rms_norm(norm, x: torch.Tensor) -> torch.Tensor:
-    """`norm(x)` for an HF RMSNorm module (`weight * (x * rsqrt(mean(x^2) + variance_epsilon))`): one op on fp32
-    CPU tensors, the module's own forward otherwise (and wherever autograd records: the op has no backward)."""
-    if takes(x, norm.weight):
+    """`norm(x)`: one op for an HF RMSNorm module (`RMS_NORMS`) on fp32 CPU tensors, the module's own forward
+    otherwise (any other norm, other devices and dtypes, and wherever autograd records: the op has no backward)."""
+    if type(norm).__name__ in RMS_NORMS and takes(x, norm.weight):
         return torch.ops.domino_ray.rms_norm(x, norm.weight, norm.variance_epsilon)
     return norm(x)
 

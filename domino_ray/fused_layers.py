@@ -26,15 +26,14 @@ import weakref
 import torch
 from torch import nn
 
-from domino_ray.cpu_kernels import rms_norm, rotary
+from domino_ray.cpu_kernels import RMS_NORMS, rms_norm, rotary
 from domino_ray.cpu_linear import one_op_layers, packed_states
 from domino_ray.target_forward import engine_attention
 
 # The layer classes whose forward `FusedLayer` reproduces: pre-norm residual blocks, q/k/v/o attention with the
 # rotary embedding on q and k (Qwen3: after a per-head RMSNorm of each), a gated MLP.
 FUSABLE = {"LlamaDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer"}
-# Their norms: `weight * (x * rsqrt(mean(x^2) + variance_epsilon))`, what `cpu_kernels.rms_norm` computes.
-RMS_NORMS = {"LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"}
+# Their norms must be `cpu_kernels.RMS_NORMS`.
 SILU = {"SiLUActivation", "SiLU"}  # HF's `ACT2FN["silu"]`, torch's module
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from domino_ray.cpu_kernels import rms_norm
 from domino_ray.kv_cache import KVBuffers, causal_prefill_attention, decode_layer_groups, grouped_attention
 
 ATTENTION = "domino_ray"
@@ -102,6 +103,6 @@ def run_decoder(decoder, layers, input_ids: torch.Tensor, positions: torch.Tenso
                        domino_rows=attention)
         if i in tap_layers:
             taps[i] = hidden
-    hidden = decoder.norm(hidden)
+    hidden = rms_norm(decoder.norm, hidden)  # our op for HF's RMSNorm: 8 ops less (SmolLM2 at one row: 155 -> ~15 us)
     taps[len(layers) - 1] = hidden
     return hidden, (torch.cat([taps[i] for i in tap_layers], -1, out=taps_into) if tap_layers else None)

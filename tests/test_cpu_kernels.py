@@ -166,5 +166,9 @@ def test_layer_ops_fall_back_to_torch_where_they_do_not_apply():
     norm = type("Norm", (), {"weight": torch.ones(8, dtype=torch.float64), "variance_epsilon": 1e-6,
                              "__call__": lambda self, v: v * 2})()
     assert torch.equal(cpu_kernels.rms_norm(norm, x64), x64 * 2)  # the module's own forward
+    x32 = torch.randn(3, 8)
+    norm.weight = torch.ones(8)
+    with torch.inference_mode():  # fp32, but not one of HF's RMSNorm classes (a final norm of another family)
+        assert torch.equal(cpu_kernels.rms_norm(norm, x32), x32 * 2)
     with pytest.raises(RuntimeError, match="fp32"):
         torch.ops.domino_ray.rms_norm(x64, norm.weight, 1e-6)
