@@ -62,15 +62,16 @@ from domino_ray.verify_width import StepCosts, WidthController, measure_step_cos
 
 log = logging.getLogger(__name__)
 
-# An eager adaptive engine's W = 0 steps keep the target's taps (`deferred_taps`) and feed the draft's context with
-# up to this many positions at once: before the next drafting step or admission, or when full. Fed one position at a
-# time the update is a small GEMM over the projection weights per step (SmolLM2 pair, 16 rows, CPU: 0.53 ms a
-# position, 0.22 ms in a batch of 8); with CUDA graphs it stays in the step (a graph per fill level would multiply
-# the keys). While drafting is far off (`WidthController.choose`: context False) a full buffer drops its oldest
-# position instead of feeding: the draft's context then misses those positions but holds the last ones. So do a
-# written-off draft's steps: its re-probes come mid-row too, and the demo draft's first draft landed in 68 of 72 and 22
-# of 24 probes after 20 and 60 skipped steps with them, 42 of 72 and 9 of 24 without (copying them: ~20 us a step,
-# 1% of the demo target's 2 ms step at one row; SmolLM2's one-row step takes 25-28 ms).
+# An eager adaptive engine's W = 0 steps keep the target's taps (`deferred`) and feed the draft's context with up to
+# this many positions at once: before the next drafting step or admission, or when full. Fed one position at a time
+# the update is a small GEMM over the projection weights per step (SmolLM2 pair, 16 rows, CPU: 0.53 ms a position,
+# 0.22 ms in a batch of 8); with CUDA graphs it stays in the step (a graph per fill level would multiply the keys).
+# While drafting is far off (`WidthController.choose`: context False) a full ring drops its oldest position instead
+# of feeding: the draft's context then misses those positions but holds the last ones. So do a written-off draft's
+# steps: its re-probes come mid-row too, and the demo draft's first draft landed in 68 of 72 and 22 of 24 probes after
+# 20 and 60 skipped steps with them, 42 of 72 and 9 of 24 without. The ring holds the tap layers' outputs themselves
+# (references: copying them into a buffer cost each W = 0 step ~12-20 us, ~1% of the demo target's step at one row);
+# a feed joins them.
 DEFERRED_STEPS = 8
 
 
@@ -166,17 +167,17 @@ class SpecEngine:
         if self.proposer is not None:  # its target_layer_ids are in range: `checkpoint.check_against_target`
             self.proposer.allocate(r, self.capacity)
             self.tap_layers = tuple(self.proposer.target_layer_ids)
-        self.deferred_taps: torch.Tensor | None = None  # [R, DEFERRED_STEPS, F]: W = 0 steps' taps, not yet fed
-        self.num_deferred = 0  # positions held there: the active rows' last `num_deferred` (admission feeds them first)
-        self.deferred_head = 0  # a ring: the oldest held position's index there
+        # W = 0 steps' taps not yet fed, oldest first: each step's tap-layer outputs `[r, 1, C]` (its rows then, the
+        # active rows first: admission feeds the ring first, so rows only leave meanwhile); they are the active rows'
+        # last `len(deferred)` positions. Full, a step's append drops the oldest (drafting far off).
+        self.deferred: deque[tuple[torch.Tensor, ...]] | None = None
         # Slot -> its prompt's taps `[1, m, F]` (a view: the prefill's taps stay alive meanwhile), for rows an eager
         # adaptive engine admitted: fed before the next step that keeps the draft's context (drafting or not), never
         # if none comes (a written-off draft's rows, drafting far off: feeding 16 prompts of the demo pair at admission
         # took 7.8 ms, ~0.8% of a bench_policy 16-row run where the draft never drafts)
         self.pending_prompts: dict[int, torch.Tensor] = {}
         if self.defer_context:
-            self.deferred_taps = torch.zeros(r, DEFERRED_STEPS, len(self.tap_layers) * cfg.hidden_size,
-                                             dtype=self.dtype, device=self.device)
+            self.deferred = deque(maxlen=DEFERRED_STEPS)
         self.row_buckets = row_buckets(r)
         self.widths = step_widths(self.row_buckets, k, self.adaptive, self.cuda_graphs)  # {r: [W, ...]}
         dev = self.device
@@ -275,7 +276,7 @@ class SpecEngine:
             tokens += m
         if not batch:
             return
-        if self.num_deferred:  # the active rows' deferred positions are the same count only while no row joins
+        if self.deferred:  # the active rows' deferred positions are the same count only while no row joins
             self._feed_deferred_context()
         lo = len(self.rows)
         first_tokens = self._prefill(batch, slice(lo, lo + len(batch))).tolist()  # host sync: the first tokens
@@ -329,18 +330,13 @@ class SpecEngine:
         usable = self._usable()  # in the slots' order after any move (the width was chosen before them)
         started = time.perf_counter()
         # Timed with the step that needs it: deferred W = 0 work then counts against a drafting width (conservative)
-        if self.num_deferred and (w or (context and self.num_deferred == DEFERRED_STEPS)):
+        if self.deferred and (w or (context and len(self.deferred) == DEFERRED_STEPS)):
             self._feed_deferred_context()
         if self.pending_prompts and (w or context):
             self._feed_pending_prompts()
         timed = self._device_step(r, key_groups, w, sampled, filtered, context)
         packed = self._read_packed(n, w)  # the step's one host sync
         now = time.perf_counter()
-        if self._defers(w):  # the step kept its taps; a full ring (drafting far off) dropped its oldest
-            if self.num_deferred < DEFERRED_STEPS:
-                self.num_deferred += 1
-            else:
-                self.deferred_head = (self.deferred_head + 1) % DEFERRED_STEPS
         if self.width is not None:  # a step that captured a graph says nothing about its width's cost
             self.width.learn(r, t, w, now - started if timed else None, [a for a, *_ in packed], usable)
         for row, (a, *row_tokens), u in zip(self.rows, packed, usable):
@@ -375,14 +371,13 @@ class SpecEngine:
         self.pending_prompts.clear()
 
     def _feed_deferred_context(self):
-        """The deferred taps into the draft's context, at once: the active rows' last `num_deferred` positions (every
+        """The deferred taps into the draft's context, at once: the active rows' last `len(deferred)` positions (every
         one of them decoded all the deferred steps, one position a step: admission feeds them first)."""
-        n, m, head = len(self.rows), self.num_deferred, self.deferred_head
+        n, m = len(self.rows), len(self.deferred)
         if n:
-            taps = self.deferred_taps[:n, :m] if head == 0 else \
-                self.deferred_taps[:n, [(head + i) % DEFERRED_STEPS for i in range(m)]]  # oldest first
+            taps = torch.cat([torch.cat(step, -1)[:n] for step in self.deferred], 1)  # [n, m, F], oldest first
             self.proposer.append_context(slice(0, n), taps, self.lens[:n] - m)
-        self.num_deferred = self.deferred_head = 0
+        self.deferred.clear()
 
     def _usable(self) -> list[int]:
         """Drafts each active row's budget allows, in slot order (the bonus token always comes)."""
@@ -442,16 +437,16 @@ class SpecEngine:
         # causal after the prefix
         visible = group_visibility(positions + 1, self.groups, self.key_positions, key_groups, self.kv)
         defer = self._defers(w)  # the taps of a W = 0 step wait in the ring, whether or not they will be fed
-        slot = (self.deferred_head + self.num_deferred) % DEFERRED_STEPS  # the next free place, or the oldest's
         hidden, taps = run_decoder(self.decoder, self.layers, verify_ids, positions,
                                    RowAttention(self.kv, write_index=positions, visible=visible, key_groups=key_groups),
-                                   self.tap_layers if context or defer else (),
-                                   self.deferred_taps[:r, slot:slot + 1] if defer else None)
+                                   self.tap_layers if context or defer else (), join_taps=not defer)
         logits = self.lm_head(hidden)  # [r, W+1, V]
         limit = remaining - 1          # drafts that fit the row's budget beside the bonus
         accepted, tokens = self.sampling.accept(slice(0, r), logits, verify_ids[:, 1:], limit, positions, sampled,
                                                 filtered)
-        if taps is not None and not defer:
+        if defer:  # a full ring drops its oldest (drafting far off)
+            self.deferred.append(taps)
+        elif taps is not None:
             self.proposer.append_context(slice(0, r), taps, lens)
         advance = torch.where(remaining > 0, accepted + 1, 0)  # padding slots (remaining 0) stay put
         self.packed[:r, 0] = accepted
@@ -504,8 +499,9 @@ class SpecEngine:
         if self.pending_prompts:
             moved = {d: self.pending_prompts.pop(s, None) for s, d in zip(src, dst)}
             self.pending_prompts.update((d, taps) for d, taps in moved.items() if taps is not None)
-        if self.num_deferred:  # the whole ring: its order is the same for every row
-            self.deferred_taps[dst_index] = self.deferred_taps[src_index]
+        for step_taps in self.deferred or ():  # the whole ring: its order is the same for every row
+            for taps in step_taps:
+                taps[dst_index] = taps[src_index]
         for t in (self.lens, self.anchor, self.remaining):
             t[dst_index] = t[src_index]  # an index tensor gathers the sources first
         self.sampling.move(src_index, dst_index)

@@ -86,10 +86,10 @@ def install(target) -> None:
 
 
 def run_decoder(decoder, layers, input_ids: torch.Tensor, positions: torch.Tensor, attention: RowAttention,
-                tap_layers: tuple[int, ...], taps_into: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """input_ids/positions `[r, q]` -> (normed last hidden `[r, q, C]`, taps `[r, q, L*C]` or None); `taps_into`: where
-    the taps go (a view of the engine's ring of deferred taps: no copy after).
+                tap_layers: tuple[int, ...], join_taps: bool = True) -> tuple[torch.Tensor, torch.Tensor | tuple | None]:
+    """input_ids/positions `[r, q]` -> (normed last hidden `[r, q, C]`, taps `[r, q, L*C]` or None); `join_taps`
+    False: the taps as the tap layers' own outputs `([r, q, C], ...)`, not concatenated (the engine's ring of deferred
+    taps holds them as they are).
 
     `layers`: the decoder's layers as the engine runs them (`fused_layers.fuse_layers`: ours for the Llama
     family, HF's otherwise). `tap_layers`: decoder layers whose outputs feed the draft, as HF's
@@ -105,4 +105,6 @@ def run_decoder(decoder, layers, input_ids: torch.Tensor, positions: torch.Tenso
             taps[i] = hidden
     hidden = rms_norm(decoder.norm, hidden)  # our op for HF's RMSNorm: 8 ops less (SmolLM2 at one row: 155 -> ~15 us)
     taps[len(layers) - 1] = hidden
-    return hidden, (torch.cat([taps[i] for i in tap_layers], -1, out=taps_into) if tap_layers else None)
+    if not tap_layers:
+        return hidden, None
+    return hidden, torch.cat([taps[i] for i in tap_layers], -1) if join_taps else tuple(taps[i] for i in tap_layers)

@@ -319,9 +319,15 @@ def test_deferred_taps_are_in_the_memory_plan_of_eager_adaptive_engines_only(tar
         return engine, engine.memory_plan()
 
     engine, adaptive = plan(adaptive=True)
-    assert adaptive["deferred_taps"] == engine.deferred_taps.nbytes > 0
+    engine.width.choose = lambda r, t, usable: (0, False)  # drafting far off: every step keeps its taps, a full ring
+    for i, prompt in enumerate(ragged_prompts(3, seed=4)):
+        engine.add_request(Request(i, prompt, SamplingParams(max_new_tokens=DEFERRED_STEPS + 4, ignore_eos=True)))
+    for _ in range(DEFERRED_STEPS + 2):
+        engine.step()
+    assert len(engine.rows) == 3 and len(engine.deferred) == DEFERRED_STEPS
+    assert adaptive["deferred_taps"] == sum(t.nbytes for taps in engine.deferred for t in taps) > 0
     engine, fixed = plan()
-    assert "deferred_taps" not in fixed and engine.deferred_taps is None
+    assert "deferred_taps" not in fixed and engine.deferred is None
 
 
 def test_start_up_costs_time_rows_that_fill_the_keys_timed(target):
