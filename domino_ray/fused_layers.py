@@ -27,8 +27,8 @@ import torch
 from torch import nn
 
 from domino_ray.cpu_kernels import RMS_NORMS, rms_norm, rotary
-from domino_ray.cpu_linear import one_op_layers, packed_states
-from domino_ray.target_forward import engine_attention
+from domino_ray.cpu_linear import packed_states
+from domino_ray.target_forward import engine_attention, one_op_step
 
 # The layer classes whose forward `FusedLayer` reproduces: pre-norm residual blocks, q/k/v/o attention with the
 # rotary embedding on q and k (Qwen3: after a per-head RMSNorm of each), a gated MLP.
@@ -88,7 +88,7 @@ class FusedLayer(nn.Module):
         """hidden `[r, q, C]`, cos/sin `[r, q, D]`, the step's `RowAttention` -> `[r, q, C]` (the engine's
         forward only: other keyword arguments of HF's layer call are ignored)."""
         r, q, _ = hidden.shape
-        if self.native and _native_step(hidden, domino_rows):
+        if self.native and one_op_step(hidden, domino_rows):
             out = self._native_forward(hidden, position_embeddings, domino_rows)
             if out is not None:
                 return out
@@ -133,16 +133,6 @@ class FusedLayer(nn.Module):
                        *(n.variance_epsilon if n is not None else 0.0 for n in norms), self.scaling]
             self._native_args = (state, weights, [self.heads, self.kv_heads, self.head_dim, self.intermediate], scalars)
         return self._native_args[1:]
-
-
-def _native_step(hidden: torch.Tensor, step) -> bool:
-    """Whether a layer's forward over `hidden` may be our one op: an engine decode step (not a prefill) that
-    `cpu_linear.one_op_layers` takes. The same for every layer of a forward: decided once."""
-    if step is None or step.prefill_rows is not None:
-        return False
-    if step.native is None:
-        step.native = one_op_layers(step.buffers.kernel, hidden.shape[0] * hidden.shape[1])
-    return step.native
 
 
 # Per decoder, its fused layers: engines built on one target share them (and their packed weights).

@@ -13,11 +13,13 @@ outside the engine.
 from __future__ import annotations
 
 import functools
+import weakref
 from dataclasses import dataclass
 
 import torch
 
 from domino_ray.cpu_kernels import rms_norm
+from domino_ray.cpu_linear import one_op_layers
 from domino_ray.kv_cache import KVBuffers, causal_prefill_attention, decode_layer_groups, grouped_attention
 
 ATTENTION = "domino_ray"
@@ -54,6 +56,40 @@ class RowAttention:
         slots = torch.arange(start, start + len(self.prefill_lengths), device=device).repeat_interleave(
             torch.tensor(self.prefill_lengths, device=device))  # [N] each token's slot
         self.write_at = self.buffers.flat_index_of(slots, self.write_index[0])
+
+
+def one_op_step(hidden: torch.Tensor, step: RowAttention | None) -> bool:
+    """Whether a layer's forward over `hidden` may be our one op: an engine decode step (not a prefill) that
+    `cpu_linear.one_op_layers` takes. The same for every layer of a forward: decided once."""
+    if step is None or step.prefill_rows is not None:
+        return False
+    if step.native is None:
+        step.native = one_op_layers(step.buffers.kernel, hidden.shape[0] * hidden.shape[1])
+    return step.native
+
+
+# Per list of layers: (each layer's `FusedLayer._native_args` when flattened, `decode_layers`' arguments from them)
+_ONE_OP: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def one_op_args(layers, hidden: torch.Tensor, step: RowAttention) -> tuple | None:
+    """`decode_layers`' weights, shapes, scalars, key and value buffers where every layer of this decode step runs as
+    our one op (`fused_layers.FusedLayer`, its weights packed), else None: each layer then runs on its own."""
+    if not one_op_step(hidden, step):
+        return None
+    states = []
+    for layer in layers:
+        if not getattr(layer, "native", False) or layer._decode_layer_args() is None:
+            return None
+        states.append(layer._native_args)  # rebuilt, a new tuple, when a weight changed
+    cached = _ONE_OP.get(layers)
+    if cached is None or len(cached[0]) != len(states) or any(a is not b for a, b in zip(cached[0], states)):
+        weights = [w for _, layer_weights, _, _ in states for w in layer_weights]
+        shapes = [x for _, _, shape, _ in states for x in shape]
+        scalars = [x for _, _, _, layer_scalars in states for x in layer_scalars]
+        cached = _ONE_OP[layers] = (states, (weights, shapes, scalars))
+    buffers, indices = step.buffers, [layer.layer_idx for layer in layers]
+    return (*cached[1], [buffers.keys[i] for i in indices], [buffers.values[i] for i in indices])
 
 
 def engine_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, domino_rows=None, **kwargs):
@@ -98,11 +134,18 @@ def run_decoder(decoder, layers, input_ids: torch.Tensor, positions: torch.Tenso
     hidden = decoder.embed_tokens(input_ids)              # [r, q, C]
     rotary = decoder.rotary_emb(hidden, positions)        # cos, sin [r, q, D]
     taps = {}
-    for i, layer in enumerate(layers):
-        hidden = layer(hidden, attention_mask=None, position_ids=positions, position_embeddings=rotary,
-                       domino_rows=attention)
-        if i in tap_layers:
-            taps[i] = hidden
+    one_op = one_op_args(layers, hidden, attention)
+    if one_op is not None:  # every layer in one call; the last layer's tap is the normed output (below)
+        inner = sorted(i for i in tap_layers if i < len(layers) - 1)
+        hidden, *outputs = torch.ops.domino_ray.decode_layers(hidden, *one_op, attention.write_at, *rotary,
+                                                               *attention.key_group_args, inner)
+        taps.update(zip(inner, outputs))
+    else:
+        for i, layer in enumerate(layers):
+            hidden = layer(hidden, attention_mask=None, position_ids=positions, position_embeddings=rotary,
+                           domino_rows=attention)
+            if i in tap_layers:
+                taps[i] = hidden
     hidden = rms_norm(decoder.norm, hidden)  # our op for HF's RMSNorm: 8 ops less (SmolLM2 at one row: 155 -> ~15 us)
     taps[len(layers) - 1] = hidden
     if not tap_layers:

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from domino_ray import cpu_kernels
+from domino_ray import cpu_kernels, target_forward
 from domino_ray.cpu_linear import pack_linears
 from domino_ray.engine import SpecEngine
 from domino_ray.fused_layers import FusedLayer, fuse_layers, fuse_linears
@@ -68,23 +68,31 @@ def test_fused_layers_compute_what_hf_layers_compute(name):
     assert ours_kv.all_keys[:, :, :, :10].abs().sum() > 0 and ours_kv.all_keys[:, :, :, 10:].abs().sum() == 0
 
 
+@pytest.mark.parametrize("all_layers", [True, False])
 @pytest.mark.parametrize("width", [1, 3])
 @pytest.mark.parametrize("name", FAMILIES)
-def test_a_decode_step_as_our_one_op_computes_what_hf_layers_compute(name, width, monkeypatch):
-    """`FusedLayer`'s decode steps as `decode_layer` (packed weights, our CPU ops, two key groups) against HF's
-    layers and against the same fused layers in Python."""
+def test_a_decode_step_as_our_one_op_computes_what_hf_layers_compute(name, width, all_layers, monkeypatch):
+    """`FusedLayer`'s decode steps as `decode_layer` (packed weights, our CPU ops, two key groups), all layers in one
+    `decode_layers` call or each on its own, against HF's layers and against the same fused layers in Python (hidden
+    states, the taps of layers 0 and 2, the KV written)."""
     target = family(name)
     decoder = target.get_decoder()
     layers = fuse_layers(decoder)
     assert pack_linears(layers) > 0
-    native_calls = []
-    forward = FusedLayer._native_forward
+    native_calls, one_op_calls = [], []
+    forward, one_op_args = FusedLayer._native_forward, target_forward.one_op_args
     monkeypatch.setattr(FusedLayer, "_native_forward",
                         lambda self, *a: native_calls.append(out := forward(self, *a)) or out)
+    monkeypatch.setattr(target_forward, "one_op_args",
+                        lambda *a: one_op_calls.append(args := one_op_args(*a) if all_layers else None) or args)
     runs = ((decoder.layers, False), (layers, False), (layers, True))
     (hf_out, hf_kv), (python_out, python_kv), (ours_out, ours_kv) = forward_both(
         target, rows=5, prompt=7, width=width, key_groups=((2, 32), (5, 64)), runs=runs)
-    assert len(native_calls) == len(layers) and all(out is not None for out in native_calls)  # the decode step only
+    ran_as_one_op = [args is not None for args in one_op_calls]  # six forwards: a prefill and a decode step each
+    if all_layers:  # the decode step only, every layer in one call
+        assert ran_as_one_op == [False] * 5 + [True] and not native_calls
+    else:
+        assert len(native_calls) == len(layers) and all(out is not None for out in native_calls)
     for reference, kv in ((hf_out, hf_kv), (python_out, python_kv)):
         for theirs, ours in zip(reference, ours_out):
             torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
