@@ -136,7 +136,7 @@ def run_decoder(decoder, layers, input_ids: torch.Tensor, positions: torch.Tenso
     taps = {}
     one_op = one_op_args(layers, hidden, attention)
     if one_op is not None:  # every layer in one call; the last layer's tap is the normed output (below)
-        inner = sorted(i for i in tap_layers if i < len(layers) - 1)
+        inner = sorted({i for i in tap_layers if i < len(layers) - 1})  # a layer may feed the draft twice
         hidden, *outputs = torch.ops.domino_ray.decode_layers(hidden, *one_op, attention.write_at, *rotary,
                                                                *attention.key_group_args, inner)
         taps.update(zip(inner, outputs))

@@ -49,8 +49,8 @@ def forward_both(target, rows: int, prompt: int, width: int, key_groups=None, ru
             groups = key_groups or ((rows, 32),)
             visible = group_visibility(positions + 1, cfg.num_attention_heads // cfg.num_key_value_heads, key_positions,
                                        groups, kv)
-            second, taps = run_decoder(decoder, layers, step_ids, positions,
-                                       RowAttention(kv, positions, visible=visible, key_groups=groups), (0, 2))
+            second, taps = run_decoder(decoder, layers, step_ids, positions,  # tap layers as a config may list them
+                                       RowAttention(kv, positions, visible=visible, key_groups=groups), (2, 0, 2))
         results.append(((first, second, taps), kv))
     return results
 
@@ -74,7 +74,7 @@ def test_fused_layers_compute_what_hf_layers_compute(name):
 def test_a_decode_step_as_our_one_op_computes_what_hf_layers_compute(name, width, all_layers, monkeypatch):
     """`FusedLayer`'s decode steps as `decode_layer` (packed weights, our CPU ops, two key groups), all layers in one
     `decode_layers` call or each on its own, against HF's layers and against the same fused layers in Python (hidden
-    states, the taps of layers 0 and 2, the KV written)."""
+    states, the taps of layers 2, 0 and 2, the KV written)."""
     target = family(name)
     decoder = target.get_decoder()
     layers = fuse_layers(decoder)
