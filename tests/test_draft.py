@@ -8,18 +8,24 @@ from tiny_models import tiny_draft, tiny_target
 from oracles import corrected_logits_full_prefix
 
 
+def decisive_draft(seed: int, **draft_kwargs):
+    """A tiny draft whose corrections are decisive (so a test sees them), the target's embedding and head, and six rows
+    of block hidden states `[6, 8, C]` with their anchors."""
+    target = tiny_target("qwen3", seed=seed)
+    draft = tiny_draft(target, block_size=8, **draft_kwargs)
+    with torch.no_grad():
+        draft.embed_proj[2].weight.mul_(40.0)
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(6, 8, 32, generator=g, dtype=torch.float64)
+    anchor = torch.randint(0, 95, (6,), generator=g)
+    return draft, target.get_input_embeddings(), target.get_output_embeddings(), hidden, anchor
+
+
 @pytest.mark.parametrize("shift_label,num_uncorrected,draft_vocab", [
     (True, 1, None), (True, 0, None), (False, 1, None), (True, 2, 40), (False, 0, 40)])
 def test_stepwise_gru_equals_full_prefix(shift_label, num_uncorrected, draft_vocab):
-    target = tiny_target("qwen3", seed=51)
-    draft = tiny_draft(target, block_size=8, shift_label=shift_label, num_uncorrected=num_uncorrected,
-                       draft_vocab=draft_vocab)
-    with torch.no_grad():
-        draft.embed_proj[2].weight.mul_(40.0)  # make the correction decisive, so the test sees it
-    embed, head = target.get_input_embeddings(), target.get_output_embeddings()
-    g = torch.Generator().manual_seed(0)
-    hidden = torch.randn(6, 8, 32, generator=g, dtype=torch.float64)
-    anchor = torch.randint(0, 95, (6,), generator=g)
+    draft, embed, head, hidden, anchor = decisive_draft(51, shift_label=shift_label, num_uncorrected=num_uncorrected,
+                                                        draft_vocab=draft_vocab)
     k = draft.config.max_draft_tokens
     with torch.no_grad():
         drafts = draft.draft_tokens(hidden, anchor, k, embed, head)                    # [6, K]
@@ -34,14 +40,7 @@ def test_stepwise_gru_equals_full_prefix(shift_label, num_uncorrected, draft_voc
 @pytest.mark.parametrize("num_uncorrected,draft_vocab", [(1, None), (0, None), (2, 40)])
 def test_a_narrower_width_drafts_the_prefix_of_the_widest(num_uncorrected, draft_vocab):
     """Every width W drafts the first W tokens of the widest draft, W <= P (uncorrected drafts alone, no GRU) too."""
-    target = tiny_target("qwen3", seed=53)
-    draft = tiny_draft(target, block_size=8, num_uncorrected=num_uncorrected, draft_vocab=draft_vocab)
-    with torch.no_grad():
-        draft.embed_proj[2].weight.mul_(40.0)  # decisive corrections: a wrong GRU state would show
-    embed, head = target.get_input_embeddings(), target.get_output_embeddings()
-    g = torch.Generator().manual_seed(1)
-    hidden = torch.randn(6, 8, 32, generator=g, dtype=torch.float64)
-    anchor = torch.randint(0, 95, (6,), generator=g)
+    draft, embed, head, hidden, anchor = decisive_draft(53, num_uncorrected=num_uncorrected, draft_vocab=draft_vocab)
     k = draft.config.max_draft_tokens
     with torch.no_grad():
         widest = draft.draft_tokens(hidden, anchor, k, embed, head)  # [6, K]
