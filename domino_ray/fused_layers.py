@@ -80,7 +80,7 @@ class FusedLayer(nn.Module):
         self.q_norm, self.k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)  # Qwen3
         # Whether decode steps may run as our one op (`csrc/decode_layer.cpp`): its MLP activation is SiLU's
         self.native = type(self.act_fn).__name__ in SILU and (self.q_norm is None) == (self.k_norm is None)
-        self._native_args: tuple | None = None  # (the linears' weight states, decode_layer's weights, shape, scalars)
+        self._native_args: tuple | None = None  # (the linears' weight states, (decode_layer's weights, shape, scalars))
         self._linears = (self.qkv, self.o_proj, self.gate_up, self.down_proj)  # a plain tuple: no submodule lookups
 
     def forward(self, hidden: torch.Tensor, *, position_embeddings: tuple[torch.Tensor, torch.Tensor], domino_rows,
@@ -109,17 +109,17 @@ class FusedLayer(nn.Module):
     def _native_forward(self, hidden: torch.Tensor, position_embeddings, step) -> torch.Tensor | None:
         """`forward` of a decode step as our one op over the packed weights (`csrc/decode_layer.cpp`), or None where
         a linear is not packed (`cpu_linear.pack_linears`)."""
-        args = self._decode_layer_args()
+        args = self.decode_layer_args()
         if args is None:
             return None
         buffers, layer = step.buffers, self.layer_idx
         return torch.ops.domino_ray.decode_layer(hidden, *args, buffers.keys[layer], buffers.values[layer],
                                                  step.write_at, *position_embeddings, *step.key_group_args)
 
-    def _decode_layer_args(self) -> tuple | None:
+    def decode_layer_args(self) -> tuple | None:
         """`decode_layer`'s weights, shape and scalars, built once (per layer and step the Python around the op was ~60
         us, ~8% of a 1-row SmolLM2 step) and again when a linear's weight changed, which packs it again; None where a
-        linear is not packed."""
+        linear is not packed. The same tuple until a weight changes (`target_forward.one_op_args` keys on it)."""
         linears = self._linears
         state = packed_states(linears)
         if state is None:
@@ -131,8 +131,8 @@ class FusedLayer(nn.Module):
                        *(n.weight if n is not None else None for n in norms)]
             scalars = [self.input_layernorm.variance_epsilon, self.post_attention_layernorm.variance_epsilon,
                        *(n.variance_epsilon if n is not None else 0.0 for n in norms), self.scaling]
-            self._native_args = (state, weights, [self.heads, self.kv_heads, self.head_dim, self.intermediate], scalars)
-        return self._native_args[1:]
+            self._native_args = (state, (weights, [self.heads, self.kv_heads, self.head_dim, self.intermediate], scalars))
+        return self._native_args[1]
 
 
 # Per decoder, its fused layers: engines built on one target share them (and their packed weights).
