@@ -58,7 +58,7 @@ class DominoProposer:
         self.groups = cfg.num_attention_heads // cfg.num_key_value_heads
         self.kv: KVBuffers | None = None
         self.key_positions: torch.Tensor | None = None
-        self._native: tuple | None = None  # (the draft linears' weight states, each layer's `decode_layer` arguments)
+        self._native: tuple | None = None  # (the draft linears' weight states, `decode_layers`' arguments from them)
         self._linears: list | None = None  # the draft layers' 14 linears (`_native_layers`), listed at first use
 
     def allocate(self, max_rows: int, max_len: int):
@@ -100,20 +100,17 @@ class DominoProposer:
         native = self._native_layers() if one_op_layers(self.kv.kernel, r * slots) else None
         if native is None:
             hidden = self.draft.run_layers(block, cos, sin, attend_layer)  # [r, S, C]
-        else:  # each layer as our one op (`csrc/decode_layer.cpp`): the draft's layers are Qwen3's
-            groups = decode_layer_groups(key_groups, visible)
-            hidden = block
-            for i, (weights, shape, scalars) in enumerate(native):
-                keys, values = self.kv.keys[i], self.kv.values[i]
-                hidden = torch.ops.domino_ray.decode_layer(hidden, weights, shape, scalars, keys, values, write_at,
-                                                           cos, sin, *groups)
+        else:  # the layers as our one op, all in one call (`csrc/decode_layer.cpp`): the draft's layers are Qwen3's
+            hidden, = torch.ops.domino_ray.decode_layers(block, *native, self.kv.keys, self.kv.values, write_at, cos,
+                                                         sin, *decode_layer_groups(key_groups, visible), [])
             hidden = self.draft.norm(hidden)
         return self.draft.draft_tokens(hidden, anchor, width, self.embed, self.lm_head)  # the GRU loop stops at W
 
-    def _native_layers(self) -> list[tuple] | None:
-        """Each draft layer's `decode_layer` weights, shape and scalars: q/k/v and gate/up fused (copies, packed for our
-        kernel: one op call instead of ~40 a layer; the demo draft's block at one row 0.9 ms instead of 1.5), built once
-        and again when a weight changed; None where the engine left the linears unpacked."""
+    def _native_layers(self) -> tuple[list, list[int], list[float]] | None:
+        """`decode_layers`' weights, shapes and scalars of the draft's layers, each layer's as `decode_layer` takes them:
+        q/k/v and gate/up fused (copies, packed for our kernel: one op call instead of ~40 a layer; the demo draft's
+        block at one row 0.9 ms instead of 1.5), built once and again when a weight changed; None where the engine left
+        the linears unpacked."""
         layers = self.draft.layers
         if self._linears is None:  # the same module objects for the proposer's life (packing changes their class)
             self._linears = [m for layer in layers for attn, mlp in [(layer.self_attn, layer.mlp)]
@@ -123,7 +120,8 @@ class DominoProposer:
         if state is None:
             return None
         if self._native is None or self._native[0] != state:
-            self._native = (state, [_decode_layer_args(layer) for layer in layers])
+            per_layer = [_decode_layer_args(layer) for layer in layers]
+            self._native = (state, tuple([x for args in per_layer for x in args[i]] for i in range(3)))
         return self._native[1]
 
     def move_row(self, src: int | torch.Tensor, dst: int | torch.Tensor, length: int):
