@@ -57,7 +57,7 @@ from domino_ray.sampling import RowSampling, sampling_mode
 from domino_ray.stats import RowStats
 from domino_ray.step_graphs import (StepGraphs, capture_steps, greedy_step_keys, key_buckets, row_buckets, use_cuda_graphs,
                                    verify_positions)
-from domino_ray.target_forward import RowAttention, install, run_decoder
+from domino_ray.target_forward import RowAttention, install, rotary_table, run_decoder
 from domino_ray.verify_width import StepCosts, WidthController, measure_step_costs, step_widths
 
 log = logging.getLogger(__name__)
@@ -190,6 +190,7 @@ class SpecEngine:
         self.packed_host = torch.zeros(r, k + 2, dtype=torch.long, pin_memory=dev.type == "cuda")
         self.verify_offsets = torch.arange(k + 1, device=dev)        # [K+1]
         self.key_positions = torch.arange(self.capacity, device=dev)  # [T]
+        self.rotary = rotary_table(self.decoder, self.capacity, self.dtype)  # ([T, D], [T, D]) or None
 
     def memory_plan(self, rows: int | None = None) -> dict[str, int]:
         """Bytes beyond the weights for this engine's sizes with `rows` slots (default: its own), `memory.memory_plan`."""
@@ -301,7 +302,7 @@ class SpecEngine:
         positions = torch.cat([self.key_positions[:m] for m in sizes])[None]  # [1, N]: every prompt starts at 0
         hidden, taps = run_decoder(self.decoder, self.layers, ids.to(self.device), positions,
                                    RowAttention(self.kv, write_index=positions, prefill_rows=rows,
-                                                prefill_lengths=tuple(sizes)), self.tap_layers)
+                                                prefill_lengths=tuple(sizes)), self.tap_layers, rotary=self.rotary)
         last = hidden[0, last_token]  # [k, C]
         # The first token is an acceptance step with zero drafts at the prompt's last position.
         no_drafts = torch.zeros(len(batch), 0, dtype=torch.long, device=self.device)
@@ -439,7 +440,8 @@ class SpecEngine:
         defer = self._defers(w)  # the taps of a W = 0 step wait in the ring, whether or not they will be fed
         hidden, taps = run_decoder(self.decoder, self.layers, verify_ids, positions,
                                    RowAttention(self.kv, write_index=positions, visible=visible, key_groups=key_groups),
-                                   self.tap_layers if context or defer else (), join_taps=not defer)
+                                   self.tap_layers if context or defer else (), join_taps=not defer,
+                                   rotary=self.rotary)
         logits = self.lm_head(hidden)  # [r, W+1, V]
         limit = remaining - 1          # drafts that fit the row's budget beside the bonus
         accepted, tokens = self.sampling.accept(slice(0, r), logits, verify_ids[:, 1:], limit, positions, sampled,

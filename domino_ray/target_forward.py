@@ -122,18 +122,37 @@ def install(target) -> None:
     target.config._attn_implementation = ATTENTION
 
 
+# HF's rope types whose cos/sin depend on the position alone ("dynamic" and "longrope" also on the lengths seen)
+STATIC_ROPE = {"default", "linear", "llama3"}
+
+
+def rotary_table(decoder, length: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The decoder's rotary cos/sin `[T, D]` of every position below `length`, computed by its own rotary embedding,
+    for `run_decoder` to look up (computed per forward they took 44 us of the demo target's one-row step, 75-90 us of
+    SmolLM2's); None for a rope type outside `STATIC_ROPE`."""
+    rotary = decoder.rotary_emb
+    if getattr(rotary, "rope_type", None) not in STATIC_ROPE:
+        return None
+    positions = torch.arange(length, device=rotary.inv_freq.device)[None]  # [1, T]
+    cos, sin = rotary(torch.empty(0, dtype=dtype, device=positions.device), positions)
+    return cos[0], sin[0]
+
+
 def run_decoder(decoder, layers, input_ids: torch.Tensor, positions: torch.Tensor, attention: RowAttention,
-                tap_layers: tuple[int, ...], join_taps: bool = True) -> tuple[torch.Tensor, torch.Tensor | tuple | None]:
+                tap_layers: tuple[int, ...], join_taps: bool = True, rotary: tuple | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | tuple | None]:
     """input_ids/positions `[r, q]` -> (normed last hidden `[r, q, C]`, taps `[r, q, L*C]` or None); `join_taps`
     False: the taps as the tap layers' own outputs `([r, q, C], ...)`, not concatenated (the engine's ring of deferred
-    taps holds them as they are).
+    taps holds them as they are); `rotary`: a `rotary_table` to look the positions up in (None: the decoder's rotary
+    embedding computes them).
 
     `layers`: the decoder's layers as the engine runs them (`fused_layers.fuse_layers`: ours for the Llama
     family, HF's otherwise). `tap_layers`: decoder layers whose outputs feed the draft, as HF's
     `hidden_states[l + 1]` (which is after the final norm for the last layer).
     """
     hidden = decoder.embed_tokens(input_ids)              # [r, q, C]
-    rotary = decoder.rotary_emb(hidden, positions)        # cos, sin [r, q, D]
+    rotary = (rotary[0][positions], rotary[1][positions]) if rotary is not None else \
+        decoder.rotary_emb(hidden, positions)  # cos, sin [r, q, D]
     taps = {}
     one_op = one_op_args(layers, hidden, attention)
     if one_op is not None:  # every layer in one call; the last layer's tap is the normed output (below)

@@ -11,7 +11,7 @@ from domino_ray.fused_layers import FusedLayer, fuse_layers, fuse_linears
 from domino_ray.kv_cache import KVBuffers, group_visibility
 from domino_ray.request import Request
 from domino_ray.sampling_params import SamplingParams
-from domino_ray.target_forward import RowAttention, install, run_decoder
+from domino_ray.target_forward import RowAttention, install, rotary_table, run_decoder
 from domino_ray.proposer import DominoProposer
 from tiny_models import hf_greedy, ragged_prompts, tiny_draft, tiny_target
 
@@ -240,3 +240,17 @@ def test_kv_write_puts_each_row_at_its_own_positions(op, monkeypatch):
     assert torch.equal(kv.keys[1], expected) and torch.equal(kv.values[1], -expected)
     assert kv.keys[0].abs().sum() == 0
     assert ran == ([True] if op == "ours" else [])  # our op wrote it, not torch's fallback
+
+
+def test_the_rotary_table_is_the_decoders_own_rotary_embedding():
+    """The engine looks a step's cos/sin up in a table its decoder's rotary embedding computed once; a rope type whose
+    values depend on more than the position (dynamic NTK scaling) gets no table."""
+    decoder = family("qwen3").get_decoder()
+    cos, sin = rotary_table(decoder, 64, torch.float32)  # [T, D]
+    positions = torch.tensor([[0, 5, 63], [17, 1, 40]])
+    want_cos, want_sin = decoder.rotary_emb(torch.empty(0), positions)
+    # the same fp32 math over other lengths: one ulp where a length's tail leaves the vectorized loop
+    torch.testing.assert_close(cos[positions], want_cos, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(sin[positions], want_sin, rtol=1e-6, atol=1e-6)
+    dynamic = tiny_target("llama", rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
+    assert rotary_table(dynamic.get_decoder(), 64, torch.float32) is None
