@@ -51,7 +51,7 @@ def memory_plan(target_config, draft_config, *, max_rows: int, num_spec_tokens: 
                                          + 2 * draft.num_hidden_layers * draft.num_key_value_heads * draft.head_dim) * elt
     plan = {"target_kv": 2 * cfg.num_hidden_layers * r * cfg.num_key_value_heads * t * head_dim * elt,
             "draft_kv": draft_kv, "decode_step": step, "prefill_peak": prefill,
-            "target_rope": 2 * t * head_dim * elt}  # its rotary cos/sin of every position (`target_forward.rotary_table`)
+            "target_rope": 2 * t * head_dim * elt}  # rotary cos/sin of every position (`target_forward.rotary_table`)
     if draft:  # the draft's rotary cos/sin of every position (`DominoProposer.allocate`)
         plan["draft_rope"] = 2 * t * draft.head_dim * elt
     if draft and deferred_positions:

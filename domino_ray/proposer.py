@@ -29,6 +29,7 @@ from domino_ray.checkpoint import check_against_target
 from domino_ray.cpu_linear import one_op_layers, packed_states
 from domino_ray.draft import DominoDraft, context_key_value_weights, context_keys_values, resolve_num_spec_tokens
 from domino_ray.kv_cache import KVBuffers, decode_layer_groups, group_visibility, grouped_attention
+from domino_ray.target_forward import decode_layers_args
 
 
 class DominoProposer:
@@ -120,8 +121,7 @@ class DominoProposer:
         if state is None:
             return None
         if self._native is None or self._native[0] != state:
-            per_layer = [_decode_layer_args(layer) for layer in layers]
-            self._native = (state, tuple([x for args in per_layer for x in args[i]] for i in range(3)))
+            self._native = (state, decode_layers_args([_decode_layer_args(layer) for layer in layers]))
         return self._native[1]
 
     def move_row(self, src: int | torch.Tensor, dst: int | torch.Tensor, length: int):

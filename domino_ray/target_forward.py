@@ -85,12 +85,14 @@ def one_op_args(layers, hidden: torch.Tensor, step: RowAttention) -> tuple | Non
         per_layer.append(args)  # a new tuple when a weight changed
     cached = _ONE_OP.get(layers)
     if cached is None or len(cached[0]) != len(per_layer) or any(a is not b for a, b in zip(cached[0], per_layer)):
-        weights = [w for layer_weights, _, _ in per_layer for w in layer_weights]
-        shapes = [x for _, shape, _ in per_layer for x in shape]
-        scalars = [x for _, _, layer_scalars in per_layer for x in layer_scalars]
-        cached = _ONE_OP[layers] = (per_layer, (weights, shapes, scalars))
+        cached = _ONE_OP[layers] = (per_layer, decode_layers_args(per_layer))
     buffers, indices = step.buffers, [layer.layer_idx for layer in layers]
     return (*cached[1], [buffers.keys[i] for i in indices], [buffers.values[i] for i in indices])
+
+
+def decode_layers_args(per_layer) -> tuple[list, list, list]:
+    """Each layer's `decode_layer` (weights, shape, scalars), in order, as `decode_layers`' three flat lists."""
+    return tuple([x for layer_args in per_layer for x in layer_args[i]] for i in range(3))
 
 
 def engine_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, domino_rows=None, **kwargs):
