@@ -69,9 +69,9 @@ log = logging.getLogger(__name__)
 # While drafting is far off (`WidthController.choose`: context False) a full ring drops its oldest position instead
 # of feeding: the draft's context then misses those positions but holds the last ones. So do a written-off draft's
 # steps: its re-probes come mid-row too, and the demo draft's first draft landed in 68 of 72 and 22 of 24 probes after
-# 20 and 60 skipped steps with them, 42 of 72 and 9 of 24 without. The ring holds the tap layers' outputs themselves
-# (references: copying them into a buffer cost each W = 0 step ~12-20 us, ~1% of the demo target's step at one row);
-# a feed joins them.
+# 20 and 60 skipped steps with them, 42 of 72 and 9 of 24 without. The ring holds the tap layers' outputs themselves,
+# joined at a feed (a written-off draft's W = 0 step on the demo target at one row: +15 us over target-only so, +22
+# when they were copied into a buffer, +10 keeping none).
 DEFERRED_STEPS = 8
 
 
@@ -190,7 +190,7 @@ class SpecEngine:
         self.packed_host = torch.zeros(r, k + 2, dtype=torch.long, pin_memory=dev.type == "cuda")
         self.verify_offsets = torch.arange(k + 1, device=dev)        # [K+1]
         self.key_positions = torch.arange(self.capacity, device=dev)  # [T]
-        self.rotary = rotary_table(self.decoder, self.capacity, self.dtype)  # ([T, D], [T, D]) or None
+        self.cos_sin = rotary_table(self.decoder, self.capacity, self.dtype)  # ([T, D], [T, D]) or None
 
     def memory_plan(self, rows: int | None = None) -> dict[str, int]:
         """Bytes beyond the weights for this engine's sizes with `rows` slots (default: its own), `memory.memory_plan`."""
@@ -302,7 +302,7 @@ class SpecEngine:
         positions = torch.cat([self.key_positions[:m] for m in sizes])[None]  # [1, N]: every prompt starts at 0
         hidden, taps = run_decoder(self.decoder, self.layers, ids.to(self.device), positions,
                                    RowAttention(self.kv, write_index=positions, prefill_rows=rows,
-                                                prefill_lengths=tuple(sizes)), self.tap_layers, rotary=self.rotary)
+                                                prefill_lengths=tuple(sizes)), self.tap_layers, cos_sin=self.cos_sin)
         last = hidden[0, last_token]  # [k, C]
         # The first token is an acceptance step with zero drafts at the prompt's last position.
         no_drafts = torch.zeros(len(batch), 0, dtype=torch.long, device=self.device)
@@ -441,7 +441,7 @@ class SpecEngine:
         hidden, taps = run_decoder(self.decoder, self.layers, verify_ids, positions,
                                    RowAttention(self.kv, write_index=positions, visible=visible, key_groups=key_groups),
                                    self.tap_layers if context or defer else (), join_taps=not defer,
-                                   rotary=self.rotary)
+                                   cos_sin=self.cos_sin)
         logits = self.lm_head(hidden)  # [r, W+1, V]
         limit = remaining - 1          # drafts that fit the row's budget beside the bonus
         accepted, tokens = self.sampling.accept(slice(0, r), logits, verify_ids[:, 1:], limit, positions, sampled,

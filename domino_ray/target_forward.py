@@ -78,16 +78,15 @@ def one_op_args(layers, hidden: torch.Tensor, step: RowAttention) -> tuple | Non
     if not one_op_step(hidden, step):
         return None
     per_layer = []
-    for layer in layers:
-        args = layer.decode_layer_args() if getattr(layer, "native", False) else None
+    for i, layer in enumerate(layers):
+        args = layer.decode_layer_args() if getattr(layer, "native", False) and layer.layer_idx == i else None
         if args is None:
             return None
         per_layer.append(args)  # a new tuple when a weight changed
     cached = _ONE_OP.get(layers)
     if cached is None or len(cached[0]) != len(per_layer) or any(a is not b for a, b in zip(cached[0], per_layer)):
         cached = _ONE_OP[layers] = (per_layer, decode_layers_args(per_layer))
-    buffers, indices = step.buffers, [layer.layer_idx for layer in layers]
-    return (*cached[1], [buffers.keys[i] for i in indices], [buffers.values[i] for i in indices])
+    return (*cached[1], step.buffers.keys, step.buffers.values)  # layer i's KV is buffers' i-th
 
 
 def decode_layers_args(per_layer) -> tuple[list, list, list]:
@@ -141,11 +140,11 @@ def rotary_table(decoder, length: int, dtype: torch.dtype) -> tuple[torch.Tensor
 
 
 def run_decoder(decoder, layers, input_ids: torch.Tensor, positions: torch.Tensor, attention: RowAttention,
-                tap_layers: tuple[int, ...], join_taps: bool = True, rotary: tuple | None = None
+                tap_layers: tuple[int, ...], join_taps: bool = True, cos_sin: tuple | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor | tuple | None]:
     """input_ids/positions `[r, q]` -> (normed last hidden `[r, q, C]`, taps `[r, q, L*C]` or None); `join_taps`
     False: the taps as the tap layers' own outputs `([r, q, C], ...)`, not concatenated (the engine's ring of deferred
-    taps holds them as they are); `rotary`: a `rotary_table` to look the positions up in (None: the decoder's rotary
+    taps holds them as they are); `cos_sin`: a `rotary_table` to look the positions up in (None: the decoder's rotary
     embedding computes them).
 
     `layers`: the decoder's layers as the engine runs them (`fused_layers.fuse_layers`: ours for the Llama
@@ -153,7 +152,7 @@ def run_decoder(decoder, layers, input_ids: torch.Tensor, positions: torch.Tenso
     `hidden_states[l + 1]` (which is after the final norm for the last layer).
     """
     hidden = decoder.embed_tokens(input_ids)              # [r, q, C]
-    rotary = (rotary[0][positions], rotary[1][positions]) if rotary is not None else \
+    rotary = (cos_sin[0][positions], cos_sin[1][positions]) if cos_sin is not None else \
         decoder.rotary_emb(hidden, positions)  # cos, sin [r, q, D]
     taps = {}
     one_op = one_op_args(layers, hidden, attention)

@@ -182,7 +182,7 @@ def test_memory_plan_counts_every_preallocation_and_names_the_keys(target):
     assert plan["target_kv"] == sum(t.numel() * t.element_size() for t in (*engine.kv.keys, *engine.kv.values))
     assert plan["draft_kv"] == engine.proposer.kv.nbytes > 0
     assert plan["draft_rope"] == engine.proposer.rope_cos.nbytes + engine.proposer.rope_sin.nbytes > 0
-    assert plan["target_rope"] == sum(t.nbytes for t in engine.rotary) > 0
+    assert plan["target_rope"] == sum(t.nbytes for t in engine.cos_sin) > 0
     assert plan["decode_step"] > 0 and plan["prefill_peak"] > 0
     check_memory_fits(plan, 2 * sum(plan.values()), "cuda:0")
     with pytest.raises(ValueError, match="lower generation.max_batch_size, model.max_model_len or "
