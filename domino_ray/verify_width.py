@@ -21,7 +21,7 @@ then are missing from that draft's context, but for those last few where the eng
 probe sees the draft at its worst; rows admitted later start with their whole prompt as context).
 Exploration comes from the prior, which is optimistic (a new engine drafts at once): estimates decay towards it
 while a position goes unverified, so a draft written off at W = 0 is tried again after a while (rarely: the decay
-is slow). Until a first draft has landed, a drafting step is a probe and verifies the narrowest width (whether
+is slow; its later positions are then judged by its first, not by the prior, so a fresh row is no reason to try it). Until a first draft has landed, a drafting step is a probe and verifies the narrowest width (whether
 the first draft lands is all it asks), and the first `TRIAL_TRIES` probes come whenever the prior says drafting
 pays, whatever the misses so far say: at one row a single miss would stop a draft that lands 75-90% of the time.
 """
@@ -125,20 +125,32 @@ class AcceptanceEstimates:
         self.success = [0.0] * num_draft_tokens
         self.trials = [0.0] * num_draft_tokens
 
-    def pooled(self) -> list[float]:
-        return [(s + self.prior_hits) / (n + self.prior_trials) for s, n in zip(self.success, self.trials)]
+    def pooled(self, chained: bool = False) -> list[float]:
+        """`[K]` estimates; `chained`: each position's prior is the estimate of the one before it (the first's still
+        `prior`), for a written-off draft: nothing says its later drafts land where its first never does. With the
+        flat prior its fresh rows saw positions 2..K (never tried) at 0.8 and were probed again, each (the random
+        draft at one row: a re-probe at the second of two prompts in 3 of 8 runs)."""
+        if not chained:
+            return [(s + self.prior_hits) / (n + self.prior_trials) for s, n in zip(self.success, self.trials)]
+        out, prior = [], self.prior
+        for s, n in zip(self.success, self.trials):
+            prior = (s + prior * self.prior_trials) / (n + self.prior_trials)
+            out.append(prior)
+        return out
 
     def for_row(self, row_success: Sequence[float], row_trials: Sequence[float], pooled: Sequence[float]) -> list[float]:
         m = self.row_weight
         return [(s + m * p) / (n + m) for s, n, p in zip(row_success, row_trials, pooled)]
 
-    def draft_is_useless(self, max_rate: float = 0.05) -> bool:
+    def draft_is_useless(self, written_off: bool = False, max_rate: float = 0.05) -> bool:
         """The evidence, not the prior, says the first draft almost never lands: W = 0 steps may then skip
         keeping the draft's context current (the draft is useless, not merely too dear for this batch), once its
-        trial is over (`TRIAL_TRIES`). A written-off draft still drafts when its estimates say so, and an eager
-        engine feeds it its last positions first (a 20-step gap: the SmolLM2 draft accepted 0.91 drafts a step
-        against 1.00)."""
-        return bool(self.k) and self.trials[0] >= TRIAL_TRIES and self.success[0] < max_rate * self.trials[0]
+        trial is over (`TRIAL_TRIES`), or at once for a draft `written_off` already (a re-probe's miss after its
+        counts decayed below the trial's is no new trial: it stays written off, and misses keep it so). A
+        written-off draft still drafts when its estimates say so, and an eager engine feeds it its last positions
+        first (a 20-step gap: the SmolLM2 draft accepted 0.91 drafts a step against 1.00)."""
+        return bool(self.k) and (written_off or self.trials[0] >= TRIAL_TRIES) and \
+            self.success[0] < max_rate * self.trials[0]
 
     def first_draft_landed(self) -> bool:
         """A first draft landed lately: a hit's decayed count stays over 0.5 for ~350 steps."""
@@ -331,7 +343,7 @@ class WidthController:
             if left and batch == (r, len(usable)):
                 self.hold = (left - 1, batch, context)
                 return 0, context
-        pooled = self.estimates.pooled()
+        pooled = self.estimates.pooled(chained=self.written_off)
         # Rows never verified whose budget allows every width share the pooled estimate: counted once (a large
         # batch at W = 0 is all such rows, and this runs every step)
         fresh = {i for i, u in enumerate(usable) if u >= self.k and not any(self.tried[i])}
@@ -364,7 +376,7 @@ class WidthController:
         for i, (a, u) in enumerate(zip(accepted, usable) if w else ()):  # a W = 0 step verified no draft
             self.estimates.observe(min(w, u), a, self.succeeded[i], self.tried[i])
         if w > 0:
-            self.written_off = self.estimates.draft_is_useless()
+            self.written_off = self.estimates.draft_is_useless(self.written_off)
             self.hold = None  # new evidence: look again
         if seconds is not None:
             self.costs.observe(r, w, t, seconds)

@@ -66,8 +66,12 @@ def test_a_draft_is_useless_on_evidence_not_on_the_prior():
         est.observe(4, 0, row_s, row_n)  # the first draft rejected every time
         assert est.draft_is_useless() == (tries >= 3)  # two misses (one step at 2 rows) happen to decent drafts
     assert est.pooled()[1] == pytest.approx(0.8)  # later positions: untried
+    assert est.draft_is_useless(written_off=True)
     est.observe(4, 2, row_s, row_n)
-    assert not est.draft_is_useless()  # a hit in 5 tries is not "almost never"
+    assert not est.draft_is_useless() and not est.draft_is_useless(written_off=True)  # a hit in 5 is not "almost never"
+    fresh = AcceptanceEstimates(4)
+    fresh.observe(4, 0, row_s, row_n)
+    assert not fresh.draft_is_useless() and fresh.draft_is_useless(written_off=True)  # a written-off draft's miss
     dear = {w: 1.0 + 3.0 * w for w in range(9)}  # a good draft can still be too dear for a batch: W = 0
     assert choose_width(dear, [[0.8] * 8] * 4, [100] * 4) == 0
 
@@ -490,11 +494,12 @@ def test_far_off_drafting_skips_the_context_of_lazy_engines_only_and_w0_holds_fo
     assert len(looks) == 5
 
 
-def test_a_written_off_draft_is_probed_at_the_narrowest_width():
+def test_a_written_off_draft_is_probed_again_late_and_at_the_narrowest_width():
     """Drafting with a fixed cost and nearly free extra drafts: on the prior's optimism the policy would verify the
-    widest block, but while the draft is written off (its first draft never lands) a probe verifies the narrowest
-    width, since whether the first draft lands is the verdict's whole question; once it lands, the policy's own
-    choice again."""
+    widest block at once for a new row. But a written-off draft's later positions are judged by its first (`pooled`
+    chained): its fresh row is no reason to probe it, the decaying counts are, some hundred steps on. Its probe then
+    verifies the narrowest width, since whether the first draft lands is the verdict's whole question; once it lands,
+    the policy's own choice again."""
     def unclamped(width):
         accept = width.estimates.for_row(width.succeeded[0], width.tried[0], width.estimates.pooled())
         return best_width(width_rates(width.costs.at(1, 64), [accept], [100]))
@@ -503,11 +508,39 @@ def test_a_written_off_draft_is_probed_at_the_narrowest_width():
         width = WidthController(4, 1, StepCosts({1: {w: 1.0 + 0.5 * (w > 0) + 0.01 * w for w in widths}}))
         for _ in range(4):
             width.learn(1, 64, 4, 1.54, [0], [100])  # the first draft rejected every time: written off
-        width.reset_slot(0)  # a new row in the slot: the pooled evidence and the prior decide
-        assert width.written_off and unclamped(width) == 4
+        width.reset_slot(0)  # a new row in the slot
+        assert width.written_off and unclamped(width) == 4  # the flat prior alone would probe it now
+        steps = _steps_until_drafting(width)
+        assert 100 < steps < 1000
         assert width.choose(1, 64, [100]) == (narrowest, True)
         width.learn(1, 64, narrowest, 1.5, [1], [100])  # it lands: the draft is back
         assert not width.written_off and width.choose(1, 64, [100]) == (unclamped(width), True) == (4, True)
+
+
+def _steps_until_drafting(width) -> int:
+    """W = 0 steps (skipping the draft's context: written off) until the next `choose` would draft, which it then
+    answers again (a drafting answer holds no state)."""
+    for steps in range(2000):
+        w, context = width.choose(1, 64, [100])
+        if w:
+            return steps
+        assert context is False
+        width.learn(1, 64, 0, 1.0, [0], [100])
+    raise AssertionError("never probed again")
+
+
+def test_a_written_off_draft_missing_its_re_probe_stays_written_off():
+    """A re-probe comes when the decayed counts have fallen below the trial's (`TRIAL_TRIES`): its miss keeps the draft
+    written off (one probe, not a new trial of three), so the next steps skip the draft's context again."""
+    width = WidthController(4, 1, StepCosts({1: {0: 1.0, **{w: 1.9 + 0.01 * w for w in range(1, 5)}}}))
+    for _ in range(3):
+        width.learn(1, 64, 1, 1.9, [0], [100])  # the trial's three misses
+    assert width.written_off
+    _steps_until_drafting(width)
+    assert width.estimates.trials[0] + 1 < TRIAL_TRIES  # so the trial's own count would not write it off
+    w, _ = width.choose(1, 64, [100])
+    width.learn(1, 64, w, 1.9, [0], [100])  # missed
+    assert width.written_off and width.choose(1, 64, [100]) == (0, False)
 
 
 def test_a_new_draft_gets_a_trial_of_narrow_probes_before_misses_stop_it():
