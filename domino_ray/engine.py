@@ -170,7 +170,7 @@ class SpecEngine:
         # W = 0 steps' taps not yet fed, oldest first: each step's tap-layer outputs `[r, 1, C]` (its rows then, the
         # active rows first: admission feeds the ring first, so rows only leave meanwhile); they are the active rows'
         # last `len(deferred)` positions. Full, a step's append drops the oldest (drafting far off).
-        self.deferred: deque[tuple[torch.Tensor, ...]] | None = None
+        self.deferred: deque[list[torch.Tensor]] | None = None
         # Slot -> its prompt's taps `[1, m, F]` (a view: the prefill's taps stay alive meanwhile), for rows an eager
         # adaptive engine admitted: fed before the next step that keeps the draft's context (drafting or not), never
         # if none comes (a written-off draft's rows, drafting far off: feeding 16 prompts of the demo pair at admission
@@ -323,12 +323,15 @@ class SpecEngine:
         r = next(b for b in self.row_buckets if b >= n) if self.pad_rows else n
         sampled, filtered = sampling_mode(row.request.params for row in self.rows)
         w, context, t = self.num_spec_tokens, True, 0
-        if self.width is not None:
+        held = self.width.held(r, n) if self.width is not None else None  # W = 0 standing: (its look's t, context)
+        if held is not None:
+            w, (t, context) = 0, held
+        elif self.width is not None:
             t = sum(self._slot_buckets(r, self.span)) // r  # the mean key bucket at the widest step: the cost table's t
             w, context = self.width.choose(r, t, self._usable())
         # A W = 0 step writes one position (the anchor's), a drafting step up to `span` (draft block, verify)
         key_groups = self._key_groups(r, self.span if w else 1)  # may move rows between slots first
-        usable = self._usable()  # in the slots' order after any move (the width was chosen before them)
+        usable = self._usable() if w else [0] * n  # in the slots' order after any move (the width was chosen before)
         started = time.perf_counter()
         # Timed with the step that needs it: deferred W = 0 work then counts against a drafting width (conservative)
         if self.deferred and (w or (context and len(self.deferred) == DEFERRED_STEPS)):
@@ -339,7 +342,7 @@ class SpecEngine:
         packed = self._read_packed(n, w)  # the step's one host sync
         now = time.perf_counter()
         if self.width is not None:  # a step that captured a graph says nothing about its width's cost
-            self.width.learn(r, t, w, now - started if timed else None, [a for a, *_ in packed], usable)
+            self.width.learn(r, t, w, now - started if timed else None, [a for a, *_ in packed] if w else (), usable)
         for row, (a, *row_tokens), u in zip(self.rows, packed, usable):
             events.append(row.commit(row_tokens[:a + 1], now, drafted=min(w, u), width=w))
 

@@ -141,9 +141,9 @@ def rotary_table(decoder, length: int, dtype: torch.dtype) -> tuple[torch.Tensor
 
 def run_decoder(decoder, layers, input_ids: torch.Tensor, positions: torch.Tensor, attention: RowAttention,
                 tap_layers: tuple[int, ...], join_taps: bool = True, cos_sin: tuple | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor | tuple | None]:
+                ) -> tuple[torch.Tensor, torch.Tensor | list | None]:
     """input_ids/positions `[r, q]` -> (normed last hidden `[r, q, C]`, taps `[r, q, L*C]` or None); `join_taps`
-    False: the taps as the tap layers' own outputs `([r, q, C], ...)`, not concatenated (the engine's ring of deferred
+    False: the taps as the tap layers' own outputs `[[r, q, C], ...]`, not concatenated (the engine's ring of deferred
     taps holds them as they are); `cos_sin`: a `rotary_table` to look the positions up in (None: the decoder's rotary
     embedding computes them).
 
@@ -157,7 +157,7 @@ def run_decoder(decoder, layers, input_ids: torch.Tensor, positions: torch.Tenso
     taps = {}
     one_op = one_op_args(layers, hidden, attention)
     if one_op is not None:  # every layer in one call; the last layer's tap is the normed output (below)
-        inner = sorted({i for i in tap_layers if i < len(layers) - 1})  # a layer may feed the draft twice
+        inner = _inner_taps(tap_layers, len(layers))
         hidden, *outputs = torch.ops.domino_ray.decode_layers(hidden, *one_op, attention.write_at, *rotary,
                                                                *attention.key_group_args, inner)
         taps.update(zip(inner, outputs))
@@ -171,4 +171,12 @@ def run_decoder(decoder, layers, input_ids: torch.Tensor, positions: torch.Tenso
     taps[len(layers) - 1] = hidden
     if not tap_layers:
         return hidden, None
-    return hidden, torch.cat([taps[i] for i in tap_layers], -1) if join_taps else tuple(taps[i] for i in tap_layers)
+    taps = [taps[i] for i in tap_layers]
+    return hidden, torch.cat(taps, -1) if join_taps else taps
+
+
+@functools.lru_cache(maxsize=64)
+def _inner_taps(tap_layers: tuple[int, ...], layers: int) -> list[int]:
+    """`decode_layers`' tap layers: ascending, once each (a layer may feed the draft twice), the last layer's left out
+    (its tap is the normed output)."""
+    return sorted({i for i in tap_layers if i < layers - 1})

@@ -492,6 +492,12 @@ def test_far_off_drafting_skips_the_context_of_lazy_engines_only_and_w0_holds_fo
     width.learn(2, 64, 4, None, [4, 4], [100, 100])  # a drafting step's evidence
     width.choose(2, 64, [100, 100])
     assert len(looks) == 5
+    # The engine asks `held` first (no key length, no budgets): the look's t and context, for this batch only
+    width = controller(far)
+    assert width.held(1, 1) is None and width.choose(1, 80, [100]) == (0, False)
+    assert [width.held(1, 1) for _ in range(HOLD_STEPS)] == [(80, False)] * (HOLD_STEPS - 1) + [None]
+    width.choose(1, 80, [100])
+    assert width.held(2, 2) is None and width.held(1, 1) == (80, False)
 
 
 def test_a_written_off_draft_is_probed_again_late_and_at_the_narrowest_width():
