@@ -68,10 +68,11 @@ log = logging.getLogger(__name__)
 # 0.22 ms in a batch of 8); with CUDA graphs it stays in the step (a graph per fill level would multiply the keys).
 # While drafting is far off (`WidthController.choose`: context False) a full ring drops its oldest position instead
 # of feeding: the draft's context then misses those positions but holds the last ones. So do a written-off draft's
-# steps: its re-probes come mid-row too, and the demo draft's first draft landed in 68 of 72 and 22 of 24 probes after
-# 20 and 60 skipped steps with them, 42 of 72 and 9 of 24 without. The ring holds the tap layers' outputs themselves,
-# joined at a feed (a written-off draft's W = 0 step on the demo target at one row: +15 us over target-only so, +22
-# when they were copied into a buffer, +10 keeping none).
+# steps while its re-probe is near: those come mid-row too, and the demo draft's first draft landed in 68 of 72 and 22
+# of 24 probes after 20 and 60 skipped steps with them, 42 of 72 and 9 of 24 without. Far from a re-probe (context None)
+# they keep none: its promise rises slowly as its counts decay, through near (taps kept) long before a probe. The ring
+# holds the tap layers' outputs themselves, joined at a feed (a written-off draft's W = 0 step on the demo target at
+# one row: +15 us over target-only so, +22 when they were copied into a buffer, +10 keeping none).
 DEFERRED_STEPS = 8
 
 
@@ -336,6 +337,8 @@ class SpecEngine:
         # Timed with the step that needs it: deferred W = 0 work then counts against a drafting width (conservative)
         if self.deferred and (w or (context and len(self.deferred) == DEFERRED_STEPS)):
             self._feed_deferred_context()
+        elif self.deferred and context is None:  # a step keeping no taps: the ring's are no longer the last positions
+            self.deferred.clear()
         if self.pending_prompts and (w or context):
             self._feed_pending_prompts()
         timed = self._device_step(r, key_groups, w, sampled, filtered, context)
@@ -362,9 +365,10 @@ class SpecEngine:
         buckets = [self._key_bucket(row.committed - 1 + span) for row in self.rows]
         return buckets + [self._key_bucket(span)] * (r - len(self.rows))
 
-    def _defers(self, w: int) -> bool:
-        """Whether a step at width `w` keeps its taps for later (`DEFERRED_STEPS`) instead of feeding them."""
-        return not w and self.defer_context
+    def _defers(self, w: int, context: bool | None) -> bool:
+        """Whether a step at width `w` keeps its taps for later (`DEFERRED_STEPS`) instead of feeding them (`context`
+        None: neither)."""
+        return not w and self.defer_context and context is not None
 
     def _feed_pending_prompts(self):
         """The draft's context of the prompts waiting in `pending_prompts`, prompt by prompt (padded together, each
@@ -391,7 +395,8 @@ class SpecEngine:
         """The shortest key bucket holding `length` positions."""
         return self.key_buckets[bisect_left(self.key_buckets, min(length, self.capacity))]
 
-    def _device_step(self, r: int, key_groups: Groups, w: int, sampled: bool, filtered: bool, context: bool) -> bool:
+    def _device_step(self, r: int, key_groups: Groups, w: int, sampled: bool, filtered: bool,
+                     context: bool | None) -> bool:
         """Draft `w` tokens (none when 0), then verify and accept them, for slots `0..r` over `key_groups`: one
         CUDA graph with graphs. False when that graph was captured now (the step's time is not a step's cost)."""
         def step():
@@ -432,15 +437,17 @@ class SpecEngine:
         self.drafts[:r, :w] = self.proposer.propose(r, self.anchor[:r], self.lens[:r], key_groups, w, committed,
                                                     request_ids)
 
-    def _verify_step(self, r: int, key_groups: Groups, w: int, sampled: bool, filtered: bool, context: bool = True):
+    def _verify_step(self, r: int, key_groups: Groups, w: int, sampled: bool, filtered: bool,
+                     context: bool | None = True):
         """Verify `[anchor, drafts[:w]]` for slots `0..r` over `key_groups`, accept, advance the rows and
-        write `self.packed[:r, :w+2]` = (accepted, tokens); `context`: also feed the draft's context."""
+        write `self.packed[:r, :w+2]` = (accepted, tokens); `context`: also feed the draft's context (None: nor keep
+        the taps for later, `_defers`)."""
         lens, remaining = self.lens[:r], self.remaining[:r]
         verify_ids = torch.cat([self.anchor[:r, None], self.drafts[:r, :w]], 1)  # [r, W+1]
         positions = lens[:, None] + self.verify_offsets[:w + 1]                  # [r, W+1]
         # causal after the prefix
         visible = group_visibility(positions + 1, self.groups, self.key_positions, key_groups, self.kv)
-        defer = self._defers(w)  # the taps of a W = 0 step wait in the ring, whether or not they will be fed
+        defer = self._defers(w, context)  # the taps of a W = 0 step wait in the ring, whether or not they will be fed
         hidden, taps = run_decoder(self.decoder, self.layers, verify_ids, positions,
                                    RowAttention(self.kv, write_index=positions, visible=visible, key_groups=key_groups),
                                    self.tap_layers if context or defer else (), join_taps=not defer,

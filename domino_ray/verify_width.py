@@ -18,7 +18,8 @@ time, counted, not assumed; the verdict of the last drafting step, kept until th
 also skip the draft's context update, and so they do while drafting is far off (`CONTEXT_FLOOR`) in an
 engine that keeps the last positions' taps anyway (eager: `engine.DEFERRED_STEPS`). The positions decoded
 then are missing from that draft's context, but for those last few where the engine keeps them (a later
-probe sees the draft at its worst; rows admitted later start with their whole prompt as context).
+probe sees the draft at its worst; rows admitted later start with their whole prompt as context); a written-off
+draft's steps keep none while drafting is far off, its re-probe far away.
 Exploration comes from the prior, which is optimistic (a new engine drafts at once): estimates decay towards it
 while a position goes unverified, so a draft written off at W = 0 is tried again after a while (rarely: the decay
 is slow; its later positions are then judged by its first, not by the prior, so a fresh row is no reason to try it). Until a first draft has landed, a drafting step is a probe and verifies the narrowest width (whether
@@ -346,11 +347,12 @@ class WidthController:
         self.hold = (left - 1, batch, answer)
         return answer
 
-    def choose(self, r: int, t: int, usable: Sequence[int]) -> tuple[int, bool]:
-        """(W, whether the step keeps the draft's context current: unless the draft is useless, or with
-        `lazy_context` drafting is far off) for the active rows in slots `0..len(usable)` (`usable[i]`: drafts row
-        i's budget allows), bucket `r`, `t` keys. A W = 0 answer stands for `HOLD_STEPS` steps of the same batch
-        (`held`)."""
+    def choose(self, r: int, t: int, usable: Sequence[int]) -> tuple[int, bool | None]:
+        """(W, context) for the active rows in slots `0..len(usable)` (`usable[i]`: drafts row i's budget allows),
+        bucket `r`, `t` keys. `context`: True, the step keeps the draft's context current; False (the draft written
+        off, or with `lazy_context` drafting far off), it does not, and a lazy engine keeps the step's taps for later;
+        None (with `lazy_context`, the draft written off and drafting far off), it keeps no taps either. A W = 0
+        answer stands for `HOLD_STEPS` steps of the same batch (`held`)."""
         answer = self.held(r, len(usable))
         if answer is not None:
             return 0, answer[1]
@@ -377,6 +379,8 @@ class WidthController:
             return w, True
         far = max((v for x, v in rates.items() if x), default=0.0) < CONTEXT_FLOOR * rates[0]
         context = not self.written_off and not (far and self.lazy_context)
+        if far and self.written_off and self.lazy_context:
+            context = None  # no taps kept either: a re-probe comes as the estimates decay, through near (taps kept)
         self.hold = (HOLD_STEPS - 1, (r, len(usable)), (t, context))
         return 0, context
 

@@ -292,9 +292,10 @@ def test_while_drafting_is_far_off_the_draft_context_keeps_the_prompt_and_the_la
     With the context kept current at every step, every position matches (the oracle's own check)."""
     prompts = ragged_prompts(5, seed=3, max_len=20)
     params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (70, 25, 55, 33, 61)]
-    far = (0, False)
+    far, nothing = (0, False), (0, None)
     schedule = [far] * 13 + [(2, True)] + [(0, True)] * 3 + [far] * 9 + [(K, True)] + [far] * 4 + [(1, True)] + \
-        [far] * 5 + [(0, True)] * 6 + [(3, True)]  # a ring overfull, just full, part full, mixed with kept steps
+        [far] * 5 + [(0, True)] * 6 + [(3, True)] + [far] * 3 + [nothing] * 7 + [far] * 9 + [(2, True)]
+    # a ring overfull, just full, part full, mixed with kept steps; a written-off draft's steps keeping nothing
     for skip in (True, False):
         proposer = ContextChecker(tiny_draft(target, block_size=K), target)
         engine = SpecEngine(target, proposer, max_rows=3, adaptive=True,
@@ -314,6 +315,25 @@ def test_while_drafting_is_far_off_the_draft_context_keeps_the_prompt_and_the_la
             assert len(between) > 200 and between.count(False) > 50
         else:
             assert len(between) > 200 and all(between)
+
+
+def test_a_step_keeping_no_taps_empties_the_ring(target):
+    """A W = 0 step whose context is None (a written-off draft, drafting far off) keeps no taps and drops the ring's:
+    they are no longer the rows' last positions. Tokens stay the target's."""
+    engine = SpecEngine(target, DominoProposer(tiny_draft(target, block_size=K), target), max_rows=2, adaptive=True,
+                        width_costs={r: {w: 1.0 + w for w in range(K + 1)} for r in (1, 2)})
+    steps = iter([(0, False)] * 5 + [(0, None)] + [(0, False)] * 2 + [(0, None)] * 50)
+    engine.width.choose = lambda r, t, usable: next(steps)
+    prompts = ragged_prompts(2, seed=6)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(Request(i, prompt, SamplingParams(max_new_tokens=30, ignore_eos=True)))
+    held, out = [], {0: [], 1: []}
+    while engine.has_unfinished():
+        for event in engine.step():
+            out[event.request_id] += event.new_token_ids
+        held.append(len(engine.deferred))
+    assert held[:9] == [1, 2, 3, 4, 5, 0, 1, 2, 0]  # the admission's step, then one a step
+    assert [out[i] for i in range(2)] == [hf_greedy(target, p, 30) for p in prompts]
 
 
 def test_deferred_taps_are_in_the_memory_plan_of_eager_adaptive_engines_only(target):
@@ -511,26 +531,30 @@ def test_a_written_off_draft_is_probed_again_late_and_at_the_narrowest_width():
         return best_width(width_rates(width.costs.at(1, 64), [accept], [100]))
 
     for widths, narrowest in ((range(5), 1), ((0, 2, 4), 2)):  # every width, or a graphs-style subset
-        width = WidthController(4, 1, StepCosts({1: {w: 1.0 + 0.5 * (w > 0) + 0.01 * w for w in widths}}))
+        width = WidthController(4, 1, StepCosts({1: {w: 1.0 + 0.5 * (w > 0) + 0.01 * w for w in widths}}),
+                                lazy_context=True)
         for _ in range(4):
             width.learn(1, 64, 4, 1.54, [0], [100])  # the first draft rejected every time: written off
         width.reset_slot(0)  # a new row in the slot
         assert width.written_off and unclamped(width) == 4  # the flat prior alone would probe it now
-        steps = _steps_until_drafting(width)
-        assert 100 < steps < 1000
+        contexts = _steps_until_drafting(width)
+        assert 100 < len(contexts) < 1000 and True not in contexts
+        # far off at first (no taps kept: None), near for the last steps before the probe (the ring kept: False)
+        assert contexts[0] is None and contexts[-HOLD_STEPS - DEFERRED_STEPS:] == [False] * (HOLD_STEPS + DEFERRED_STEPS)
         assert width.choose(1, 64, [100]) == (narrowest, True)
         width.learn(1, 64, narrowest, 1.5, [1], [100])  # it lands: the draft is back
         assert not width.written_off and width.choose(1, 64, [100]) == (unclamped(width), True) == (4, True)
 
 
-def _steps_until_drafting(width) -> int:
-    """W = 0 steps (skipping the draft's context: written off) until the next `choose` would draft, which it then
-    answers again (a drafting answer holds no state)."""
-    for steps in range(2000):
+def _steps_until_drafting(width) -> list:
+    """The contexts of the W = 0 steps (skipping the draft's context: written off) until the next `choose` would
+    draft, which it then answers again (a drafting answer holds no state)."""
+    contexts = []
+    for _ in range(2000):
         w, context = width.choose(1, 64, [100])
         if w:
-            return steps
-        assert context is False
+            return contexts
+        contexts.append(context)
         width.learn(1, 64, 0, 1.0, [0], [100])
     raise AssertionError("never probed again")
 
@@ -566,8 +590,8 @@ def test_a_new_draft_gets_a_trial_of_narrow_probes_before_misses_stop_it():
         assert useless.choose(1, 64, [100]) == (1, True)
         useless.learn(1, 64, 1, 2.2, [0], [100])  # missed
         assert unclamped(useless) == 0 and useless.written_off == (probe == 2)  # the estimates alone would stop
-    for _ in range(300):  # written off: W = 0 without the context, while the counts decay below the trial's
-        assert useless.choose(1, 64, [100]) == (0, False)
+    for _ in range(300):  # written off: W = 0 without the context (far off: no taps kept), while the counts decay
+        assert useless.choose(1, 64, [100]) == (0, None)
         useless.learn(1, 64, 0, 1.0, [0], [100])
     assert useless.estimates.trials[0] < TRIAL_TRIES
 
