@@ -61,6 +61,7 @@ class DominoProposer:
         self.key_positions: torch.Tensor | None = None
         self._native: tuple | None = None  # (the draft linears' weight states, `decode_layers`' arguments from them)
         self._linears: list | None = None  # the draft layers' 14 linears (`_native_layers`), listed at first use
+        self._context_native: tuple | None = None  # (fc's weight state, `context_update`'s arguments from it)
 
     def allocate(self, max_rows: int, max_len: int):
         cfg = self.config
@@ -73,11 +74,32 @@ class DominoProposer:
         self.rope_cos, self.rope_sin = cos[0], sin[0]  # [T, D]
 
     def append_context(self, rows: slice, target_hidden: torch.Tensor, offsets: torch.Tensor):
-        context = self.draft.project_context(target_hidden.to(self.device))  # [b, q, C]
-        positions = offsets[:, None] + self.key_positions[:context.shape[1]]  # [b, q]
+        taps = target_hidden.to(self.device)  # [b, q, F]
+        positions = offsets[:, None] + self.key_positions[:taps.shape[1]]  # [b, q]
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # [b, q, D]
+        native = self._native_context() if one_op_layers(self.kv.kernel, taps.shape[0] * taps.shape[1]) else None
+        if native is not None:  # our one op (`csrc/decode_layer.cpp`): the demo pair's one-row update 261 -> ~70 us
+            torch.ops.domino_ray.context_update(taps, *native, self.kv.keys, self.kv.values,
+                                                self.kv.flat_index(rows, positions), cos, sin)
+            return
+        context = self.draft.project_context(taps)  # [b, q, C]
         k, v = context_keys_values(context, self.context_weights, self.config.rms_norm_eps, self.config.head_dim, cos, sin)
         self.kv.write_all_layers(rows, positions, k, v)
+
+    def _native_context(self) -> tuple[list, list[int], list[float]] | None:
+        """`context_update`'s weights, shape and scalars: `fc` packed, and every layer's k/v projections packed from
+        `context_weights` (a copy, as those are), made once and again when `fc`'s weight changed; None where the engine
+        left `fc` unpacked."""
+        fc, norm, cfg = self.draft.fc, self.draft.hidden_norm, self.config
+        state = packed_states([fc])
+        if state is None:
+            return None
+        if self._context_native is None or self._context_native[0] != state:
+            weight, bias, k_norm = self.context_weights
+            weights = [fc.current_pack(), fc.bias, norm.weight, torch.ops.domino_ray.pack_linear(weight), bias, k_norm]
+            self._context_native = (state, (weights, [cfg.hidden_size, cfg.num_key_value_heads, cfg.head_dim],
+                                            [norm.eps, cfg.rms_norm_eps]))
+        return self._context_native[1]
 
     def propose(self, r: int, anchor: torch.Tensor, offsets: torch.Tensor, key_groups: tuple, width: int,
                 committed=None, request_ids=None) -> torch.Tensor:

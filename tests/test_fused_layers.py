@@ -158,6 +158,50 @@ def test_the_draft_layers_as_our_one_op_compute_what_their_python_forward_comput
         torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("name", ["qwen3-d16", "qwen3"])  # our rotary op (head dim 16), torch's rotary math
+def test_the_draft_context_update_as_our_one_op_writes_what_its_python_forward_writes(name, monkeypatch):
+    """Where the engine packed the draft's `fc`, a context update of a few positions (a step's, the ring's) runs as
+    `context_update`: every layer's keys and values written for rows at their own offsets are the Python path's
+    (`project_context`, `context_keys_values`), and only theirs; a changed `fc` weight reaches the op."""
+    target = family(name)
+    draft = tiny_draft(target, block_size=4)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # norms of their own (built as ones): each layer's k_norm must be its own
+        for norm in [draft.hidden_norm] + [layer.self_attn.k_norm for layer in draft.layers]:
+            norm.weight.copy_(torch.rand(norm.weight.shape, generator=g) + 0.5)
+    pack_linears(draft)
+    proposer = DominoProposer(draft, target)
+    proposer.allocate(4, 64)
+    taps = torch.randn(2, 3, len(draft.config.target_layer_ids) * target.config.hidden_size, generator=g)  # [b, q, F]
+    offsets = torch.tensor([7, 20])
+    native_context, calls = proposer._native_context, []
+    monkeypatch.setattr(torch.ops.domino_ray, "context_update", lambda *a, op=torch.ops.domino_ray.context_update:
+                        calls.append(1) or op(*a))
+
+    def update(native: bool):
+        monkeypatch.setattr(proposer, "_native_context", native_context if native else lambda: None)
+        for buffer in (proposer.kv.all_keys, proposer.kv.all_values):
+            buffer.fill_(float("nan"))
+        with torch.inference_mode():
+            proposer.append_context(slice(1, 3), taps, offsets)  # slots 1 and 2
+        return proposer.kv.all_keys.clone(), proposer.kv.all_values.clone()
+
+    python, ours = update(False), update(True)
+    assert len(calls) == 1
+    for theirs, mine in zip(python, ours):  # [L, R, Hkv, T, D]; fp32, one GEMM either way
+        written = ~theirs.isnan()
+        assert written.sum() == theirs.shape[0] * 2 * theirs.shape[2] * 3 * theirs.shape[4]  # 2 rows x 3 positions
+        assert torch.equal(written, ~mine.isnan())
+        assert written[:, 1, :, 7:10].all() and written[:, 2, :, 20:23].all()
+        torch.testing.assert_close(mine[written], theirs[written], rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        draft.fc.weight.add_(0.1)  # (a scale alone would not show: `hidden_norm` follows)
+    changed_python, changed_ours = update(False), update(True)
+    assert not torch.allclose(changed_python[1].nan_to_num(), python[1].nan_to_num(), rtol=1e-3, atol=1e-3)
+    for theirs, mine in zip(changed_python, changed_ours):
+        torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5, equal_nan=True)
+
+
 @pytest.mark.parametrize("name", ["qwen2", "llama-biased"])
 def test_engine_greedy_equals_hf_generate_on_fused_families(name):
     target = family(name, dtype=torch.float64)

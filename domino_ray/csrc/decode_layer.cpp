@@ -125,6 +125,32 @@ std::vector<at::Tensor> decode_layers(const at::Tensor& hidden, const c10::List<
   return out;
 }
 
+// The draft's context update (`draft.context_keys_values` after `DominoDraft.project_context`, then each layer's KV
+// write) as one op: target taps [b, q, F] -> context = hidden_norm(fc(taps)) [b, q, C] -> every layer's keys and
+// values in one GEMM, each layer's keys k-normed and rotated, written at rows_at (`KVBuffers.flat_index`). In torch's
+// ops it was ~25 dispatched ops: 261 us of a one-row drafting step of the demo pair, mostly their fixed cost.
+// weights: fc packed, fc bias?, hidden_norm, k/v of every layer packed [L*2*Hkv*D rows], its bias?, k_norm [L, D];
+// shape [C, Hkv, D]; scalars [hidden_eps, k_eps].
+void context_update(const at::Tensor& taps, const c10::List<c10::optional<at::Tensor>>& weights,
+                    at::IntArrayRef shape, at::ArrayRef<double> scalars, at::TensorList key_buffers,
+                    at::TensorList value_buffers, const at::Tensor& rows_at, const at::Tensor& cos,
+                    const at::Tensor& sin) {
+  const int64_t layers = static_cast<int64_t>(key_buffers.size());
+  TORCH_CHECK(taps.dim() == 3 && weights.size() == 6 && shape.size() == 3 && scalars.size() == 2 && layers > 0 &&
+                  static_cast<int64_t>(value_buffers.size()) == layers,
+              "context_update: taps [b, q, F], 6 weights, shape [C, Hkv, D], 2 scalars, a key and value buffer a layer");
+  const int64_t b = taps.size(0), q = taps.size(1), c = shape[0], kv_heads = shape[1], d = shape[2];
+  const at::Tensor k_norm = required(weights, 5);
+  TORCH_CHECK(k_norm.dim() == 2 && k_norm.size(0) == layers && k_norm.size(1) == d, "context_update: k_norm [L, D]");
+  const auto context = rms_norm(linear(taps, required(weights, 0), c, weights.get(1)), required(weights, 2), scalars[0]);
+  const auto kv = linear(context, required(weights, 3), layers * 2 * kv_heads * d, weights.get(4))
+                      .view({b, q, layers, 2, kv_heads, d});
+  for (int64_t i = 0; i < layers; ++i) {
+    const auto keys = rotate(rms_norm(kv.select(2, i).select(2, 0), k_norm[i], scalars[1]), cos, sin);  // [b, q, Hkv, D]
+    kv_write(key_buffers[i], value_buffers[i], rows_at, keys.transpose(1, 2), kv.select(2, i).select(2, 1).transpose(1, 2));
+  }
+}
+
 }  // namespace domino_ray
 
 TORCH_LIBRARY_FRAGMENT(domino_ray, m) {
@@ -134,9 +160,12 @@ TORCH_LIBRARY_FRAGMENT(domino_ray, m) {
   m.def("decode_layers(Tensor hidden, Tensor?[] weights, int[] shapes, float[] scalars, Tensor(a!)[] key_buffers, "
         "Tensor(b!)[] value_buffers, Tensor rows_at, Tensor cos, Tensor sin, int[] group_stops, int[] group_lengths, "
         "Tensor[] limits, int[] tap_layers) -> Tensor[]");
+  m.def("context_update(Tensor taps, Tensor?[] weights, int[] shape, float[] scalars, Tensor(a!)[] key_buffers, "
+        "Tensor(b!)[] value_buffers, Tensor rows_at, Tensor cos, Tensor sin) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(domino_ray, CPU, m) {
   m.impl("decode_layer", &domino_ray::decode_layer);
   m.impl("decode_layers", &domino_ray::decode_layers);
+  m.impl("context_update", &domino_ray::context_update);
 }
