@@ -18,7 +18,8 @@ streamed through the caches, 5 us hot (SmolLM2 at 16 rows, a layer's write in th
 for ours, `work/kvw/percall.py`).
 
 A whole Llama-family layer of a decode step (`csrc/decode_layer.cpp`, `fused_layers.FusedLayer`): the ops above and
-the linear kernel called from C++ (their entry points in `csrc/ops.h`), the views as pointer arithmetic.
+the linear kernel called from C++ (their entry points in `csrc/ops.h`), the views as pointer arithmetic. So the draft's
+context update (`context_update`, same file) and the Domino head's corrections (`csrc/domino_head.cpp`).
 
 All fp32 and CPU only; CUDA, other dtypes and a machine where they do not build keep torch's ops. Built with
 the machine's C++ compiler for its own CPU (`-march=native`) into `~/.cache/domino-ray/kernels` (or
@@ -41,7 +42,8 @@ from pathlib import Path
 import torch
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / name for name in ("decode_attention.cpp", "layer_ops.cpp", "linear.cpp", "decode_layer.cpp")]
+SOURCES = [CSRC / name for name in ("decode_attention.cpp", "layer_ops.cpp", "linear.cpp", "decode_layer.cpp",
+                                     "domino_head.cpp")]
 HEADERS = [CSRC / "vectors.h", CSRC / "ops.h"]
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]  # OpenMP: at::parallel_for, on torch's own libgomp
 STALE_LOCK_S = 600  # a build takes ~10-20 s; a lock this old is left by a killed one

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from domino_ray import cpu_kernels
+from domino_ray.cpu_linear import OUR_ROWS, PackedLinear
 from domino_ray.kv_cache import row_attention
 from domino_ray.verify import greedy_choice
 
@@ -278,12 +279,17 @@ class DominoDraft(nn.Module):
         tokens = [self.to_target_ids(greedy_choice(base[:, :p]))]  # [b, P] uncorrected prefix
         if num_draft <= p:  # no corrected draft: the GRU's state would go unused (a narrow probe, W = 1)
             return tokens[0]
+        fc1, fc2 = self.embed_proj[0], self.embed_proj[2]
+        if one_op_head(z, fc2, embed):  # the loop below as our op: the same calls, from C++ (`csrc/domino_head.cpp`)
+            corrected = torch.ops.domino_ray.domino_corrections(
+                z, base, anchor, tokens[0], embed.weight, self.prefix_gru.weight_ih_l0, self.prefix_gru.weight_hh_l0,
+                fc1.weight, fc2.current_pack(), fc2.out_features, self.d2t if self.config.has_d2t else None, num_draft)
+            return torch.cat([tokens[0], corrected], 1)
         w_ih, w_hh = self.prefix_gru.weight_ih_l0.float(), self.prefix_gru.weight_hh_l0.float()
         prefix = embed(torch.cat([anchor[:, None], tokens[0]], 1)).float()  # [b, P+1, C]
         state = prefix.new_zeros(prefix.shape[0], w_hh.shape[1])            # [b, G] float32
         for j in range(prefix.shape[1]):
             state = gru_cell(prefix[:, j], state, w_ih, w_hh)
-        fc1, fc2 = self.embed_proj[0], self.embed_proj[2]
         c = z.shape[-1]
         z_part = F.linear(z.to(fc1.weight.dtype), fc1.weight[:, :c])  # [b, K, E], batched over positions
         w_state = fc1.weight[:, c:]                                    # [E, G]
@@ -294,6 +300,14 @@ class DominoDraft(nn.Module):
             if i + 1 < num_draft:
                 state = gru_cell(embed(tok).float(), state, w_ih, w_hh)
         return torch.cat(tokens, 1)
+
+
+def one_op_head(z: torch.Tensor, fc2: nn.Module, embed: nn.Module) -> bool:
+    """Whether `draft_tokens`' corrections may run as our op: `fc2` packed by the engine (fp32 CPU, our kernels built),
+    rows our linear kernel takes (`PackedLinear` runs it there too, so the op computes what the loop computes), a plain
+    embedding, nothing for autograd to record."""
+    return isinstance(fc2, PackedLinear) and type(embed) is nn.Embedding and z.shape[0] in OUR_ROWS and \
+        z.dtype == torch.float32 and not torch.is_grad_enabled()
 
 
 def gru_cell(x: torch.Tensor, state: torch.Tensor, w_ih: torch.Tensor, w_hh: torch.Tensor) -> torch.Tensor:

@@ -4,6 +4,7 @@ the reference test harness), and the GRU is PyTorch's bias-free cell as the pape
 import pytest
 import torch
 
+from domino_ray import draft as draft_module
 from tiny_models import tiny_draft, tiny_target
 from oracles import corrected_logits_full_prefix
 
@@ -46,6 +47,35 @@ def test_a_narrower_width_drafts_the_prefix_of_the_widest(num_uncorrected, draft
         widest = draft.draft_tokens(hidden, anchor, k, embed, head)  # [6, K]
         for w in range(1, k + 1):
             assert torch.equal(draft.draft_tokens(hidden, anchor, w, embed, head), widest[:, :w]), w
+
+
+@pytest.mark.parametrize("num_uncorrected,draft_vocab,rows", [(1, None, 1), (2, 40, 3), (0, None, 6)])
+def test_the_corrections_as_our_op_are_the_loops_drafts(num_uncorrected, draft_vocab, rows, monkeypatch):
+    """Where the engine packed the draft's linears (fp32 CPU), `draft_tokens`' corrections run as our op: the loop's
+    own calls from C++ (so its drafts exactly, at every width), with a pruned vocabulary (`d2t`) too. Decisive
+    corrections, so a wrong state or gate would show."""
+    from domino_ray.cpu_linear import pack_linears
+
+    draft, embed, head, hidden, anchor = decisive_draft(52, num_uncorrected=num_uncorrected, draft_vocab=draft_vocab)
+    draft, embed, head, hidden, anchor = draft.float(), embed.float(), head.float(), hidden[:rows].float(), anchor[:rows]
+    with torch.no_grad():  # the GRU's state decisive too: the target's embeddings are small (std 0.02)
+        draft.prefix_gru.weight_ih_l0.mul_(30.0)
+        draft.embed_proj[0].weight[:, embed.weight.shape[1]:].mul_(10.0)
+    assert pack_linears(draft) > 0
+    calls, op, one_op_head = [], torch.ops.domino_ray.domino_corrections, draft_module.one_op_head
+    monkeypatch.setattr(torch.ops.domino_ray, "domino_corrections", lambda *a: calls.append(1) or op(*a))
+
+    def drafts(width: int, ours: bool) -> torch.Tensor:
+        monkeypatch.setattr(draft_module, "one_op_head", one_op_head if ours else lambda *a: False)
+        with torch.inference_mode():
+            return draft.draft_tokens(hidden, anchor, width, embed, head)
+
+    k = draft.config.max_draft_tokens
+    for width in range(num_uncorrected + 1, k + 1):
+        assert torch.equal(drafts(width, ours=True), drafts(width, ours=False)), width
+    assert len(calls) == k - num_uncorrected
+    base = draft.to_target_ids(draft.base_logits(draft.select_draft_hidden(hidden, k), head).argmax(-1))
+    assert (drafts(k, ours=True) != base).any()  # the corrections change drafts
 
 
 def test_gru_is_the_bias_free_cell_of_the_papers():
