@@ -280,7 +280,7 @@ class DominoDraft(nn.Module):
         if num_draft <= p:  # no corrected draft: the GRU's state would go unused (a narrow probe, W = 1)
             return tokens[0]
         fc1, fc2 = self.embed_proj[0], self.embed_proj[2]
-        if one_op_head(z, fc2, embed):  # the loop below as our op: the same calls, from C++ (`csrc/domino_head.cpp`)
+        if one_op_head(z, base, fc2, embed):  # the loop below as our op, the same calls from C++ (`domino_head.cpp`)
             corrected = torch.ops.domino_ray.domino_corrections(
                 z, base, anchor, tokens[0], embed.weight, self.prefix_gru.weight_ih_l0, self.prefix_gru.weight_hh_l0,
                 fc1.weight, fc2.current_pack(), fc2.out_features, self.d2t if self.config.has_d2t else None, num_draft)
@@ -302,12 +302,12 @@ class DominoDraft(nn.Module):
         return torch.cat(tokens, 1)
 
 
-def one_op_head(z: torch.Tensor, fc2: nn.Module, embed: nn.Module) -> bool:
+def one_op_head(z: torch.Tensor, base: torch.Tensor, fc2: nn.Module, embed: nn.Module) -> bool:
     """Whether `draft_tokens`' corrections may run as our op: `fc2` packed by the engine (fp32 CPU, our kernels built),
     rows our linear kernel takes (`PackedLinear` runs it there too, so the op computes what the loop computes), a plain
-    embedding, nothing for autograd to record."""
+    fp32 embedding and base logits, nothing for autograd to record."""
     return isinstance(fc2, PackedLinear) and type(embed) is nn.Embedding and z.shape[0] in OUR_ROWS and \
-        z.dtype == torch.float32 and not torch.is_grad_enabled()
+        z.dtype == base.dtype == embed.weight.dtype == torch.float32 and not torch.is_grad_enabled()
 
 
 def gru_cell(x: torch.Tensor, state: torch.Tensor, w_ih: torch.Tensor, w_hh: torch.Tensor) -> torch.Tensor:

@@ -77,8 +77,9 @@ class DominoProposer:
         taps = target_hidden.to(self.device)  # [b, q, F]
         positions = offsets[:, None] + self.key_positions[:taps.shape[1]]  # [b, q]
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # [b, q, D]
-        native = self._native_context() if one_op_layers(self.kv.kernel, taps.shape[0] * taps.shape[1]) else None
-        if native is not None:  # our one op (`csrc/decode_layer.cpp`): the demo pair's one-row update 261 -> ~70 us
+        ours = one_op_layers(self.kv.kernel, taps.shape[0] * taps.shape[1]) and taps.dtype == torch.float32
+        native = self._native_context() if ours else None
+        if native is not None:  # one op of ours for ~25 torch ops (`decode_layer.cpp`; demo pair, 1 row: 356 -> 200 us)
             torch.ops.domino_ray.context_update(taps, *native, self.kv.keys, self.kv.values,
                                                 self.kv.flat_index(rows, positions), cos, sin)
             return

@@ -57,13 +57,17 @@ def test_the_corrections_as_our_op_are_the_loops_drafts(num_uncorrected, draft_v
     from domino_ray.cpu_linear import pack_linears
 
     draft, embed, head, hidden, anchor = decisive_draft(52, num_uncorrected=num_uncorrected, draft_vocab=draft_vocab)
-    draft, embed, head, hidden, anchor = draft.float(), embed.float(), head.float(), hidden[:rows].float(), anchor[:rows]
+    draft, hidden, anchor = draft.float(), hidden[:rows].float(), anchor[:rows]
     with torch.no_grad():  # the GRU's state decisive too: the target's embeddings are small (std 0.02)
         draft.prefix_gru.weight_ih_l0.mul_(30.0)
         draft.embed_proj[0].weight[:, embed.weight.shape[1]:].mul_(10.0)
     assert pack_linears(draft) > 0
     calls, op, one_op_head = [], torch.ops.domino_ray.domino_corrections, draft_module.one_op_head
     monkeypatch.setattr(torch.ops.domino_ray, "domino_corrections", lambda *a: calls.append(1) or op(*a))
+    with torch.inference_mode():  # a target of another dtype (fp64 here): the loop, whose casts the op does not make
+        draft.draft_tokens(hidden, anchor, draft.config.max_draft_tokens, embed, head)
+    assert not calls
+    embed, head = embed.float(), head.float()
 
     def drafts(width: int, ours: bool) -> torch.Tensor:
         monkeypatch.setattr(draft_module, "one_op_head", one_op_head if ours else lambda *a: False)
