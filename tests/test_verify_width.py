@@ -540,7 +540,8 @@ def test_a_written_off_draft_is_probed_again_late_and_at_the_narrowest_width():
         contexts = _steps_until_drafting(width)
         assert 100 < len(contexts) < 1000 and True not in contexts
         # far off at first (no taps kept: None), near for the last steps before the probe (the ring kept: False)
-        assert contexts[0] is None and contexts[-HOLD_STEPS - DEFERRED_STEPS:] == [False] * (HOLD_STEPS + DEFERRED_STEPS)
+        near = HOLD_STEPS + DEFERRED_STEPS
+        assert contexts[0] is None and contexts[-near:] == [False] * near
         assert width.choose(1, 64, [100]) == (narrowest, True)
         width.learn(1, 64, narrowest, 1.5, [1], [100])  # it lands: the draft is back
         assert not width.written_off and width.choose(1, 64, [100]) == (unclamped(width), True) == (4, True)
