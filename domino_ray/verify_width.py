@@ -22,9 +22,10 @@ probe sees the draft at its worst; rows admitted later start with their whole pr
 draft's steps keep none while drafting is far off, its re-probe far away.
 Exploration comes from the prior, which is optimistic (a new engine drafts at once): estimates decay towards it
 while a position goes unverified, so a draft written off at W = 0 is tried again after a while (rarely: the decay
-is slow; its later positions are then judged by its first, not by the prior, so a fresh row is no reason to try it). Until a first draft has landed, a drafting step is a probe and verifies the narrowest width (whether
-the first draft lands is all it asks), and the first `TRIAL_TRIES` probes come whenever the prior says drafting
-pays, whatever the misses so far say: at one row a single miss would stop a draft that lands 75-90% of the time.
+is slow; its later positions are then judged by its first, not by the prior, so a fresh row is no reason to try
+it). Until a first draft has landed, a drafting step is a probe and verifies the narrowest width (whether the first
+draft lands is all it asks), and the first `TRIAL_TRIES` probes come whenever the prior says drafting pays, whatever
+the misses so far say: at one row a single miss would stop a draft that lands 75-90% of the time.
 """
 
 from __future__ import annotations
@@ -122,7 +123,7 @@ class AcceptanceEstimates:
     def __init__(self, num_draft_tokens: int, *, decay: float = 0.998, prior: float = 0.8, prior_weight: float = 2.0,
                  row_weight: float = 4.0):
         self.k, self.decay, self.row_weight = num_draft_tokens, decay, row_weight
-        self.prior, self.prior_hits, self.prior_trials = prior, prior * prior_weight, prior_weight
+        self.prior, self.prior_trials = prior, prior_weight
         self.success = [0.0] * num_draft_tokens
         self.trials = [0.0] * num_draft_tokens
 
@@ -131,12 +132,11 @@ class AcceptanceEstimates:
         `prior`), for a written-off draft: nothing says its later drafts land where its first never does. With the
         flat prior its fresh rows saw positions 2..K (never tried) at 0.8 and were probed again, each (the random
         draft at one row: a re-probe at the second of two prompts in 3 of 8 runs)."""
-        if not chained:
-            return [(s + self.prior_hits) / (n + self.prior_trials) for s, n in zip(self.success, self.trials)]
         out, prior = [], self.prior
         for s, n in zip(self.success, self.trials):
-            prior = (s + prior * self.prior_trials) / (n + self.prior_trials)
-            out.append(prior)
+            out.append((s + prior * self.prior_trials) / (n + self.prior_trials))
+            if chained:
+                prior = out[-1]
         return out
 
     def for_row(self, row_success: Sequence[float], row_trials: Sequence[float], pooled: Sequence[float]) -> list[float]:
