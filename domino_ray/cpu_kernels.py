@@ -25,7 +25,9 @@ All fp32 and CPU only; CUDA, other dtypes and a machine where they do not build 
 the machine's C++ compiler for its own CPU (`-march=native`) into `~/.cache/domino-ray/kernels` (or
 `DOMINO_RAY_KERNEL_CACHE`), keyed by the sources, the flags, torch's version and the CPU, so a changed CPU or
 source builds again (~10-20 s; `make setup` builds them). `DOMINO_RAY_CPU_KERNELS=0` turns them off
-(benchmarks compare both).
+(benchmarks compare both). `DOMINO_RAY_KERNEL_MARCH` builds for another CPU than this one: `haswell` (AVX2 + FMA)
+is what an AMD EPYC of our 2-core kind compiles (the linear kernel's only ISA-specific code), so an AVX-512
+machine can test that build too (`make test-avx2`).
 """
 
 from __future__ import annotations
@@ -45,7 +47,6 @@ CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / name for name in ("decode_attention.cpp", "layer_ops.cpp", "linear.cpp", "decode_layer.cpp",
                                      "domino_head.cpp")]
 HEADERS = [CSRC / "vectors.h", CSRC / "ops.h"]
-CFLAGS = ["-O3", "-march=native", "-fopenmp"]  # OpenMP: at::parallel_for, on torch's own libgomp
 STALE_LOCK_S = 600  # a build takes ~10-20 s; a lock this old is left by a killed one
 
 
@@ -117,8 +118,8 @@ def kernels_loaded() -> bool:
         if not (build_dir / f"{name}.so").exists():
             print(f"domino_ray: building our CPU kernels into {build_dir} (once, ~10-20 s)", file=sys.stderr,
                   flush=True)
-        cpp_extension.load(name, [str(source) for source in SOURCES], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
-                           build_directory=str(build_dir), is_python_module=False)
+        cpp_extension.load(name, [str(source) for source in SOURCES], extra_cflags=compile_flags(),
+                           extra_ldflags=["-fopenmp"], build_directory=str(build_dir), is_python_module=False)
     except Exception as error:  # no compiler, no ninja, a failed build: SDPA still works
         warnings.warn(f"domino_ray: our CPU kernels did not build ({type(error).__name__}: "
                       f"{str(error)[-300:]}); torch's ops run instead (SDPA, HF's norms: slower on CPU)", stacklevel=2)
@@ -136,6 +137,12 @@ def remove_stale_lock(lock: Path):
         pass
 
 
+def compile_flags() -> list[str]:
+    """`-march` from `DOMINO_RAY_KERNEL_MARCH` (default `native`, this CPU); OpenMP: at::parallel_for, on torch's own
+    libgomp."""
+    return ["-O3", f"-march={os.environ.get('DOMINO_RAY_KERNEL_MARCH') or 'native'}", "-fopenmp"]
+
+
 def cache_dir() -> Path:
     return Path(os.environ.get("DOMINO_RAY_KERNEL_CACHE") or "~/.cache/domino-ray/kernels").expanduser()
 
@@ -143,7 +150,8 @@ def cache_dir() -> Path:
 def build_key() -> str:
     """What the built library depends on: the sources and headers, the flags, torch, Python and the CPU
     (`-march=native`)."""
-    parts = [*(path.read_bytes() for path in SOURCES + HEADERS), " ".join(CFLAGS).encode(), torch.__version__.encode(),
+    parts = [*(path.read_bytes() for path in SOURCES + HEADERS), " ".join(compile_flags()).encode(),
+             torch.__version__.encode(),
              sys.version.encode(), cpu_identity().encode()]
     return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
 
