@@ -30,38 +30,50 @@ constexpr int kPanel = 16;       // output columns per panel: one 16-float vecto
 constexpr int64_t kPrefetch = 32 * kPanel;  // floats ahead in a panel's stream (2 KB)
 constexpr int64_t kBlock = 64;   // products summed in registers before joining an output's running sum
 #ifdef __AVX512F__
+using vec = v16;                 // a panel's row is one register
+inline vec load(const float* p) { return load16(p); }
+inline void store(float* p, vec x) { store16(p, x); }
 constexpr int kRows = 8;         // rows per tile: 8 x 3 accumulators of the 32 vector registers
 constexpr int kPanels = 3;       // panels per group
-#else  // AVX2: a 16-float vector is two of the 16 registers
-constexpr int kRows = 6;
+#else  // AVX2: a panel's row is two of the 16 registers. GCC keeps a 16-float vector it cannot hold in one register in
+       // memory, not in two: the accumulators went through the stack (4-11x slower, BENCHMARKS "The AVX2 build")
+using vec = v8;
+inline vec load(const float* p) { return load8(p); }
+inline void store(float* p, vec x) { store8(p, x); }
+constexpr int kRows = 6;         // 6 x 2 accumulators, 2 for the weights, 1 for x
 constexpr int kPanels = 1;
 #endif
+constexpr int kLanes = sizeof(vec) / sizeof(float);
+constexpr int kVecs = kPanel / kLanes;  // registers per panel row
 
 // sum[P][M][16] += the products of k in [start, stop) for `M` rows of xt [K, M] against `P` consecutive panels.
 template <int M, int P>
 inline void block(const float* xt, const float* panels, int64_t k, int64_t start, int64_t stop, float* sum,
                   bool prefetch) {
-  v16 acc[P][M];
+  vec acc[P][kVecs][M];
   for (int p = 0; p < P; ++p)
-    for (int m = 0; m < M; ++m) acc[p][m] = v16{};
+    for (int v = 0; v < kVecs; ++v)
+      for (int m = 0; m < M; ++m) acc[p][v][m] = vec{};
   for (int64_t i = start; i < stop; ++i) {
-    v16 w[P];
+    vec w[P][kVecs];
     for (int p = 0; p < P; ++p) {
       const float* panel = panels + p * k * kPanel + i * kPanel;
-      w[p] = load16(panel);
+      for (int v = 0; v < kVecs; ++v) w[p][v] = load(panel + v * kLanes);
       if (prefetch) __builtin_prefetch(panel + kPrefetch);
     }
 #pragma GCC unroll 16
     for (int m = 0; m < M; ++m) {
       const float x = xt[i * M + m];
-      for (int p = 0; p < P; ++p) acc[p][m] += w[p] * x;
+      for (int p = 0; p < P; ++p)
+        for (int v = 0; v < kVecs; ++v) acc[p][v][m] += w[p][v] * x;
     }
   }
   for (int p = 0; p < P; ++p)
-    for (int m = 0; m < M; ++m) {
-      float* s = sum + (p * M + m) * kPanel;
-      store16(s, load16(s) + acc[p][m]);
-    }
+    for (int m = 0; m < M; ++m)
+      for (int v = 0; v < kVecs; ++v) {
+        float* s = sum + (p * M + m) * kPanel + v * kLanes;
+        store(s, load(s) + acc[p][v][m]);
+      }
 }
 
 // `block<rows, P>` for a run-time `rows` in 1..M.
@@ -95,15 +107,10 @@ void group(int64_t m, int chunk, const float* xt, const float* panels, int64_t k
       float b[kPanel] = {};
       if (bias) std::memcpy(b, bias + p * kPanel, c * sizeof(float));
       for (int j = 0; j < rows; ++j) {
-        const v16 v = load16(s + (p * rows + j) * kPanel) + load16(b);
-        float* o = out + (r + j) * ldo + p * kPanel;
-        if (c == kPanel) {
-          store16(o, v);
-        } else {
-          float tail[kPanel];
-          store16(tail, v);
-          std::memcpy(o, tail, c * sizeof(float));
-        }
+        float row[kPanel];
+        for (int v = 0; v < kVecs; ++v)
+          store(row + v * kLanes, load(s + (p * rows + j) * kPanel + v * kLanes) + load(b + v * kLanes));
+        std::memcpy(out + (r + j) * ldo + p * kPanel, row, c * sizeof(float));
       }
     }
   }
