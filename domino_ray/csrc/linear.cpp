@@ -31,18 +31,16 @@ constexpr int64_t kPrefetch = 32 * kPanel;  // floats ahead in a panel's stream 
 constexpr int64_t kBlock = 64;   // products summed in registers before joining an output's running sum
 #ifdef __AVX512F__
 using vec = v16;                 // a panel's row is one register
-inline vec load(const float* p) { return load16(p); }
-inline void store(float* p, vec x) { store16(p, x); }
 constexpr int kRows = 8;         // rows per tile: 8 x 3 accumulators of the 32 vector registers
 constexpr int kPanels = 3;       // panels per group
 #else  // AVX2: a panel's row is two of the 16 registers. GCC keeps a 16-float vector it cannot hold in one register in
        // memory, not in two: the accumulators went through the stack (4-11x slower, BENCHMARKS "The AVX2 build")
 using vec = v8;
-inline vec load(const float* p) { return load8(p); }
-inline void store(float* p, vec x) { store8(p, x); }
 constexpr int kRows = 6;         // 6 x 2 accumulators, 2 for the weights, 1 for x
 constexpr int kPanels = 1;
 #endif
+inline vec load(const float* p) { vec x; __builtin_memcpy(&x, p, sizeof x); return x; }
+inline void store(float* p, vec x) { __builtin_memcpy(p, &x, sizeof x); }
 constexpr int kLanes = sizeof(vec) / sizeof(float);
 constexpr int kVecs = kPanel / kLanes;  // registers per panel row
 
