@@ -17,6 +17,9 @@ vLLM mode and batch size in its own `.venv-vllm` subprocess, which gets the same
 writes token ids and timings as JSON, and excludes its start-up compile from tokens/s (reported apart).
 vLLM runs with Intel OpenMP preloaded, as its CPU docs ask (`--no-vllm-preload-iomp`: without). Per batch
 size our modes run in interleaved repeats; each vLLM mode starts once and runs its repeats back to back.
+`--isa avx2` on an AVX-512 machine runs both engines as an AVX2-only CPU would (our 2-core AMD EPYC kind): our
+kernels built for `haswell`, torch's, MKL's and oneDNN's capped at AVX2 (`AVX2_ENV`), vLLM's AVX2 kernel library
+(its engine then in the worker's process): a proxy for that CPU, the same cores and memory with the other ISA.
 
 The same file is the vLLM worker (`--vllm-worker SPEC OUT`): that side imports vllm only, never
 domino_ray or our torch, so the top of this file imports nothing but the standard library.
@@ -40,6 +43,9 @@ VLLM_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": 
             "VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1",
             # No network at run time: the models are local directories.
             "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+# `--isa avx2`: what each library reads to stay within AVX2 (torch's ATen kernels, MKL, oneDNN; our kernels' build)
+AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2",
+            "DOMINO_RAY_KERNEL_MARCH": "haswell"}
 # vllm-dflash: our draft as shipped; vllm-dflash-no-head: a copy without the GRU head (embed_proj, prefix_gru),
 # which is all vLLM's DFlash loader knows of a Domino checkpoint.
 VLLM_MODES = ("vllm-target-only", "vllm-ngram", "vllm-dflash", "vllm-dflash-no-head")
@@ -184,6 +190,11 @@ def vllm_worker(spec_path: Path, out_path: Path):
     spec = json.loads(spec_path.read_text())
     result = {"mode": spec["mode"], "runs": []}
     try:
+        if os.environ.get("ATEN_CPU_CAPABILITY") == "avx2":  # `--isa avx2`: vLLM picks its kernel library by the CPU's
+            import torch                                      # own flags, not torch's cap
+
+            torch.cpu._is_avx512_supported = lambda: False
+            torch.cpu._is_avx512_bf16_supported = lambda: False
         from vllm import LLM, SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -209,6 +220,8 @@ def vllm_worker(spec_path: Path, out_path: Path):
         llm.generate(prompts[:spec["rows"]], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
                      use_tqdm=False)
         result["startup_s"] = time.perf_counter() - start
+        result["kernel_libraries"] = sorted({Path(line.split()[-1]).name for line in open("/proc/self/maps")
+                                             if "/vllm/_C" in line})  # this process's (`--isa avx2`: the engine's)
         if spec.get("profile_steps"):
             result["profile"] = vllm_step_profile(llm, prompts[:spec["rows"]], spec["mode"], spec["profile_steps"])
         for _ in range(spec["repeats"]):
@@ -299,8 +312,8 @@ def run_vllm(mode: str, args, pair, rows: int, workdir: Path, profile_steps: int
     env.update(VLLM_ENV)
     if args.vllm_preload_iomp:  # vLLM warns that speculation is slow without it
         env["LD_PRELOAD"] = str(iomp_library(args.vllm_python))
-    if profile_steps:  # the engine core in the worker's own process, where its profiler sees the ops
-        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if profile_steps or args.isa == "avx2":  # the engine core in the worker's own process, where its profiler sees
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the ops and vLLM's AVX2 kernels are what it loads
     start = time.perf_counter()
     with open(log_path, "w") as log:
         proc = subprocess.run([str(args.vllm_python), __file__, "--vllm-worker", str(spec_path), str(out_path)],
@@ -364,7 +377,8 @@ def measure_batch(pair, modes: dict, vllm_modes: list, args, rows: int, loads: d
         loads[f"after {mode} at {rows} rows"] = os.getloadavg()[0]
         if not res.get("error"):
             entries.append(summarize(mode, res["runs"], batch_size=rows, startup_s=round(res["startup_s"], 1),
-                                     greedy_agreement_with_ours=agreement(reference, res["runs"][0]["token_ids"])))
+                                     greedy_agreement_with_ours=agreement(reference, res["runs"][0]["token_ids"]),
+                                     kernel_libraries=res.get("kernel_libraries")))
     by_mode = {e["mode"]: e for e in entries}
     vllm_base, ours_base = by_mode.get("vllm-target-only"), by_mode["ours-target-only"]
     for e in entries:
@@ -418,6 +432,8 @@ def main(argv=None):
     p.add_argument("--vllm-timeout", type=int, default=1800)
     p.add_argument("--vllm-preload-iomp", action=argparse.BooleanOptionalAction, default=True,
                    help="LD_PRELOAD the venv's Intel OpenMP for vLLM, as its CPU docs ask")
+    p.add_argument("--isa", choices=("native", "avx2"), default="native",
+                   help="avx2: both engines as on an AVX2-only CPU, on an AVX-512 machine (see the module docstring)")
     p.add_argument("--ours-only", action="store_true", help="skip vLLM (no .venv-vllm needed)")
     p.add_argument("--profile", action="store_true", help="also profile one decode step of each of our modes and "
                                                           "of vLLM target-only at the largest --rows")
@@ -448,10 +464,15 @@ def main(argv=None):
         raise SystemExit(f"{iomp_library(args.vllm_python)} is missing (vLLM's CPU wheel installs it): reinstall with "
                          "`make peers-venv`, or pass --no-vllm-preload-iomp")
 
+    if args.isa == "avx2":
+        os.environ.update(AVX2_ENV)  # before torch's first op and our kernels' build, both read them once
     import torch
 
     from common import load_pair
 
+    if args.isa == "avx2" and torch.backends.cpu.get_cpu_capability() != "AVX2":
+        raise SystemExit(f"--isa avx2: torch runs {torch.backends.cpu.get_cpu_capability()} kernels (set "
+                         "ATEN_CPU_CAPABILITY=avx2 before it starts)")
     torch.set_num_threads(args.threads)
     pair = load_pair(args.pair, args.assets and args.assets.resolve(), args.prompts)
     longest = max(map(len, pair.prompts)) + args.max_new_tokens
@@ -489,6 +510,7 @@ def main(argv=None):
     meta = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
             "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "load_average": loads,
             "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "vllm_env": VLLM_ENV if vllm_modes else None,
+            "isa_env": AVX2_ENV if args.isa == "avx2" else None,
             "vllm_ld_preload": str(iomp_library(args.vllm_python)) if vllm_modes and args.vllm_preload_iomp else None,
             "args": {k: str(v) for k, v in vars(args).items()}}
     if args.json:
