@@ -105,10 +105,12 @@ void group(int64_t m, int chunk, const float* xt, const float* panels, int64_t k
       float b[kPanel] = {};
       if (bias) std::memcpy(b, bias + p * kPanel, c * sizeof(float));
       for (int j = 0; j < rows; ++j) {
-        float row[kPanel];
+        float tail[kPanel];
+        float* o = out + (r + j) * ldo + p * kPanel;
+        float* to = c == kPanel ? o : tail;  // a last panel's columns past N stay out of `out`
         for (int v = 0; v < kVecs; ++v)
-          store(row + v * kLanes, load(s + (p * rows + j) * kPanel + v * kLanes) + load(b + v * kLanes));
-        std::memcpy(out + (r + j) * ldo + p * kPanel, row, c * sizeof(float));
+          store(to + v * kLanes, load(s + (p * rows + j) * kPanel + v * kLanes) + load(b + v * kLanes));
+        if (to == tail) std::memcpy(o, tail, c * sizeof(float));
       }
     }
   }
