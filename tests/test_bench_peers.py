@@ -53,6 +53,19 @@ def test_peers_ours_only_smoke(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.skipif("avx512f" not in Path("/proc/cpuinfo").read_text(), reason="for AVX-512 machines")
+def test_peers_isa_avx2_runs_ours_within_avx2(tmp_path):
+    """`--isa avx2`: torch's kernels capped at AVX2 and ours built for haswell, in the run that reports them."""
+    out = tmp_path / "peers.json"
+    result = run("--isa", "avx2", "--ours-only", "--prompts", "2", "--max-new-tokens", "8", "--rows", "1",
+                 "--threads", "1", "--domino-widths", "max", "--json", str(out))
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["meta"]["aten_capability"] == "AVX2" and "-march=haswell" in report["meta"]["our_kernel_flags"]
+    assert all(r["greedy_agreement_with_ours"]["equal"] == 2 for r in report["results"])
+
+
+@pytest.mark.slow
 def test_peers_smollm2_ours_only_smoke(tmp_path):
     """`--pair smollm2`: chat prompts stopping at EOS, every batch size of `--rows` for every mode, our
     target-only and fixed-K modes token for token equal. The adaptive mode is left to the demo smoke: at
