@@ -511,7 +511,8 @@ def main(argv=None):
     meta = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
             "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "load_average": loads,
             "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "vllm_env": VLLM_ENV if vllm_modes else None,
-            "isa_env": AVX2_ENV if args.isa == "avx2" else None, "aten_capability": torch.backends.cpu.get_cpu_capability(),
+            "isa_env": AVX2_ENV if args.isa == "avx2" else None,
+            "aten_capability": torch.backends.cpu.get_cpu_capability(),
             "our_kernel_flags": compile_flags() if kernels_loaded() else None,
             "vllm_ld_preload": str(iomp_library(args.vllm_python)) if vllm_modes and args.vllm_preload_iomp else None,
             "args": {k: str(v) for k, v in vars(args).items()}}

@@ -26,8 +26,8 @@ the machine's C++ compiler for its own CPU (`-march=native`) into `~/.cache/domi
 `DOMINO_RAY_KERNEL_CACHE`), keyed by the sources, the flags, torch's version and the CPU, so a changed CPU or
 source builds again (~10-20 s; `make setup` builds them). `DOMINO_RAY_CPU_KERNELS=0` turns them off
 (benchmarks compare both). `DOMINO_RAY_KERNEL_MARCH` builds for another CPU than this one: `haswell` (AVX2 + FMA)
-is what an AMD EPYC of our 2-core kind compiles (the linear kernel's only ISA-specific code), so an AVX-512
-machine can test that build too (`make test-avx2`).
+is what an AMD EPYC of our 2-core kind compiles (the linear kernel's tiles are ISA-specific), so an AVX-512 machine
+can test that build too (the suite does: `tests/test_cpu_kernels.py`).
 """
 
 from __future__ import annotations
@@ -148,11 +148,10 @@ def cache_dir() -> Path:
 
 
 def build_key() -> str:
-    """What the built library depends on: the sources and headers, the flags, torch, Python and the CPU
-    (`-march=native`)."""
+    """What the built library depends on: the sources and headers, the flags, torch, Python and the CPU (for
+    `-march=native`)."""
     parts = [*(path.read_bytes() for path in SOURCES + HEADERS), " ".join(compile_flags()).encode(),
-             torch.__version__.encode(),
-             sys.version.encode(), cpu_identity().encode()]
+             torch.__version__.encode(), sys.version.encode(), cpu_identity().encode()]
     return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
 
 

@@ -126,7 +126,7 @@ KERNEL_TESTS = ["tests/test_cpu_kernels.py", "tests/test_cpu_linear.py", "tests/
 
 
 @pytest.mark.slow
-@pytest.mark.skipif("avx512f" not in cpu_identity(), reason="this CPU builds the AVX2 kernels itself: the suite ran them")
+@pytest.mark.skipif("avx512f" not in cpu_identity(), reason="this CPU builds the AVX2 kernels itself")
 def test_the_avx2_build_passes_the_kernel_tests():
     """The linear kernel's tiles depend on the instruction set (`#ifdef __AVX512F__`): an AMD EPYC of our 2-core
     kind (AVX2, no AVX-512) builds the other ones. On an AVX-512 machine the kernels are built for `haswell` too
