@@ -155,6 +155,11 @@ def build_key() -> str:
     return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
 
 
+def has_avx512() -> bool:
+    """Whether this CPU has AVX-512 (its own build takes the linear kernel's AVX-512 tiles, not the AVX2 ones)."""
+    return "avx512f" in cpu_identity()
+
+
 def cpu_identity() -> str:
     try:  # Linux: the model and the instruction-set flags
         lines = Path("/proc/cpuinfo").read_text().splitlines()

@@ -335,7 +335,7 @@ class WidthController:
         self.written_off = False
         self.hold: tuple | None = None  # (steps left, batch, (t, context)) while W = 0 stands without a look
 
-    def held(self, r: int, n: int) -> tuple[int, bool] | None:
+    def held(self, r: int, n: int) -> tuple[int, bool | None] | None:
         """(the look's key length t, context) while its W = 0 answer stands for this batch (bucket `r`, `n` rows),
         counting the step; None: `choose` must look. The engine asks first: a held step needs neither its t nor its
         rows' budgets (their Python was 15-17 us of a 16-row step)."""

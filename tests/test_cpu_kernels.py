@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from domino_ray import cpu_kernels
-from domino_ray.cpu_kernels import STALE_LOCK_S, build_key, cache_dir, cpu_identity, decode_attention_op, kernel_enabled
+from domino_ray.cpu_kernels import STALE_LOCK_S, build_key, cache_dir, decode_attention_op, has_avx512, kernel_enabled
 from domino_ray.draft import apply_rotary
 from domino_ray.kv_cache import KVBuffers, group_visibility, visible_keys
 
@@ -126,7 +126,7 @@ KERNEL_TESTS = ["tests/test_cpu_kernels.py", "tests/test_cpu_linear.py", "tests/
 
 
 @pytest.mark.slow
-@pytest.mark.skipif("avx512f" not in cpu_identity(), reason="this CPU builds the AVX2 kernels itself")
+@pytest.mark.skipif(not has_avx512(), reason="this CPU builds the AVX2 kernels itself")
 def test_the_avx2_build_passes_the_kernel_tests():
     """The linear kernel's tiles depend on the instruction set (`#ifdef __AVX512F__`): an AMD EPYC of our 2-core
     kind (AVX2, no AVX-512) builds the other ones. On an AVX-512 machine the kernels are built for `haswell` too
