@@ -19,7 +19,7 @@ import torch
 
 from domino_ray.config import load_config
 from domino_ray.schema import GENERATED_FIELDS
-from tiny_models import CORPUS, save_tiny_pair
+from tiny_models import CORPUS, save_agreeing_pair, save_tiny_pair
 
 REPO = Path(__file__).resolve().parents[1]
 AWS_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
@@ -64,6 +64,13 @@ def tiny_pair(tmp_path_factory):
     """(target_dir, draft_dir): tiny Qwen3 target + tokenizer and a Domino draft, float64 so greedy
     comparisons never flip on near-ties."""
     return save_tiny_pair(tmp_path_factory.mktemp("pair"), dtype=torch.float64)
+
+
+@pytest.fixture(scope="session")
+def agreeing_pair(tmp_path_factory):
+    """(target_dir, draft_dir) of `save_agreeing_pair`: a draft the target mostly accepts, for the tests of
+    the promise (speculative output == target-only) that must run accepted drafts to mean anything."""
+    return save_agreeing_pair(tmp_path_factory.mktemp("agreeing_pair"))
 
 
 def make_prompts(n: int, seed: int = 0) -> list[str]:

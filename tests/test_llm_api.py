@@ -3,13 +3,15 @@
 import pytest
 import torch
 
+from batch_fixtures import make_prompts
 from domino_ray.checkpoint import save_draft
 from domino_ray.config import load_config
 from domino_ray.request import Request
 from domino_ray.llm import DominoLLM, load_engine
 from domino_ray.sampling_params import SamplingParams
 from domino_ray.target import decode, encode_prompt, load_target, load_tokenizer, stop_token_ids
-from tiny_models import hf_greedy, save_tiny_pair, tiny_draft, tiny_target
+from speculation import check_speculated, speculate_in_process
+from tiny_models import hf_greedy, save_agreeing_pair, save_tiny_pair, tiny_draft, tiny_target
 
 
 @pytest.fixture(scope="module")
@@ -48,20 +50,39 @@ def test_stop_ids_and_decode(pair):
     assert model.dtype == torch.float32
 
 
-def test_generate_text_tokens_and_stats(pair):
-    spec = DominoLLM.from_pretrained(pair[0], draft=pair[1], dtype="float32", max_batch_size=2)
-    base = DominoLLM.from_pretrained(pair[0], dtype="float32", max_batch_size=3)
-    prompts = ["the quick brown fox", [{"role": "user", "content": "Ray runs actors"}], [5, 6, 7, 8]]
-    params = SamplingParams(max_new_tokens=10)
-    out, ref = spec.generate(prompts, params), base.generate(prompts, params)
+@pytest.fixture(scope="module")
+def agreeing(tmp_path_factory):
+    return save_agreeing_pair(tmp_path_factory.mktemp("agreeing"))
+
+
+GREEDY_AND_SAMPLED = [SamplingParams(max_new_tokens=12, temperature=0.8 if i % 3 == 2 else 0.0, seed=i)
+                      for i in range(16)]
+
+
+@pytest.mark.parametrize("num_draft_tokens", [4, "auto"])
+def test_generate_text_tokens_and_stats(agreeing, num_draft_tokens):
+    """Plain, chat and token-id prompts, greedy and sampled (with a seed), through a draft the target mostly
+    accepts: tokens and text equal the target alone's. At a fixed K each row ran the very steps it runs
+    alone in the engine, one of which stopped inside an accepted run (`speculation.py`)."""
+    spec = DominoLLM.from_pretrained(agreeing[0], draft=agreeing[1], chat_template=False, max_batch_size=5,
+                                     num_draft_tokens=num_draft_tokens)
+    base = DominoLLM.from_pretrained(agreeing[0], chat_template=False, max_batch_size=3)
+    words = make_prompts(16, seed=3)
+    prompts = words[:10] + [[{"role": "user", "content": w}] for w in words[10:13]] + [[5, 6, 7, 8], [40, 41], [60]]
+    out, ref = spec.generate(prompts, GREEDY_AND_SAMPLED), base.generate(prompts, GREEDY_AND_SAMPLED)
     assert [o.token_ids for o in out] == [r.token_ids for r in ref]
     assert [o.text for o in out] == [r.text for r in ref]
     for o in out:
         assert o.stats["num_spec_tokens"] == 4 and len(o.stats["acceptance_histogram"]) == 5
         assert len(o.token_ids) == 1 + o.stats["num_spec_steps"] + o.stats["num_accepted_draft_tokens"]
         assert o.finish_reason in ("stop", "length") and o.time_taken_s >= o.time_to_first_token_s >= 0
-    with pytest.raises(ValueError, match="3 prompts but 2 sampling parameters"):
-        spec.generate(prompts, [params, params])
+    check_speculated([o.stats["acceptance_histogram"] for o in out], sum(len(o.token_ids) for o in out))
+    if num_draft_tokens == 4:
+        alone = speculate_in_process(*agreeing, [o.prompt_token_ids for o in out], GREEDY_AND_SAMPLED, 4, max_rows=1)
+        assert [o.stats["acceptance_histogram"] for o in out] == [a.acceptance_histogram for a in alone]
+        assert any(a.stop_in_accepted_run for a in alone)
+    with pytest.raises(ValueError, match="16 prompts but 2 sampling parameters"):
+        spec.generate(prompts, GREEDY_AND_SAMPLED[:2])
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,8 @@
-"""The Ray Data stage (issue 17): Domino as a processor in a user's own pipeline, on a local Ray cluster
-with the tiny model pair. Invariants: one output row per input row, greedy rows equal the batch
-command's (and the target alone), error rows as data, statistics that reconcile with the command's summary.
+"""The Ray Data stage: Domino as a processor in a user's own pipeline, on a local Ray cluster with a tiny
+pair whose draft is mostly accepted (`save_agreeing_pair`). Invariants: the rows speculated (accepted drafts,
+`speculation.check_speculated`), one output row per input row, greedy rows equal the batch command's and the
+target alone's, sampled rows the target alone's with the same seed, error rows as data, statistics that
+reconcile with the command's summary.
 """
 
 import gc
@@ -12,13 +14,15 @@ import pyarrow.parquet as pq
 import pytest
 import ray
 
-from batch_fixtures import job_config, make_prompts, ray_cluster, tiny_pair, write_shards  # noqa: F401
+from batch_fixtures import (agreeing_pair, job_config, make_prompts, ray_cluster, tiny_pair,  # noqa: F401
+                            write_shards)
 from domino_ray.config import ConfigError
 from domino_ray.llm import DominoLLM
 from domino_ray.ray_processor import DominoEngineProcessorConfig, build_processor
 from domino_ray.ray_batch import run_job
 from domino_ray.sampling_params import SamplingParams
 from domino_ray.summary import TOTALS
+from speculation import check_speculated
 
 pytestmark = pytest.mark.ray
 
@@ -34,14 +38,14 @@ def processor_config(pair, **fields) -> DominoEngineProcessorConfig:
                                        max_concurrent_batches=2, **fields)
 
 
-def test_jsonl_in_parquet_out_equals_the_command(ray_cluster, tiny_pair, tmp_path):
+def test_jsonl_in_parquet_out_equals_the_command(ray_cluster, agreeing_pair, tmp_path):
     """preprocess builds chats from a JSONL column, postprocess renames: the greedy tokens, the text and the
-    statistics of every row equal the batch command's on the same chats."""
+    statistics of every row equal the batch command's on the same chats, and the target alone's."""
     questions = make_prompts(10, seed=3)
     (tmp_path / "q.jsonl").write_text("".join(json.dumps({"qid": i, "question": q}) + "\n"
                                               for i, q in enumerate(questions)))
     processor = build_processor(
-        processor_config(tiny_pair),
+        processor_config(agreeing_pair),
         preprocess=lambda row: dict(id=row["qid"], messages=[{"role": "user", "content": row["question"]}],
                                     sampling_params=dict(temperature=0.0, max_tokens=MAX_NEW)),
         postprocess=lambda row: dict(answer=row.pop("generated_text"), **row))
@@ -52,7 +56,7 @@ def test_jsonl_in_parquet_out_equals_the_command(ray_cluster, tiny_pair, tmp_pat
 
     messages = [[{"role": "user", "content": q}] for q in questions]
     write_shards(tmp_path / "in", {"id": list(range(len(questions))), "messages": messages}, shards=2)
-    cfg = job_config(tiny_pair, str(tmp_path / "in"), str(tmp_path / "cmd"),
+    cfg = job_config(agreeing_pair, str(tmp_path / "in"), str(tmp_path / "cmd"),
                      **{"generation.max_new_tokens": MAX_NEW, "draft.num_draft_tokens": 3})
     summary = run_job(cfg, log=lambda *_: None)
     command = pq.read_table(tmp_path / "cmd").to_pandas().set_index("id").sort_index()
@@ -62,6 +66,9 @@ def test_jsonl_in_parquet_out_equals_the_command(ray_cluster, tiny_pair, tmp_pat
         assert int(ours[name].sum()) == summary["totals"][name], name
     assert [int(sum(c)) for c in zip(*ours["acceptance_histogram"])] == summary["acceptance_histogram"]
     assert all(len(ids) == n for ids, n in zip(ours["prompt_token_ids"], ours["num_input_tokens"]))
+    check_speculated(list(ours["acceptance_histogram"]), int(ours["num_generated_tokens"].sum()))
+    alone = DominoLLM.from_pretrained(agreeing_pair[0]).generate(messages, SamplingParams(max_new_tokens=MAX_NEW))
+    assert [list(t) for t in ours["generated_tokens"]] == [e.token_ids for e in alone]
 
 
 def _bad_rows():
@@ -79,19 +86,22 @@ BAD_REASONS = {"null": "prompt is null", "params": r"unknown keys \['temprature'
                "vllm-only": r"unknown keys \['presence_penalty'\]", "long": "the model's limit is 512 tokens"}
 
 
-def test_pandas_in_and_out_through_rays_build_processor_with_stages_around_it_and_bad_rows(ray_cluster, tiny_pair):
+def test_pandas_in_and_out_through_rays_build_processor_with_stages_around_it_and_bad_rows(ray_cluster,
+                                                                                           agreeing_pair):
     """`ray.data.llm.build_processor(our config)` (Ray's registry), a `map` before and a `filter` after:
-    input columns carried, rows never leak into each other (each good row equals the target alone on its
-    prompt), and bad rows become error rows in Ray Data LLM's error column while the pipeline finishes.
-    (One pipeline for both: each costs an engine actor's start-up.)"""
+    input columns carried, rows never leak into each other (each good row, greedy or sampled with its seed,
+    equals the target alone on its prompt, after accepted drafts), and bad rows become error rows in Ray Data
+    LLM's error column while the pipeline finishes. (One pipeline for both: each costs an engine actor's start-up.)"""
     import re
 
     from ray.data.llm import build_processor as rays_build_processor
 
-    prompts = make_prompts(9, seed=4)
-    rows = [{"id": f"p{i}", "prompt": p, "sampling_params": None, "topic": f"t{i % 3}"} for i, p in enumerate(prompts)]
+    prompts = make_prompts(12, seed=4)
+    sampled = {i: json.dumps({"temperature": 0.8, "seed": 100 + i}) for i in range(1, len(prompts), 2)}
+    rows = [{"id": f"p{i}", "prompt": p, "sampling_params": sampled.get(i), "topic": f"t{i % 3}"}
+            for i, p in enumerate(prompts)]
     rows += [{**r, "topic": "bad"} for r in _bad_rows()]
-    processor = rays_build_processor(processor_config(tiny_pair, chat_template_stage=False,
+    processor = rays_build_processor(processor_config(agreeing_pair, chat_template_stage=False,
                                                       error_column="__inference_error__"))
     # A missing prompt reaches the map, and from it the processor, as pandas' NaN (a float): "prompt is null".
     def chars(row):
@@ -109,10 +119,15 @@ def test_pandas_in_and_out_through_rays_build_processor_with_stages_around_it_an
         assert row["num_generated_tokens"] == 0 and len(row["acceptance_histogram"]) == 4
     ok = out[~out["id"].isin(list(BAD_REASONS))]
     assert len(failed) == len(BAD_REASONS) and ok["__inference_error__"].isna().all()
-    alone = DominoLLM.from_pretrained(tiny_pair[0], chat_template=False)  # the target without a draft
-    expected = alone.generate(list(ok["prompt"]), SamplingParams(max_new_tokens=MAX_NEW))
+    alone = DominoLLM.from_pretrained(agreeing_pair[0], chat_template=False)  # the target without a draft
+    is_sampled = [isinstance(p, str) for p in ok["sampling_params"]]  # pandas gives NaN for a missing one
+    params = [SamplingParams(max_new_tokens=MAX_NEW, **(json.loads(p) if s else {}))
+              for p, s in zip(ok["sampling_params"], is_sampled)]
+    expected = alone.generate(list(ok["prompt"]), params)
     assert [list(t) for t in ok["generated_tokens"]] == [e.token_ids for e in expected]
     assert list(ok["generated_text"]) == [e.text for e in expected]
+    check_speculated(list(ok["acceptance_histogram"]), int(ok["num_generated_tokens"].sum()))
+    assert sum(is_sampled) >= 3 and sum(n for n, s in zip(ok["num_accepted_draft_tokens"], is_sampled) if s) > 0
 
 
 def test_should_continue_on_error_false_fails_naming_the_row(ray_cluster, tiny_pair):

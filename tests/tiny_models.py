@@ -126,6 +126,40 @@ def save_tiny_pair(directory, *, block_size: int = 4, seed: int = 0, dtype: torc
     return str(directory / "target"), str(directory / "draft")
 
 
+def save_agreeing_pair(directory, *, block_size: int = 4, max_positions: int = 512, stop_every: int = 16):
+    """`save_tiny_pair`'s files for a pair whose draft the target mostly accepts: `successor_target` with
+    the tiny tokenizer (EOS = <|im_end|>) and `successor_draft` in the HF/DFlash layout, float64. The
+    end-to-end tests run it so that their greedy and sampled checks cover accepted drafts (`speculation.py`):
+    at K = 4 about 60% of greedy tokens and 35-40% of sampled ones (T = 0.8) are accepted drafts, with partial
+    and whole-block acceptances, and half the plain prompts stop within 12 tokens, most of them on an accepted
+    draft. Returns (target_dir, draft_dir)."""
+    from pathlib import Path
+
+    from domino_ray.checkpoint import save_draft
+
+    directory = Path(directory)
+    # Seed 2: chat prompts (which all end in the template's same tokens) neither stop at once nor accept
+    # only whole blocks, and plain prompts stop inside accepted runs (seen in `speculation.py`'s records).
+    target, vectors, predecessor = successor_target(seed=2, max_positions=max_positions)
+    tokenizer = tiny_tokenizer(target.config.vocab_size)
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    # More EOS ids (as Qwen3 has two), every `stop_every`-th token along the successor cycle from <|im_end|>:
+    # a row following the cycle meets one within `stop_every` tokens, mostly as an accepted draft.
+    successor = torch.empty_like(predecessor)
+    successor[predecessor] = torch.arange(len(predecessor))
+    stops, token = [], eos
+    for i in range(len(successor)):
+        if i % stop_every == 0:
+            stops.append(token)
+        token = int(successor[token])
+    target.config.eos_token_id = target.generation_config.eos_token_id = stops
+    target.save_pretrained(directory / "target")
+    tokenizer.save_pretrained(directory / "target")
+    draft = successor_draft(target, vectors, predecessor, block_size=block_size, shift_label=True, num_uncorrected=1)
+    save_draft(draft, directory / "draft")
+    return str(directory / "target"), str(directory / "draft")
+
+
 class Recorder:
     """Wraps a proposer and records (request_id, committed count, drafts) for every row and step."""
 
@@ -155,7 +189,8 @@ class Recorder:
 # for every real token, C-1 the mask token's own direction. `successor_draft` reads them by hand.
 
 
-def successor_target(*, seed: int = 0, copy_strength: float = 5.0, layer_scale: float = 30.0):
+def successor_target(*, seed: int = 0, copy_strength: float = 5.0, layer_scale: float = 30.0,
+                     max_positions: int = 512):
     """A tiny Qwen3 whose greedy next token is usually `successor[current]` (one random cycle over the
     real tokens) and otherwise what its random layers say (about 1 in 10, depending on the context).
 
@@ -163,7 +198,7 @@ def successor_target(*, seed: int = 0, copy_strength: float = 5.0, layer_scale: 
     its successor's logit; its layers are scaled up so the context moves the argmax at times.
     Returns (target, token_vectors [V-1, C-2], predecessor [V-1]) for `successor_draft`.
     """
-    target = tiny_target("qwen3", seed=seed)
+    target = tiny_target("qwen3", seed=seed, max_positions=max_positions)
     v, c = target.config.vocab_size, target.config.hidden_size
     g = torch.Generator().manual_seed(seed + 100)
     vectors = torch.randn(v - 1, c - 2, generator=g, dtype=torch.float64)
