@@ -1,13 +1,16 @@
-"""Acceptance logic and statistics, driven by a proposer that knows the target's continuation and is
-wrong from a chosen draft position: every acceptance length 0..K happens and is checked exactly."""
+"""Acceptance logic and statistics: every acceptance length 0..K happens and is checked exactly, driven
+by the real proposer with a draft the target mostly accepts (ragged rows, several K and row counts, rows
+joining mid-run), and by a proposer that knows the target's continuation and is wrong from a chosen
+draft position (each length on schedule)."""
 
 import pytest
 
 from domino_ray.engine import SpecEngine
+from domino_ray.proposer import DominoProposer
 from domino_ray.request import Request
 from domino_ray.sampling_params import SamplingParams
 from oracles import OracleProposer
-from tiny_models import ragged_prompts, tiny_target
+from tiny_models import Recorder, ragged_prompts, successor_draft, successor_target, tiny_target
 
 K = 5
 MAX_NEW = 40
@@ -33,6 +36,48 @@ def expected_steps(schedule: list[int], max_new: int, k: int) -> list[int]:
         emitted += a + 1
         step += 1
     return accepted
+
+
+@pytest.fixture(scope="module")
+def agreeing_target():
+    return successor_target()
+
+
+@pytest.mark.parametrize("k,max_rows", [(2, 3), (4, 2), (8, 5)])
+def test_every_acceptance_length_through_the_real_proposer(agreeing_target, k, max_rows):
+    """More requests than rows, ragged prompts and budgets: rows join while others are mid-run. Every
+    acceptance length 0..K occurs, output equals target-only, and each step's accepted count is what its
+    drafts earned (the longest prefix equal to the tokens the row then committed). Fails if a step commits
+    one token more than it accepted: checked by making `greedy_accept` return `accepted + 1` after a partial
+    acceptance (every K here fails)."""
+    target, vectors, predecessor = agreeing_target
+    draft = successor_draft(target, vectors, predecessor, block_size=k, shift_label=True, num_uncorrected=1)
+    prompts = ragged_prompts(12, seed=40 + k, max_len=30)
+    requests = [Request(i, p, SamplingParams(max_new_tokens=24 + 3 * i)) for i, p in enumerate(prompts)]
+    recorder = Recorder(DominoProposer(draft, target))
+    out = SpecEngine(target, recorder, max_rows=max_rows).generate(requests)
+    alone = SpecEngine(target, None, max_rows=len(requests)).generate(requests)
+    assert [c.token_ids for c in out] == [c.token_ids for c in alone]
+
+    histogram = [0] * (k + 1)
+    for c in out:
+        start, budget = len(c.prompt_token_ids), requests[c.request_id].params.max_new_tokens
+        earned = []
+        for rid, committed, drafts in recorder.records:
+            if rid == c.request_id:
+                done, following = committed - start, c.token_ids[committed - start:]
+                matched = next((i for i, (d, t) in enumerate(zip(drafts, following)) if d != t),
+                               min(len(drafts), len(following)))
+                earned.append(min(matched, budget - done - 1))  # a step never commits past the budget
+        assert c.stats.acceptance_histogram == [earned.count(a) for a in range(k + 1)], c.request_id
+        histogram = [h + n for h, n in zip(histogram, c.stats.acceptance_histogram)]
+    assert all(histogram), histogram  # every length 0..K
+    seen: dict = {}
+    joined_mid_run = False
+    for rid, *_ in recorder.records:
+        joined_mid_run |= rid not in seen and any(n > 1 for n in seen.values())
+        seen[rid] = seen.get(rid, 0) + 1
+    assert joined_mid_run
 
 
 def test_every_acceptance_length_is_exercised_and_counted(setup):
