@@ -1,7 +1,9 @@
 """The Serve app end to end: a real local Ray cluster, Serve on 127.0.0.1, real HTTP and the official
 `openai` client, a tiny target + Domino draft saved to disk.
 
-Invariants: greedy output == target-only greedy (computed in-process without a draft); per-request
+Invariants: greedy output == target-only greedy (computed in-process without a draft), sampled output ==
+target-only sampling with the same seed, both after accepted drafts (the pair's draft is mostly accepted;
+at the app's fixed K every request runs the steps it runs in-process, `speculation.py`); per-request
 statistics reconcile with the token counts; concurrent requests share the running batch (short ones
 finish while a long one keeps its slot); bad input is a 4xx naming the field; a client that leaves
 frees its slot; a burst beyond the queues is refused quickly with 429 and the server recovers;
@@ -18,17 +20,19 @@ from types import SimpleNamespace
 import httpx
 import openai
 import pytest
-import torch
 
+from batch_fixtures import make_prompts
 from domino_ray.config import load_config
 from domino_ray.llm import DominoLLM
 from domino_ray.sampling_params import SamplingParams
 from domino_ray.target import encode_prompt
-from tiny_models import CORPUS, save_tiny_pair
+from speculation import check_speculated, speculate_in_process
+from tiny_models import CORPUS, save_agreeing_pair
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 MODEL = "tiny-domino"
+K = 4                # draft tokens per step, fixed: a request's steps are then its own (`speculation.py`)
 SLOTS = 8            # engine rows per replica
 WAITING = 24         # requests that may wait for a slot inside the replica (32 - SLOTS: concurrency test)
 ONGOING = 40         # requests Serve sends to the replica at once (> SLOTS + WAITING: engine 429s)
@@ -49,13 +53,11 @@ def app(tmp_path_factory):
 
     from domino_ray.ray_serve import build_app, build_health_app
 
-    # float64: greedy comparisons against a differently batched reference must not flip on near-ties.
-    # A long context, so the overload test's long requests outlast its burst even when the engine runs a
-    # useless (random) draft at W = 0, a plain decode step.
-    target_dir, draft_dir = save_tiny_pair(tmp_path_factory.mktemp("serve_pair"), dtype=torch.float64,
-                                           max_positions=4096)
+    # float64 (the pair's): greedy comparisons against a differently batched reference must not flip on
+    # near-ties. A long context, so the overload test's long requests outlast its burst.
+    target_dir, draft_dir = save_agreeing_pair(tmp_path_factory.mktemp("serve_pair"), max_positions=4096)
     cfg = load_config(None, [
-        f"model.source={target_dir}", f"draft.source={draft_dir}", f"serve.model_name={MODEL}",
+        f"model.source={target_dir}", f"draft.source={draft_dir}", f"serve.model_name={MODEL}", f"draft.num_draft_tokens={K}",
         f"generation.max_batch_size={SLOTS}", "generation.max_new_tokens=16", "generation.seed=0",
         f"serve.max_waiting_requests={WAITING}", f"serve.max_ongoing_requests={ONGOING}",
         f"serve.max_queued_requests={QUEUED}", "serve.cpus_per_replica=0.5", "serve.health_check_period_s=2",
@@ -74,7 +76,7 @@ def app(tmp_path_factory):
         metrics_port = ray._private.worker._global_node.metrics_export_port
         try:
             yield SimpleNamespace(url=f"http://127.0.0.1:{port}", metrics_url=f"http://127.0.0.1:{metrics_port}/metrics",
-                                  target_dir=target_dir, cfg=cfg)
+                                  target_dir=target_dir, draft_dir=draft_dir, cfg=cfg)
         finally:
             serve.shutdown()
             if started_ray:
@@ -86,9 +88,9 @@ def reference(app):
     """Target-only greedy through the same engine code, in this process (no draft, no Serve)."""
     llm = DominoLLM.from_pretrained(app.target_dir, draft=None, chat_template=False, max_batch_size=SLOTS)
 
-    def run(prompts, max_tokens, ignore_eos=False):
+    def run(prompts, max_tokens, ignore_eos=False, **sampling):
         ids = [p if isinstance(p, list) else llm.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
-        params = [SamplingParams(max_new_tokens=m, ignore_eos=ignore_eos) for m in max_tokens]
+        params = [SamplingParams(max_new_tokens=m, ignore_eos=ignore_eos, **sampling) for m in max_tokens]
         return llm.generate(ids, params)
 
     run.tokenizer = llm.tokenizer
@@ -167,11 +169,26 @@ def test_metrics_reconcile_with_responses(app, reference):
     assert tokens == started + steps + accepted > expected["ray_domino_generated_tokens_total"]
 
 
+def check_same_steps(app, responses: list[tuple[list[int], SamplingParams, dict]]):
+    """`responses`: (prompt ids, params, the response's statistics). Each request ran the steps the same
+    request runs alone in this process (fixed K), and together they speculated, a stop token arriving as an
+    accepted draft in one of them at least: so the equalities checked beside this covered accepted drafts."""
+    prompts, params, stats = zip(*responses)
+    alone = speculate_in_process(app.target_dir, app.draft_dir, list(prompts), list(params), K)
+    assert [s["acceptance_histogram"] for s in stats] == [a.acceptance_histogram for a in alone]
+    check_speculated([s["acceptance_histogram"] for s in stats], sum(len(a.token_ids) for a in alone))
+    assert any(a.stop_in_accepted_run for a in alone)
+
+
 def test_openai_client_completion_chat_stream_equal_target_only(app, reference):
+    """Completions, chat and both streamed equal target-only greedy. Fails if a step commits one token more
+    than it accepted: checked by making `greedy_accept` return `accepted + 1` after a partial acceptance."""
     c = client(app)
     assert [m.id for m in c.models.list()] == [MODEL]
     cases = [("the quick brown fox", 24), ("Ray runs actors on many machines;", 9), ("def add(a, b):", 40)]
+    cases += [(p, 12) for p in make_prompts(8, seed=3)]
     refs = reference([p for p, _ in cases], [m for _, m in cases])
+    seen = []
     for (prompt, max_tokens), ref in zip(cases, refs):
         out = c.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0)
         assert (out.choices[0].text, out.choices[0].finish_reason) == (ref.text, ref.finish_reason)
@@ -183,6 +200,9 @@ def test_openai_client_completion_chat_stream_equal_target_only(app, reference):
         assert [ch.choices[0].finish_reason for ch in chunks][-1] == ref.finish_reason
         assert chunks[-1].usage.completion_tokens == len(ref.token_ids)
         check_stats(chunks[-1].model_extra["speculative_decoding_stats"], len(ref.token_ids))
+        params = SamplingParams(max_new_tokens=max_tokens)
+        seen += [(ref.prompt_token_ids, params, out.model_extra["speculative_decoding_stats"]),
+                 (ref.prompt_token_ids, params, chunks[-1].model_extra["speculative_decoding_stats"])]
 
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "the quick brown fox"}]
     [ref] = reference([encode_prompt(reference.tokenizer, messages=messages, enable_thinking=False)], [30])
@@ -195,14 +215,40 @@ def test_openai_client_completion_chat_stream_equal_target_only(app, reference):
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == ref.text
     assert chunks[-1].choices[0].finish_reason == ref.finish_reason
     check_stats(chunks[-1].model_extra["speculative_decoding_stats"], len(ref.token_ids))
+    params = SamplingParams(max_new_tokens=30)
+    seen += [(ref.prompt_token_ids, params, out.model_extra["speculative_decoding_stats"]),
+             (ref.prompt_token_ids, params, chunks[-1].model_extra["speculative_decoding_stats"])]
+    check_same_steps(app, seen)
 
 
-def test_sampled_requests_reproduce_with_a_seed(app):
+def test_sampled_requests_equal_target_only_sampling_with_their_seed(app, reference):
+    """A seed makes a sampled request reproducible, and its text is the target's own sample for that seed
+    (drafts change how many tokens a step commits, never which), streamed or not, completion or chat."""
     c = client(app)
-    kwargs = dict(model=MODEL, prompt="the quick brown fox", max_tokens=16, temperature=0.9, top_p=0.95,
-                  extra_body={"top_k": 40})
-    a, b = (c.completions.create(seed=7, **kwargs).choices[0].text for _ in range(2))
+    sampling = dict(temperature=0.9, top_p=0.95, top_k=40)
+    kwargs = dict(model=MODEL, max_tokens=16, temperature=0.9, top_p=0.95, extra_body={"top_k": 40})
+    a, b = (c.completions.create(prompt="the quick brown fox", seed=7, **kwargs).choices[0].text for _ in range(2))
     assert a == b
+    prompts = make_prompts(8, seed=5)
+    refs = [reference([p], [16], seed=100 + i, **sampling)[0] for i, p in enumerate(prompts)]
+    seen = []
+    for i, (prompt, ref) in enumerate(zip(prompts, refs)):
+        out = c.completions.create(prompt=prompt, seed=100 + i, **kwargs)
+        assert (out.choices[0].text, out.usage.completion_tokens) == (ref.text, len(ref.token_ids))
+        chunks = list(c.completions.create(prompt=prompt, seed=100 + i, stream=True, **kwargs))
+        assert "".join(ch.choices[0].text for ch in chunks) == ref.text
+        seen += [(ref.prompt_token_ids, SamplingParams(max_new_tokens=16, seed=100 + i, **sampling), stats)
+                 for stats in (out.model_extra["speculative_decoding_stats"],
+                               chunks[-1].model_extra["speculative_decoding_stats"])]
+    messages = [{"role": "user", "content": prompts[0]}]
+    [ref] = reference([encode_prompt(reference.tokenizer, messages=messages, enable_thinking=False)], [16], seed=3,
+                      **sampling)
+    out = c.chat.completions.create(messages=messages, seed=3, **kwargs)
+    assert out.choices[0].message.content == ref.text
+    prompts_, params, stats = zip(*seen)
+    alone = speculate_in_process(app.target_dir, app.draft_dir, list(prompts_), list(params), K)
+    assert [s["acceptance_histogram"] for s in stats] == [a.acceptance_histogram for a in alone]
+    assert sum(s["num_accepted_draft_tokens"] for s in stats) >= 0.2 * sum(len(a.token_ids) for a in alone)
 
 
 def test_concurrent_requests_share_the_running_batch(app, reference):
