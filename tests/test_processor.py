@@ -22,17 +22,18 @@ from domino_ray.ray_processor import DominoEngineProcessorConfig, build_processo
 from domino_ray.ray_batch import run_job
 from domino_ray.sampling_params import SamplingParams
 from domino_ray.summary import TOTALS
-from speculation import check_speculated
+from speculation import check_speculated, speculate_in_process
 
 pytestmark = pytest.mark.ray
 
 MAX_NEW = 12
+K = 3  # draft tokens per step where a test fixes it (the pair's block allows 4)
 LONG_PROMPT = "the quick brown fox " * 150  # past the tiny target's 512 positions
 
 
 def processor_config(pair, **fields) -> DominoEngineProcessorConfig:
     target, draft = pair
-    engine = {"cpus_per_actor": 0.5, "max_batch_size": 8, "max_new_tokens": MAX_NEW, "num_draft_tokens": 3,
+    engine = {"cpus_per_actor": 0.5, "max_batch_size": 8, "max_new_tokens": MAX_NEW, "num_draft_tokens": K,
               **fields.pop("engine_kwargs", {})}
     return DominoEngineProcessorConfig(model_source=target, draft_source=draft, engine_kwargs=engine, batch_size=4,
                                        max_concurrent_batches=2, **fields)
@@ -57,7 +58,7 @@ def test_jsonl_in_parquet_out_equals_the_command(ray_cluster, agreeing_pair, tmp
     messages = [[{"role": "user", "content": q}] for q in questions]
     write_shards(tmp_path / "in", {"id": list(range(len(questions))), "messages": messages}, shards=2)
     cfg = job_config(agreeing_pair, str(tmp_path / "in"), str(tmp_path / "cmd"),
-                     **{"generation.max_new_tokens": MAX_NEW, "draft.num_draft_tokens": 3})
+                     **{"generation.max_new_tokens": MAX_NEW, "draft.num_draft_tokens": K})
     summary = run_job(cfg, log=lambda *_: None)
     command = pq.read_table(tmp_path / "cmd").to_pandas().set_index("id").sort_index()
     assert [list(t) for t in ours["generated_tokens"]] == [list(t) for t in command["generated_tokens"]]
@@ -67,8 +68,11 @@ def test_jsonl_in_parquet_out_equals_the_command(ray_cluster, agreeing_pair, tmp
     assert [int(sum(c)) for c in zip(*ours["acceptance_histogram"])] == summary["acceptance_histogram"]
     assert all(len(ids) == n for ids, n in zip(ours["prompt_token_ids"], ours["num_input_tokens"]))
     check_speculated(list(ours["acceptance_histogram"]), int(ours["num_generated_tokens"].sum()))
-    alone = DominoLLM.from_pretrained(agreeing_pair[0]).generate(messages, SamplingParams(max_new_tokens=MAX_NEW))
-    assert [list(t) for t in ours["generated_tokens"]] == [e.token_ids for e in alone]
+    params = [SamplingParams(max_new_tokens=MAX_NEW)] * len(questions)
+    here = speculate_in_process(*agreeing_pair, [[int(t) for t in p] for p in ours["prompt_token_ids"]], params, K)
+    assert [list(t) for t in ours["generated_tokens"]] == [h.token_ids for h in here] == [h.target_only for h in here]
+    assert [list(h) for h in ours["acceptance_histogram"]] == [h.acceptance_histogram for h in here]
+    assert any(h.stop_in_accepted_run for h in here)
 
 
 def _bad_rows():
@@ -90,7 +94,7 @@ def test_pandas_in_and_out_through_rays_build_processor_with_stages_around_it_an
                                                                                            agreeing_pair):
     """`ray.data.llm.build_processor(our config)` (Ray's registry), a `map` before and a `filter` after:
     input columns carried, rows never leak into each other (each good row, greedy or sampled with its seed,
-    equals the target alone on its prompt, after accepted drafts), and bad rows become error rows in Ray Data
+    equals the target alone on its prompt, after accepted drafts at the adaptive width), and bad rows become error rows in Ray Data
     LLM's error column while the pipeline finishes. (One pipeline for both: each costs an engine actor's start-up.)"""
     import re
 
@@ -102,7 +106,8 @@ def test_pandas_in_and_out_through_rays_build_processor_with_stages_around_it_an
             for i, p in enumerate(prompts)]
     rows += [{**r, "topic": "bad"} for r in _bad_rows()]
     processor = rays_build_processor(processor_config(agreeing_pair, chat_template_stage=False,
-                                                      error_column="__inference_error__"))
+                                                      error_column="__inference_error__",
+                                                      engine_kwargs={"num_draft_tokens": "auto"}))
     # A missing prompt reaches the map, and from it the processor, as pandas' NaN (a float): "prompt is null".
     def chars(row):
         return {**row, "chars": len(row["prompt"]) if isinstance(row["prompt"], str) else 0}
@@ -116,7 +121,7 @@ def test_pandas_in_and_out_through_rays_build_processor_with_stages_around_it_an
     for row in failed.to_dict("records"):
         assert re.search(BAD_REASONS[row["id"]], row["__inference_error__"]), row["__inference_error__"]
         assert row["finish_reason"] == "error" and row["generated_text"] == "" and len(row["generated_tokens"]) == 0
-        assert row["num_generated_tokens"] == 0 and len(row["acceptance_histogram"]) == 4
+        assert row["num_generated_tokens"] == 0 and len(row["acceptance_histogram"]) == 5  # auto: K = the block, 4
     ok = out[~out["id"].isin(list(BAD_REASONS))]
     assert len(failed) == len(BAD_REASONS) and ok["__inference_error__"].isna().all()
     alone = DominoLLM.from_pretrained(agreeing_pair[0], chat_template=False)  # the target without a draft
