@@ -21,6 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from common import token_digest
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -88,7 +90,8 @@ def direct(target_dir: str, draft_dir: str, prompts: list[str], args) -> dict:
     completions = engine.generate(requests)
     end = time.perf_counter()
     tokens = sum(len(c.token_ids) for c in completions)
-    return {"wall_s": end - start, "generate_s": end - gen_start, "tokens": tokens}
+    return {"wall_s": end - start, "generate_s": end - gen_start, "tokens": tokens,
+            "tokens_sha256": token_digest([c.token_ids for c in completions])}
 
 
 def job(target_dir: str, draft_dir: str, prompts: list[str], tmp: Path, args) -> dict:
@@ -111,9 +114,11 @@ def job(target_dir: str, draft_dir: str, prompts: list[str], tmp: Path, args) ->
     actors = summary["run"]["actors"]
     first = min(a["first_batch_at"] for a in actors) - start_epoch
     last = max(a["last_batch_done_at"] for a in actors) - start_epoch
+    rows = pq.read_table(out, columns=["id", "generated_tokens"]).sort_by("id")  # the prompts' order, as direct's
     return {"wall_s": wall, "pipeline_s": summary["run"]["wall_time_s"], "first_batch_s": first,
             "generate_s": last - first, "actor_load_s": max(a["load_s"] for a in actors),
-            "tokens": summary["totals"]["num_generated_tokens"], "rows": summary["rows"]["total"]}
+            "tokens": summary["totals"]["num_generated_tokens"], "rows": summary["rows"]["total"],
+            "tokens_sha256": token_digest(rows.column("generated_tokens").to_pylist())}
 
 
 def main():

@@ -37,7 +37,7 @@ from domino_ray.stats import per_position_acceptance, total_stats
 from domino_ray.target import stop_token_ids
 from domino_ray.train_draft import backbone_only
 
-from common import load_pair
+from common import load_pair, token_digest
 
 
 def run(target, draft, prompts, *, rows, max_new_tokens, eos, num_draft_tokens=None, max_model_len=None):
@@ -83,6 +83,7 @@ def acceptance_only(target, drafts, prompts, args, eos, max_model_len, rows, gro
         reference = reference or r["token_ids"]
         assert r["token_ids"] == reference, f"{name}: output differs from the other drafts' (all must be the target's)"
         results[name] = {"mean_acceptance_length": round(r["mean_acceptance_length"], 3), "tokens": r["tokens"],
+                         "tokens_sha256": token_digest(r["token_ids"]),
                          "per_position_acceptance": [round(x, 3) for x in per_position_acceptance(r["histogram"])]}
         print(f"{name:<18} tau {r['mean_acceptance_length']:.3f} over {len(prompts)} prompts, {r['tokens']} tokens; "
               f"per position {' '.join(f'{x:.2f}' for x in results[name]['per_position_acceptance'])}", flush=True)
@@ -149,6 +150,7 @@ def main(argv=None):
             ratios = [r0["seconds"] / r["seconds"] for r0, r in zip(runs["target-only"], rs)]
             entry = {"tokens_per_s": round(statistics.median(tps), 1), "speedup": round(statistics.median(ratios), 2),
                      "speedups": [round(x, 2) for x in ratios], "tokens": rs[0]["tokens"],
+                     "tokens_sha256": token_digest(rs[0]["token_ids"]),
                      "num_spec_tokens": rs[0]["num_spec_tokens"]}
             if rs[0]["histogram"] is not None:
                 entry["mean_acceptance_length"] = round(rs[0]["mean_acceptance_length"], 3)

@@ -27,7 +27,7 @@ from domino_ray.engine import SpecEngine
 from domino_ray.request import Request
 from domino_ray.proposer import DominoProposer
 from domino_ray.sampling_params import SamplingParams
-from common import demo_pair, write_results
+from common import demo_pair, token_digest, write_results
 from domino_ray.train_draft import backbone_only
 
 
@@ -71,7 +71,7 @@ def main(argv=None):
         for name, draft in drafts.items():
             configs = {"target-only": None, "auto": "auto", **{f"K={k}": k for k in range(1, k_max + 1)}}
             tps = {c: [] for c in configs}
-            starts = []
+            starts, digests = [], {}
             reference = None
             for repeat in range(args.repeats):
                 for label, k in list(configs.items())[::-1 if repeat % 2 else 1]:
@@ -79,6 +79,7 @@ def main(argv=None):
                                              args.max_new_tokens)
                     tps[label].append(rate)
                     tokens = [c.token_ids for c in out]
+                    digests.setdefault(label, token_digest(tokens))
                     reference = reference or (tokens if k is None else None)
                     if reference is not None:
                         assert tokens == reference, f"{name} {label} batch {rows}: output differs from target-only"
@@ -95,7 +96,8 @@ def main(argv=None):
                     "auto_over_target_only_paired": round(paired, 3),
                     "runs_tokens_per_s": {c: [round(x, 1) for x in v] for c, v in tps.items()},
                     f"auto_over_K={k_max}": round(med["auto"] / med[f"K={k_max}"], 3),
-                    "auto_widths": widths, "auto_start_s": round(statistics.median(starts), 2)}
+                    "auto_widths": widths, "auto_start_s": round(statistics.median(starts), 2),
+                    "tokens_sha256": digests}
             results[f"{name} batch {rows}"] = cell
             print(f"{name:<13} batch {rows:>2}: auto {med['auto']:8.1f} tok/s | best static {best:<11} "
                   f"{static[best]:8.1f} | target-only {med['target-only']:8.1f} | K={k_max} {med[f'K={k_max}']:8.1f} | "

@@ -4,6 +4,7 @@ under settings that alternate in one engine."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import platform
 import time
@@ -54,6 +55,12 @@ def alternating_decode_steps(rows: int, settings, detail: str = "", rounds: int 
             for _ in range(steps):
                 engine.step()
             print(f"  {name}: {(time.perf_counter() - start) / steps * 1e3:.1f} ms/step")
+
+
+def token_digest(rows: list[list[int]]) -> str:
+    """The generated token ids of every row, in request order, as a short hash for the --json output: runs whose
+    outputs must be equal (speculative and target-only) compare it, and the report stays small."""
+    return hashlib.sha256(json.dumps([list(map(int, row)) for row in rows]).encode()).hexdigest()[:16]
 
 
 def write_results(path: Path | None, results: dict, args) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
+import tempfile
 
 import ray.cloudpickle
 
@@ -17,7 +18,7 @@ from domino_ray.ray_predictor import DominoPredictor
 
 
 def faulty_predictor(*, kill_actor_once: str | None = None, crash_engine_on_row=None, hold_row_s: float = 0.0,
-                     progress_dir: str | None = None) -> type:
+                     progress_dir: str | None = None, starts_dir: str | None = None) -> type:
     """A DominoPredictor with these faults:
 
     - `kill_actor_once` (a marker path): the first actor to finish a row while the file does not exist
@@ -27,12 +28,16 @@ def faulty_predictor(*, kill_actor_once: str | None = None, crash_engine_on_row=
     - `hold_row_s`: every finished row stays that long in its actor before the batch may leave, so a test
       can lose a node while its actors hold rows (tiny models finish a whole job in under a second);
     - `progress_dir`: each finished batch (counted in the run's per-actor statistics) touches a file named by
-      its Ray node id there, so a test can see which nodes have done work so far.
+      its Ray node id there, so a test can see which nodes have done work so far;
+    - `starts_dir`: each actor start, before it loads the models, creates a file of its own there, so a test can
+      count the actors started (also those whose models then fail to load).
     """
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
     class FaultyPredictor(DominoPredictor):
         def __init__(self, *args, **kwargs):
+            if starts_dir is not None:
+                os.close(tempfile.mkstemp(dir=starts_dir)[0])
             super().__init__(*args, **kwargs)
             self.poisoned = set()  # engine request ids of the crash_engine_on_row row
             if crash_engine_on_row is not None:

@@ -1,6 +1,7 @@
 """The benchmark scripts stay runnable (tiny sizes) and the figures they report obey their invariants:
-equal tokens across modes, acceptance lengths within [1, K+1], ratios that match their parts. Their
-real figures live in BENCHMARKS.md."""
+the same token ids across modes (compared through each run's `tokens_sha256`, a hash of its outputs' ids:
+equal counts would let a wrong token through), acceptance lengths within [1, K+1], ratios that match their
+parts. Their real figures live in BENCHMARKS.md."""
 
 import json
 import math
@@ -37,15 +38,19 @@ def check_acceptance(tau: float, per_position: list[float], k: int, decimals: in
 
 
 def test_policy_benchmark_smoke(tmp_path):
-    """bench_policy at a toy size (its script asserts every configuration's tokens equal target-only's): each
-    configuration ran every repeat, the medians and the ratios are those of the runs, and the paired ratio lies
-    within the runs' own auto / target-only ratios."""
+    """bench_policy at a toy size: every configuration generated target-only's token ids (the script asserts it
+    too), each ran every repeat, the medians and the ratios are those of the runs, and the paired ratio lies
+    within the runs' own auto / target-only ratios.
+    Fails if a configuration's tokens differ: checked by removing the script's own assert and making
+    `greedy_accept`'s bonus after a rejected first draft the next position's choice at K >= 3."""
     out = tmp_path / "policy.json"
     run_script("bench_policy.py", "--threads", "1", "--repeats", "3", "--batch-sizes", "1", "--drafts", "random",
                "--max-new-tokens", "6", "--json", str(out))
     cell = json.loads(out.read_text())["results"]["random batch 1"]
     runs, median = cell["runs_tokens_per_s"], cell["tokens_per_s"]
-    assert set(runs) == set(median) == {"target-only", "auto", *(f"K={k}" for k in range(1, 9))}
+    assert set(runs) == set(median) == set(cell["tokens_sha256"]) == {"target-only", "auto",
+                                                                      *(f"K={k}" for k in range(1, 9))}
+    assert set(cell["tokens_sha256"].values()) == {cell["tokens_sha256"]["target-only"]}
     for config, rates in runs.items():
         assert len(rates) == 3 and all(positive(x) for x in rates)
         assert median[config] == pytest.approx(sorted(rates)[1], abs=0.05)
@@ -117,13 +122,16 @@ def demo_pair_timed(tmp_path_factory) -> dict:
 
 @pytest.mark.slow
 def test_demo_pair_benchmark_smoke(demo_pair_timed):
-    """bench_demo_pair on the shipped pair at toy sizes: every draft variant generates the tokens
-    target-only does, its acceptance figures are consistent, and the trained draft accepts."""
+    """bench_demo_pair on the shipped pair at toy sizes: every draft variant generates the token ids
+    target-only does, its acceptance figures are consistent, and the trained draft accepts.
+    Fails if a draft's tokens differ: checked by removing the script's own asserts and making `greedy_accept`
+    commit one token too many after a partial acceptance (equal counts, 36 each; different digests)."""
     results = demo_pair_timed
     drafts = results["drafts"]
     assert set(drafts) == {"target-only", "domino", "domino-base-only", "domino-K3"}
-    assert len({d["tokens"] for d in drafts.values()}) == 1 and drafts["target-only"]["tokens"] > 0
-    assert drafts["target-only"]["num_spec_tokens"] == 0 and "mean_acceptance_length" not in drafts["target-only"]
+    assert {d["tokens_sha256"] for d in drafts.values()} == {drafts["target-only"]["tokens_sha256"]}
+    assert drafts["target-only"]["tokens"] > 0 and drafts["target-only"]["num_spec_tokens"] == 0
+    assert "mean_acceptance_length" not in drafts["target-only"]
     assert drafts["target-only"]["speedups"] == [1.0, 1.0]  # each repeat against itself
     assert drafts["domino-K3"]["num_spec_tokens"] == 3
     assert drafts["domino"]["num_spec_tokens"] == drafts["domino-base-only"]["num_spec_tokens"] >= 3
@@ -136,8 +144,9 @@ def test_demo_pair_benchmark_smoke(demo_pair_timed):
 
 
 def test_demo_pair_benchmark_acceptance_only(tmp_path, demo_pair_timed):
-    """`--acceptance-only`: each fixed-K draft's tau without timing, the same figures the timed run gives;
-    auto and target-only have no draft acceptance of their own and are left out."""
+    """`--acceptance-only`: each fixed-K draft's tau without timing, the same figures and token ids the timed run
+    gives; auto and target-only have no draft acceptance of their own and are left out.
+    Fails if a draft's tokens differ: checked as test_demo_pair_benchmark_smoke (the same mutation)."""
     out = tmp_path / "acc.json"
     run_script("bench_demo_pair.py", *DEMO_PAIR_RUN[:-1], "auto,3", "--acceptance-only", "--json", str(out))
     acceptance = json.loads(out.read_text())["results"]["acceptance"]
@@ -145,12 +154,13 @@ def test_demo_pair_benchmark_acceptance_only(tmp_path, demo_pair_timed):
     drafts = demo_pair_timed["drafts"]
     for name in acceptance:
         assert acceptance[name]["mean_acceptance_length"] == drafts[name]["mean_acceptance_length"], name
-        assert acceptance[name]["tokens"] == drafts[name]["tokens"], name
+        assert acceptance[name]["tokens_sha256"] == drafts["target-only"]["tokens_sha256"], name
 
 
 @pytest.mark.slow
 def test_demo_pair_benchmark_takes_the_smollm2_pair(tmp_path):
-    """`--pair smollm2`: the converted SmolLM2 target, the shipped draft and held-out chat prompts."""
+    """`--pair smollm2`: the converted SmolLM2 target, the shipped draft and held-out chat prompts; every draft
+    generates target-only's token ids. Fails if they differ: checked as test_demo_pair_benchmark_smoke."""
     from domino_ray.smollm2 import cache_dir, is_converted
 
     if not is_converted() or not (BENCH.parent / "domino_ray" / "assets" / "smollm2" / "draft").is_dir():
@@ -160,23 +170,27 @@ def test_demo_pair_benchmark_takes_the_smollm2_pair(tmp_path):
                "--batch-sizes", "1", "--repeats", "1", "--threads", "1", "--json", str(out))
     drafts = json.loads(out.read_text())["results"]["batch 1"]["drafts"]
     assert set(drafts) == {"target-only", "domino", "domino-base-only"}
-    assert len({d["tokens"] for d in drafts.values()}) == 1 and drafts["domino"]["num_spec_tokens"] == 8
+    assert {d["tokens_sha256"] for d in drafts.values()} == {drafts["target-only"]["tokens_sha256"]}
+    assert drafts["domino"]["num_spec_tokens"] == 8
     check_acceptance(drafts["domino"]["mean_acceptance_length"], drafts["domino"]["per_position_acceptance"], 8)
 
 
 @pytest.mark.slow
 @pytest.mark.ray
 def test_batch_job_benchmark_smoke(ray_cluster):
-    """bench_batch_job at a toy size: the job and the direct engine generate the same number of tokens
-    (same engine settings, greedy) and the job writes every row. It joins the session's cluster: a cluster
-    start-up of its own is most of a toy run's time and proves nothing about the benchmark."""
+    """bench_batch_job at a toy size: the job and the direct engine generate the same token ids (same engine
+    settings, greedy; a row's output does not depend on its batch) and the job writes every row. It joins the
+    session's cluster: a cluster start-up of its own is most of a toy run's time and proves nothing about the
+    benchmark. Fails if the job's tokens differ: checked by making the job's predictor write each row's
+    generated_tokens reversed (same counts)."""
     stdout = run_script("bench_batch_job.py", "--sizes", "6", "--max-new-tokens", "6", "--max-batch-size", "4",
                         "--batch-size", "3", "--threads", "1", "--ray-address", ray_cluster,
                         env={"RAY_AUTH_MODE": "disabled"}, timeout=600)
     runs = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
     direct = next(r for r in runs if r["mode"] == "direct")
     job = next(r for r in runs if r["mode"] == "job")
-    assert direct["tokens"] == job["tokens"] > 0 and job["rows"] == 6
+    assert direct["tokens_sha256"] == job["tokens_sha256"] and direct["tokens"] == job["tokens"] > 0
+    assert job["rows"] == 6
     assert direct["generate_s"] <= direct["wall_s"] and job["pipeline_s"] <= job["wall_s"]
     assert 0 < job["generate_s"] <= job["wall_s"] and job["actor_load_s"] > 0
 

@@ -1,6 +1,7 @@
 """Draft checkpoints: every layout round-trips, the published 4B shape is exact, bad files fail clearly."""
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -273,13 +274,55 @@ def test_preflight_and_load_draft_fail_with_the_same_first_error(target, tiny_pa
     assert str(preflight.value) == f"config key draft.source={str(tmp_path / 'draft')!r}: {loading.value}"
 
 
-def fake_hub(monkeypatch, directory):
-    """Serve `directory` as a hub repo to `open_draft`: config.json, the safetensors header, and byte
-    ranges; returns the list of ranges read."""
-    import huggingface_hub
-    from huggingface_hub.utils import SafetensorsFileMetadata, SafetensorsRepoMetadata, TensorInfo
+@pytest.fixture
+def hub_server():
+    """A hub on 127.0.0.1: `GET /{repo}/resolve/main/{file}` of the directory `hub_server.files`, with `Range:
+    bytes=a-b` answered 206 and those bytes (as the hub's CDN does), without it 200 and the whole file. Records
+    `(file, range header)` per request. The real `_hub_range` runs against it: only its HTTP is local."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-    import domino_ray.checkpoint as checkpoint
+    state = SimpleNamespace(files=None, requests=[])
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):
+            repo_and_file = self.path.split("/resolve/main/", 1)
+            path = state.files / repo_and_file[-1] if len(repo_and_file) == 2 else None
+            state.requests.append((repo_and_file[-1], self.headers.get("range")))
+            if path is None or not path.is_file():
+                self.send_error(404)
+                return
+            data, wanted = path.read_bytes(), self.headers.get("range")
+            if wanted:
+                first, last = (int(x) for x in wanted.removeprefix("bytes=").split("-"))
+                self.send_response(206)
+                self.send_header("Content-Range", f"bytes {first}-{last}/{len(data)}")
+                data = data[first:last + 1]
+            else:
+                self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args):  # quiet
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    state.endpoint = f"http://127.0.0.1:{server.server_address[1]}"
+    yield state
+    server.shutdown()
+    server.server_close()
+
+
+def fake_hub(monkeypatch, directory, server):
+    """Serve `directory` as a hub repo to `open_draft`: config.json and the safetensors header from the files
+    (huggingface_hub's own calls, replaced), the tensors' byte ranges by real HTTP from `server` (the endpoint
+    set as HF_ENDPOINT sets it when huggingface_hub is imported)."""
+    import huggingface_hub
+    import huggingface_hub.constants as hf_constants
+    from huggingface_hub.utils import SafetensorsFileMetadata, SafetensorsRepoMetadata, TensorInfo
 
     raw = (directory / "model.safetensors").read_bytes()
     header = json.loads(raw[8:8 + int.from_bytes(raw[:8], "little")])
@@ -288,26 +331,46 @@ def fake_hub(monkeypatch, directory):
                for k, v in header.items()}
     meta = SafetensorsRepoMetadata(metadata=None, sharded=False, weight_map={k: "model.safetensors" for k in tensors},
                                    files_metadata={"model.safetensors": SafetensorsFileMetadata({}, tensors)})
-    ranges = []
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", lambda repo, name: str(directory / name))
     monkeypatch.setattr(huggingface_hub, "get_safetensors_metadata", lambda repo: meta)
-    monkeypatch.setattr(checkpoint, "_hub_range",
-                        lambda repo, name, start, end: ranges.append((start, end)) or raw[start:end])
-    return ranges
+    monkeypatch.setattr(hf_constants, "ENDPOINT", server.endpoint)
+    monkeypatch.setattr(hf_constants, "HUGGINGFACE_CO_URL_TEMPLATE",
+                        server.endpoint + "/{repo_id}/resolve/{revision}/{filename}")
+    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", False)  # the tests' default; only 127.0.0.1 is reached
+    server.files, server.requests[:] = directory, []
+    return server.requests
 
 
-def test_preflight_reads_a_hub_draft_without_its_weights(target, tiny_pair, tmp_path, monkeypatch):
-    """A hub id: config.json, the headers, then only d2t's bytes ([Vd] int64) by range requests; a bad
-    map gives load_draft's error."""
+def test_hub_tensors_come_by_range_requests_equal_to_the_file(target, tmp_path, monkeypatch, hub_server):
+    """Every tensor of a hub draft read by real HTTP range requests (two per tensor: the header's length, then
+    its bytes) equals the file's, and nothing asked for the whole file.
+    Fails if the range is not honoured: checked by making `_hub_range` send no `range` header (CheckpointError)."""
+    from domino_ray.checkpoint import open_draft
+
+    write_speculators(tiny_draft(target, draft_vocab=40), target, tmp_path)
+    requests = fake_hub(monkeypatch, tmp_path, hub_server)
+    files = open_draft("Eros483/Tiny-Domino")
+    values = files.read(sorted(files.header))
+    expected = load_file(str(tmp_path / "model.safetensors"))
+    assert sorted(values) == sorted(expected) and all(torch.equal(values[k], expected[k]) for k in expected)
+    assert len(requests) == 2 * len(expected) - sum(v.numel() == 0 for v in expected.values())
+    assert all(name == "model.safetensors" and wanted and wanted.startswith("bytes=") for name, wanted in requests)
+
+
+def test_preflight_reads_a_hub_draft_without_its_weights(target, tiny_pair, tmp_path, monkeypatch, hub_server):
+    """A hub id: config.json, the headers, then only d2t's bytes ([Vd] int64) by real HTTP range requests; a
+    bad map gives load_draft's error. Fails if the weights are fetched whole: checked by making `_hub_range` send
+    no `range` header (a deserializing error instead of the d2t one)."""
     write_bad_d2t(target, tmp_path / "bad")
     with pytest.raises(CheckpointError, match=D2T) as loading:
         load_draft(tmp_path / "bad", target_config=target.config)
     job = job_config(tiny_pair, tmp_path / "in.parquet", tmp_path / "out", **{"draft.source": "Eros483/Tiny-Domino"})
-    ranges = fake_hub(monkeypatch, tmp_path / "bad")
+    requests = fake_hub(monkeypatch, tmp_path / "bad", hub_server)
     with pytest.raises(ConfigError) as preflight:
         check_models(job)
     assert str(preflight.value) == f"config key draft.source='Eros483/Tiny-Domino': {loading.value}"
-    assert [end - start for start, end in ranges] == [8, 40 * 8]  # the header's length, then d2t
+    spans = [[int(x) for x in wanted.removeprefix("bytes=").split("-")] for _, wanted in requests]
+    assert [last + 1 - first for first, last in spans] == [8, 40 * 8]  # the header's length, then d2t
     write_speculators(tiny_draft(target, draft_vocab=40), target, tmp_path / "good")
-    fake_hub(monkeypatch, tmp_path / "good")
+    fake_hub(monkeypatch, tmp_path / "good", hub_server)
     assert check_models(job) == 4

@@ -18,8 +18,21 @@ def target():
 
 
 def test_concurrent_requests_match_target_and_overlap(target):
+    """12 callers at once on 4 slots: each gets the target's greedy tokens, and the engine decoded their rows
+    together, counted in engine steps (not time): some step carried tokens of 4 requests, and a request got its
+    first token before another in flight had finished.
+    Fails if the loop serializes requests: checked by making `_run` admit the next request only once the engine is
+    idle (then one request a step)."""
     prompts = ragged_prompts(12, seed=9)
-    loop = EngineLoop(SpecEngine(target, DominoProposer(tiny_draft(target), target), max_rows=4))
+    engine = SpecEngine(target, DominoProposer(tiny_draft(target), target), max_rows=4)
+    per_step, step = [], engine.step
+
+    def recording_step():  # the requests each engine step gave tokens to, and those it finished
+        events = step()
+        per_step.append(({e.request_id for e in events}, {e.request_id for e in events if e.completion}))
+        return events
+    engine.step = recording_step
+    loop = EngineLoop(engine)
 
     async def main():
         streams = [loop.submit(Request(i, p, SamplingParams(max_new_tokens=10))) for i, p in enumerate(prompts)]
@@ -30,6 +43,10 @@ def test_concurrent_requests_match_target_and_overlap(target):
     finally:
         loop.stop()
     assert [c.token_ids for c in completions] == [hf_greedy(target, p, 10) for p in prompts]
+    first = {rid: next(i for i, (got, _) in enumerate(per_step) if rid in got) for rid in range(len(prompts))}
+    last = {rid: next(i for i, (_, done) in enumerate(per_step) if rid in done) for rid in range(len(prompts))}
+    assert max(len(got) for got, _ in per_step) == engine.max_rows, per_step  # the batch filled up
+    assert any(a != b and first[a] <= first[b] < last[a] for a in first for b in first), per_step  # together
 
 
 def test_bad_request_fails_alone_and_abort_frees_slot(target):

@@ -4,6 +4,7 @@ cut at the first stop string; stop strings and early consumer exits abort the en
 import asyncio
 import json
 import random
+import time
 
 import pytest
 
@@ -284,14 +285,29 @@ def test_stats_through_cuts_a_step_as_the_engine_cuts_at_a_stop_token():
     assert cut.verify_width_histogram == [0, 0, 0, 0, 2]
 
 
-def test_consumer_leaving_aborts_the_request(engine_loop, model, tokenizer):
-    parsed = parse(model, {"prompt": [3, 4, 5], "max_tokens": 60, "ignore_eos": True})
+def test_consumer_leaving_aborts_the_request(engine_loop, tokenizer, monkeypatch):
+    """The consumer leaves after two pieces: the engine ends the row as aborted, far short of its budget (the
+    whole context: hundreds of steps, where the abort lands at the next one), and frees it.
+    Fails if leaving does not abort: checked by making `EngineLoop.abort` a no-op (the row ran to "length")."""
+    engine = engine_loop.engine
+    ended, step = [], engine.step
+
+    def recording_step():  # the engine's own completion of the request, which its gone consumer never reads
+        events = step()
+        ended.extend(e.completion for e in events if e.request_id == "left" and e.completion is not None)
+        return events
+    monkeypatch.setattr(engine, "step", recording_step)
+    roomy = ModelSpec(name="tiny", tokenizer=tokenizer, vocab_size=96, max_model_len=engine.max_model_len)
+    budget = engine.max_model_len - 3
+    parsed = parse(roomy, {"prompt": [3, 4, 5], "max_tokens": budget, "ignore_eos": True})
     assert len(collect(engine_loop, parsed, tokenizer, "left", stop_after=2)) == 2
-    for _ in range(100):  # the abort lands at the engine's next step
-        if not engine_loop.engine.has_unfinished():
-            break
-        asyncio.run(asyncio.sleep(0.01))
-    assert not engine_loop.engine.has_unfinished() and not engine_loop._streams
+    deadline = time.monotonic() + 120  # a ceiling only: aborted or run to its budget, the row ends within seconds
+    while not ended and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert [(c.finish_reason, len(c.token_ids) < budget) for c in ended] == [("abort", True)], ended
+    while (engine.has_unfinished() or engine_loop._streams) and time.monotonic() < deadline:
+        time.sleep(0.01)  # the completion is delivered right after the step that made it
+    assert not engine.has_unfinished() and not engine_loop._streams
 
 
 def test_a_request_admitted_and_finished_in_one_step_streams_both_events(engine_loop, model, tokenizer):
