@@ -20,10 +20,10 @@ export PYTHONPYCACHEPREFIX := $(abspath $(VENV))/pycache
 
 # The modules a batch job imports, compiled into that cache at install, so the first run's processes (driver,
 # Ray workers, engine actors) do not each compile them at the same time on a fresh machine.
-JOB_IMPORTS := import domino_ray.ray_batch, domino_ray.llm; from transformers import AutoTokenizer, Qwen3ForCausalLM, LlamaForCausalLM
-# Our CPU kernels (domino_ray/cpu_kernels.py: decode attention, RMSNorm, rotary), built once for this machine
+JOB_IMPORTS := import domino_ray.batch.job, domino_ray.llm; from transformers import AutoTokenizer, Qwen3ForCausalLM, LlamaForCausalLM
+# Our CPU kernels (domino_ray/backend/library.py: decode attention, RMSNorm, rotary), built once for this machine
 # (~10-20 s) so the first engine does not build them; where they do not build, a warning and torch's ops instead.
-BUILD_KERNEL := from domino_ray.cpu_kernels import kernels_loaded; kernels_loaded()
+BUILD_KERNEL := from domino_ray.backend.library import kernels_loaded; kernels_loaded()
 
 # --no-compile: byte-compiling every module of torch, ray and transformers at install time is half of the
 # install here (59 s vs 122 s); Python compiles the modules a run imports, once, on first use, into the cache

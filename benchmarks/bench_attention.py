@@ -1,4 +1,4 @@
-"""Decode attention on CPU (`domino_ray/cpu_kernels.py`): our kernel against torch's SDPA under the mask.
+"""Decode attention on CPU (`domino_ray/backend/library.py`): our kernel against torch's SDPA under the mask.
 
 Two measurements (BENCHMARKS.md "Our decode-attention kernel"):
 - `sweep` (default): one decode step's attention over every layer of a model's shape (random fp32 K/V
@@ -27,8 +27,8 @@ MODELS = {"smollm2": (30, 3, 3, 64), "qwen3-4b": (36, 8, 4, 128)}
 
 
 def sweep(model: str, rows: int, keys: list[int], positions: list[int], seed: int = 0):
-    from domino_ray.cpu_kernels import decode_attention_op
-    from domino_ray.kv_cache import query_limits, visible_keys
+    from domino_ray.backend.library import decode_attention_op
+    from domino_ray.model.kv_cache import query_limits, visible_keys
 
     op = decode_attention_op()
     if op is None:

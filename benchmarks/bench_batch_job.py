@@ -72,10 +72,10 @@ def direct(target_dir: str, draft_dir: str, prompts: list[str], args) -> dict:
     import torch
 
     from domino_ray.config import load_config
-    from domino_ray.request import Request
+    from domino_ray.engine.request import Request
     from domino_ray.llm import load_engine
-    from domino_ray.sampling_params import generation_defaults
-    from domino_ray.target import encode_prompt
+    from domino_ray.spec.sampling_params import generation_defaults
+    from domino_ray.model.target import encode_prompt
 
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
@@ -96,7 +96,7 @@ def job(target_dir: str, draft_dir: str, prompts: list[str], tmp: Path, args) ->
     import pyarrow.parquet as pq
 
     from domino_ray.config import load_config
-    from domino_ray.ray_batch import run_job
+    from domino_ray.batch.job import run_job
 
     n = len(prompts)
     inp, out = tmp / f"in-{n}", tmp / f"out-{n}"

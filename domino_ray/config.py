@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from domino_ray.sampling_params import SAMPLING_CHECKS, invalid_value, is_int
+from domino_ray.spec.sampling_params import SAMPLING_CHECKS, invalid_value, is_int
 
 DEMO_ASSETS = Path(__file__).parent / "assets" / "demo"
 

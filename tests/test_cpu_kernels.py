@@ -13,10 +13,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from domino_ray import cpu_kernels
-from domino_ray.cpu_kernels import STALE_LOCK_S, build_key, cache_dir, decode_attention_op, has_avx512, kernel_enabled
-from domino_ray.draft import apply_rotary
-from domino_ray.kv_cache import KVBuffers, group_visibility, visible_keys
+from domino_ray.backend import library as cpu_kernels
+from domino_ray.backend.library import (STALE_LOCK_S, build_key, cache_dir, decode_attention_op, has_avx512,
+                                        kernel_enabled)
+from domino_ray.spec.draft import apply_rotary
+from domino_ray.model.kv_cache import KVBuffers, group_visibility, visible_keys
 
 # fp32 dot products and sums over a few hundred keys in another order, exp within ~2 ulp: relative error
 # ~1e-6; 1e-5 leaves room, a wrong key, limit or head is off by O(1).
@@ -116,7 +117,7 @@ def test_a_build_lock_left_by_a_killed_build_does_not_hang_the_next(tmp_path):
     lock.touch()
     old = lock.stat().st_mtime - STALE_LOCK_S - 60
     os.utime(lock, (old, old))
-    code = "from domino_ray.cpu_kernels import kernels_loaded; assert kernels_loaded()"
+    code = "from domino_ray.backend.library import kernels_loaded; assert kernels_loaded()"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120,
                    env={**os.environ, "DOMINO_RAY_KERNEL_CACHE": str(tmp_path)})
     assert not lock.exists()
@@ -133,7 +134,7 @@ def test_the_avx2_build_passes_the_kernel_tests():
     (once per machine, ~35 s), checked to hold no AVX-512 register, and the kernels' tests run on that build."""
     root = Path(__file__).parent.parent
     env = {**os.environ, "DOMINO_RAY_KERNEL_MARCH": "haswell"}
-    code = ("from domino_ray.cpu_kernels import kernels_loaded, build_key, cache_dir, compile_flags; "
+    code = ("from domino_ray.backend.library import kernels_loaded, build_key, cache_dir, compile_flags; "
             "assert kernels_loaded() and '-march=haswell' in compile_flags(); "
             "print(cache_dir() / f'domino_ray_kernels_{build_key()}')")
     build = Path(subprocess.run([sys.executable, "-c", code], env=env, check=True, capture_output=True, text=True,

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from domino_ray.cpu_linear import MKL_ROWS, OUR_ROWS, PackedLinear, can_pack, pack_linears
+from domino_ray.model.packed_linear import MKL_ROWS, OUR_ROWS, PackedLinear, can_pack, pack_linears
 
 pytestmark = pytest.mark.skipif(not can_pack(nn.Linear(2, 2)), reason="our CPU kernels did not build")
 

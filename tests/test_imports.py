@@ -1,4 +1,4 @@
-"""The core is Ray-free: every domino_ray module except the Ray edge (ray_*.py) imports with Ray blocked;
+"""The core is Ray-free: every domino_ray module except the Ray edges (batch/, serve/) imports with Ray blocked;
 the sampling rules and the config are torch-free too."""
 
 import pkgutil
@@ -9,10 +9,11 @@ import domino_ray
 
 
 def test_core_imports_without_ray():
-    core = [m.name for m in pkgutil.iter_modules(domino_ray.__path__) if not m.name.startswith("ray_")]
-    assert {"engine", "draft", "checkpoint", "verify"} <= set(core)
+    core = [m.name for m in pkgutil.walk_packages(domino_ray.__path__, "domino_ray.")
+            if not m.name.startswith(("domino_ray.batch", "domino_ray.serve"))]
+    assert {"domino_ray.engine.spec_engine", "domino_ray.spec.draft", "domino_ray.spec.checkpoint"} <= set(core)
     code = ("import sys; sys.modules['ray'] = None\n"  # any `import ray` now raises ImportError
-            + "".join(f"import domino_ray.{name}\n" for name in core)
+            + "".join(f"import {name}\n" for name in core)
             + "assert not any(m == 'ray' or m.startswith('ray.') for m in sys.modules if sys.modules[m])\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
@@ -26,7 +27,7 @@ def test_package_import_is_light():
 
 def test_sampling_rules_and_config_import_without_torch():
     code = ("import sys; sys.modules['torch'] = None\n"  # any `import torch` now raises ImportError
-            "import domino_ray.sampling_params, domino_ray.config\n"
+            "import domino_ray.spec.sampling_params, domino_ray.config\n"
             "domino_ray.config.load_config()\n"  # the checks run (generation.* via sampling_params)
             "assert not any(m == 'torch' or m.startswith('torch.') for m in sys.modules if sys.modules[m])\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

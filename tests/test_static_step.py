@@ -7,12 +7,12 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from domino_ray.draft import gru_cell
-from domino_ray.engine import SpecEngine
-from domino_ray.request import Request
-from domino_ray.memory import check_memory_fits
-from domino_ray.proposer import DominoProposer
-from domino_ray.sampling_params import SamplingParams
+from domino_ray.spec.draft import gru_cell
+from domino_ray.engine.spec_engine import SpecEngine
+from domino_ray.engine.request import Request
+from domino_ray.engine.memory import check_memory_fits
+from domino_ray.spec.proposer import DominoProposer
+from domino_ray.spec.sampling_params import SamplingParams
 from oracles import OracleProposer
 from tiny_models import ragged_prompts, tiny_draft, tiny_target
 

@@ -11,7 +11,7 @@ from collections import Counter
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from domino_ray.stats import RowStats, merge_histograms, per_position_acceptance
+from domino_ray.spec.stats import RowStats, merge_histograms, per_position_acceptance
 
 STATS_COLUMNS = ["finish_reason", "error", "num_input_tokens", "num_generated_tokens", "num_spec_tokens",
                  "num_spec_steps", "num_draft_tokens", "num_accepted_draft_tokens", "acceptance_histogram",

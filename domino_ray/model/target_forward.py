@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
-from domino_ray.cpu_kernels import rms_norm
-from domino_ray.cpu_linear import one_op_layers
-from domino_ray.kv_cache import KVBuffers, causal_prefill_attention, decode_layer_groups, grouped_attention
+from domino_ray.backend.library import rms_norm
+from domino_ray.model.packed_linear import one_op_layers
+from domino_ray.model.kv_cache import KVBuffers, causal_prefill_attention, decode_layer_groups, grouped_attention
 
 ATTENTION = "domino_ray"
 

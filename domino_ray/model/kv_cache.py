@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from domino_ray import cpu_kernels
+from domino_ray.backend import library
 
 
 class KVBuffers:
@@ -35,7 +35,7 @@ class KVBuffers:
         self.max_len = max_len
         # Attended by our CPU kernel (key limits) or SDPA (masks): `group_visibility`. Decided (and the kernel
         # built or loaded) here, once, before any step is timed.
-        self.kernel = cpu_kernels.kernel_enabled(device, dtype, head_dim)
+        self.kernel = library.kernel_enabled(device, dtype, head_dim)
 
     @property
     def nbytes(self) -> int:
@@ -58,7 +58,7 @@ class KVBuffers:
     def write(self, layer: int, at: torch.Tensor, keys: torch.Tensor, values: torch.Tensor):
         """`keys/values [b, Hkv, q, D]` to the positions `at` of layer `layer` (`flat_index`): one op of ours on fp32
         CPU tensors (`cpu_kernels.kv_write`), torch's otherwise."""
-        if cpu_kernels.kv_write(self.keys[layer], self.values[layer], at, keys, values):
+        if library.kv_write(self.keys[layer], self.values[layer], at, keys, values):
             return
         d = keys.shape[-1]
         self.keys[layer].view(-1, d).index_copy_(0, at, keys.transpose(1, 2).reshape(-1, d))
@@ -151,7 +151,7 @@ def row_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     r, h, q, d = query.shape
     folded = query.reshape(r, keys.shape[1], -1, d)  # [r, Hkv, G*q, D]: heads of a group are adjacent
     if visible.dtype == torch.int64:
-        out = cpu_kernels.decode_attention_op()(folded, keys, values, visible, scale)
+        out = library.decode_attention_op()(folded, keys, values, visible, scale)
     else:
         out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=visible, scale=scale)
     return out.reshape(r, h, q, d).transpose(1, 2)

@@ -35,7 +35,7 @@ from safetensors import safe_open
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save_file
 
-from domino_ray.draft import DominoDraft, DraftConfig, default_target_layer_ids
+from domino_ray.spec.draft import DominoDraft, DraftConfig, default_target_layer_ids
 
 DOMINO_PROJECTORS = ("domino", "causal_v5")  # causal_v5: older official alias
 HEAD_PREFIXES = ("logit_head.", "domino_head.", "logits_correction.")

@@ -26,9 +26,9 @@ import weakref
 import torch
 from torch import nn
 
-from domino_ray.cpu_kernels import RMS_NORMS, rms_norm, rotary
-from domino_ray.cpu_linear import packed_states
-from domino_ray.target_forward import engine_attention, one_op_step
+from domino_ray.backend.library import RMS_NORMS, rms_norm, rotary
+from domino_ray.model.packed_linear import packed_states
+from domino_ray.model.target_forward import engine_attention, one_op_step
 
 # The layer classes whose forward `FusedLayer` reproduces: pre-norm residual blocks, q/k/v/o attention with the
 # rotary embedding on q and k (Qwen3: after a per-head RMSNorm of each), a gated MLP.

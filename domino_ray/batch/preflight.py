@@ -14,11 +14,11 @@ import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from domino_ray.checkpoint import CheckpointError, check_draft, open_draft
+from domino_ray.spec.checkpoint import CheckpointError, check_draft, open_draft
 from domino_ray.config import ConfigError, InputConfig, JobConfig, to_dict
-from domino_ray.draft import resolve_num_spec_tokens
-from domino_ray.io import Location, list_parquet_files, overlap, resolve
-from domino_ray.schema import GENERATED_NAMES, OVERRIDE_KEYS
+from domino_ray.spec.draft import resolve_num_spec_tokens
+from domino_ray.batch.io import Location, list_parquet_files, overlap, resolve
+from domino_ray.batch.schema import GENERATED_NAMES, OVERRIDE_KEYS
 
 
 # Per-row columns users name like OpenAI / vLLM fields; only `input.sampling_column` overrides sampling.
@@ -195,7 +195,7 @@ def check_models(cfg: JobConfig) -> int:
     (draft tokens per step, 0 = target only)."""
     from transformers import AutoConfig
 
-    from domino_ray.target import load_tokenizer
+    from domino_ray.model.target import load_tokenizer
 
     try:
         target_config = AutoConfig.from_pretrained(cfg.model.source)

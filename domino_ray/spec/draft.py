@@ -22,10 +22,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from domino_ray import cpu_kernels
-from domino_ray.cpu_linear import OUR_ROWS, PackedLinear
-from domino_ray.kv_cache import row_attention
-from domino_ray.verify import greedy_choice
+from domino_ray.backend import library
+from domino_ray.model.packed_linear import OUR_ROWS, PackedLinear
+from domino_ray.model.kv_cache import row_attention
+from domino_ray.spec.verify import greedy_choice
 
 
 @dataclass(frozen=True)
@@ -82,7 +82,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if cpu_kernels.takes(x, self.weight):  # one op instead of eight (fp32 CPU inference)
+        if library.takes(x, self.weight):  # one op instead of eight (fp32 CPU inference)
             return torch.ops.domino_ray.rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
@@ -123,12 +123,12 @@ class DraftAttention(nn.Module):
         b, q, _ = x.shape
         k = self.k_norm(self.k_proj(x).view(b, q, self.num_kv_heads, self.head_dim))  # [b, q, Hkv, D]
         v = self.v_proj(x).view(b, q, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        return cpu_kernels.rotary(k, cos, sin).transpose(1, 2), v
+        return library.rotary(k, cos, sin).transpose(1, 2), v
 
     def query(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, q, _ = x.shape
         qs = self.q_norm(self.q_proj(x).view(b, q, self.num_heads, self.head_dim))  # [b, q, H, D]
-        return cpu_kernels.rotary(qs, cos, sin).transpose(1, 2)  # [b, H, q, D]
+        return library.rotary(qs, cos, sin).transpose(1, 2)  # [b, H, q, D]
 
     def output(self, attended: torch.Tensor) -> torch.Tensor:
         """Attention output `[b, q, H, D]` -> `[b, q, C]`."""

@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Hashable
 
-from domino_ray.sampling_params import SamplingParams
-from domino_ray.stats import RowStats
+from domino_ray.spec.sampling_params import SamplingParams
+from domino_ray.spec.stats import RowStats
 
 
 @dataclass

@@ -35,12 +35,12 @@ from ray.util import metrics
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from domino_ray.config import JobConfig, load_config
-from domino_ray.engine_loop import EngineLoop
+from domino_ray.engine.loop import EngineLoop
 from domino_ray.llm import load_engine
-from domino_ray.openai_api import (SSE_DONE, APIError, ModelSpec, chunk_body, models_body, parse_request,
-                                   response_body, sse, usage_chunk_body)
-from domino_ray.sampling_params import generation_defaults
-from domino_ray.text_stream import Piece, generate
+from domino_ray.serve.openai_api import (SSE_DONE, APIError, ModelSpec, chunk_body, models_body, parse_request,
+                                         response_body, sse, usage_chunk_body)
+from domino_ray.spec.sampling_params import generation_defaults
+from domino_ray.serve.text_stream import Piece, generate
 
 logger = logging.getLogger("ray.serve")
 api = FastAPI(title="domino-ray", description="OpenAI-compatible speculative decoding (target + Domino draft)")

@@ -79,7 +79,7 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     tensors with D a multiple of 16, torch's ops otherwise."""
     if x.shape[-1] % 16 == 0 and takes(x, cos):
         return torch.ops.domino_ray.rotary(x, cos, sin)
-    from domino_ray.draft import apply_rotary  # here: draft imports kv_cache, which imports this module
+    from domino_ray.spec.draft import apply_rotary  # here: draft imports kv_cache, which imports this module
 
     return apply_rotary(x, cos, sin, head_axis=2)
 

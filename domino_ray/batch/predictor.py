@@ -18,10 +18,10 @@ import pyarrow as pa
 import ray
 
 from domino_ray.config import JobConfig
-from domino_ray.engine_loop import EngineDead
-from domino_ray.request import Request
-from domino_ray.sampling_params import generation_defaults
-from domino_ray.schema import RowError, engine_columns, error_row, ok_row, row_params, with_columns
+from domino_ray.engine.loop import EngineDead
+from domino_ray.engine.request import Request
+from domino_ray.spec.sampling_params import generation_defaults
+from domino_ray.batch.schema import RowError, engine_columns, error_row, ok_row, row_params, with_columns
 
 
 class RowCrashesEngine(RuntimeError):
@@ -44,7 +44,7 @@ class DominoPredictor:
         started = time.time()
         import torch
 
-        from domino_ray.engine_loop import EngineLoop
+        from domino_ray.engine.loop import EngineLoop
         from domino_ray.llm import load_engine
 
         engine, _ = load_engine(cfg.model, cfg.draft if use_draft else None, cfg.generation, cfg.runtime)

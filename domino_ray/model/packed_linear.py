@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from domino_ray import cpu_kernels
+from domino_ray.backend import library
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +97,7 @@ def can_pack(model: nn.Module) -> bool:
     weight = next(model.parameters(), None)
     return (weight is not None and weight.device.type == "cpu" and weight.dtype == torch.float32
             and torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
-            and cpu_kernels.kernels_loaded())
+            and library.kernels_loaded())
 
 
 def pack_linears(*models: nn.Module | None, budget_share: float = 0.25) -> int:

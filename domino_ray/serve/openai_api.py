@@ -15,9 +15,9 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from domino_ray.request import Completion
-from domino_ray.sampling_params import SAMPLING_CHECKS, SamplingParams, invalid_value, is_int
-from domino_ray.target import encode_prompt
+from domino_ray.engine.request import Completion
+from domino_ray.spec.sampling_params import SAMPLING_CHECKS, SamplingParams, invalid_value, is_int
+from domino_ray.model.target import encode_prompt
 
 MAX_STOP_STRINGS = 16
 SSE_DONE = "data: [DONE]\n\n"

@@ -32,12 +32,12 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from domino_ray.draft import DominoDraft, DraftConfig, default_target_layer_ids
-from domino_ray.engine import SpecEngine
-from domino_ray.request import Request
-from domino_ray.proposer import DominoProposer
-from domino_ray.sampling_params import SamplingParams
-from domino_ray.stats import per_position_acceptance, total_stats
+from domino_ray.spec.draft import DominoDraft, DraftConfig, default_target_layer_ids
+from domino_ray.engine.spec_engine import SpecEngine
+from domino_ray.engine.request import Request
+from domino_ray.spec.proposer import DominoProposer
+from domino_ray.spec.sampling_params import SamplingParams
+from domino_ray.spec.stats import per_position_acceptance, total_stats
 
 
 @dataclass

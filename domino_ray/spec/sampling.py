@@ -8,9 +8,9 @@ from typing import Iterable, Sequence
 
 import torch
 
-from domino_ray.rng import counter_uniforms
-from domino_ray.sampling_params import SamplingParams
-from domino_ray.verify import greedy_accept, rejection_accept
+from domino_ray.spec.rng import counter_uniforms
+from domino_ray.spec.sampling_params import SamplingParams
+from domino_ray.spec.verify import greedy_accept, rejection_accept
 
 
 def sampling_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,

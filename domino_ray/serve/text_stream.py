@@ -10,10 +10,10 @@ import dataclasses
 from dataclasses import dataclass
 from typing import AsyncIterator
 
-from domino_ray.request import Completion, Request
-from domino_ray.engine_loop import EngineDead, EngineLoop, QueueFull
-from domino_ray.openai_api import APIError, ParsedRequest
-from domino_ray.stats import RowStats
+from domino_ray.engine.request import Completion, Request
+from domino_ray.engine.loop import EngineDead, EngineLoop, QueueFull
+from domino_ray.serve.openai_api import APIError, ParsedRequest
+from domino_ray.spec.stats import RowStats
 
 
 @dataclass

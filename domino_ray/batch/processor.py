@@ -1,6 +1,6 @@
 """Domino as a Ray Data stage, shaped like Ray Data LLM's processors (README "From Ray Data LLM").
 
-    from domino_ray.ray_processor import DominoEngineProcessorConfig, build_processor
+    from domino_ray.batch.processor import DominoEngineProcessorConfig, build_processor
 
     config = DominoEngineProcessorConfig(model_source="Qwen/Qwen3-4B", draft_source="Huang2020/Qwen3-4B-Domino-b16",
                                          engine_kwargs={"dtype": "bfloat16", "max_batch_size": "auto"},
@@ -36,8 +36,8 @@ import pyarrow as pa
 import ray
 
 from domino_ray.config import ConfigError, JobConfig, load_config
-from domino_ray.ray_predictor import DominoPredictor
-from domino_ray.text_stages import detokenize_batch, tokenize_batch
+from domino_ray.batch.predictor import DominoPredictor
+from domino_ray.batch.text_stages import detokenize_batch, tokenize_batch
 
 # engine_kwargs may set keys of these config sections, as `section.key` or a bare `key` that names one.
 ENGINE_SECTIONS = ("model", "draft", "generation", "runtime", "input")

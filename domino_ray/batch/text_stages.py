@@ -16,8 +16,8 @@ import functools
 import pyarrow as pa
 
 from domino_ray.config import JobConfig
-from domino_ray.sampling_params import generation_defaults
-from domino_ray.schema import RowError, is_null, output_table, read_row, row_params, with_columns
+from domino_ray.spec.sampling_params import generation_defaults
+from domino_ray.batch.schema import RowError, is_null, output_table, read_row, row_params, with_columns
 
 
 class RowFailed(RuntimeError):
@@ -28,7 +28,7 @@ class RowFailed(RuntimeError):
 def _tokenizer(source: str):
     """One tokenizer per worker process and source: Ray reuses task workers, so loading (and importing
     transformers, seconds) happens once per process, not per batch."""
-    from domino_ray.target import load_tokenizer
+    from domino_ray.model.target import load_tokenizer
 
     return load_tokenizer(source)
 
@@ -48,7 +48,7 @@ def tokenize_batch(batch: pa.Table, cfg: JobConfig) -> pa.Table:
 
 
 def _encode(row: dict, cfg: JobConfig, tokenizer, base) -> tuple[str | None, list[int], str | None]:
-    from domino_ray.target import encode_prompt
+    from domino_ray.model.target import encode_prompt
 
     ic, m = cfg.input, cfg.model
     prompt = None
@@ -82,7 +82,7 @@ def detokenize_batch(batch: pa.Table, cfg: JobConfig, *, detokenize: bool = True
     reasons = batch.column("finish_reason").to_pylist()
     texts = [""] * batch.num_rows
     if detokenize:
-        from domino_ray.target import decode
+        from domino_ray.model.target import decode
 
         tokenizer = _tokenizer(cfg.model.tokenizer or cfg.model.source)
         for i, tokens in enumerate(batch.column("generated_tokens").to_pylist()):

@@ -1,0 +1,2 @@
+"""The CPU backend: our C++ ops (`csrc/`), their build for this machine (`library.py`), the one Python module that
+names them (`ops.py`), and glibc's allocator settings (`malloc.py`). Imports torch and nothing of ours."""
