@@ -27,11 +27,12 @@ MODELS = {"smollm2": (30, 3, 3, 64), "qwen3-4b": (36, 8, 4, 128)}
 
 
 def sweep(model: str, rows: int, keys: list[int], positions: list[int], seed: int = 0):
-    from domino_ray.backend.library import decode_attention_op
+    from domino_ray.backend import ops
+    from domino_ray.backend.library import kernels_loaded
     from domino_ray.model.kv_cache import query_limits, visible_keys
 
-    op = decode_attention_op()
-    if op is None:
+    op = ops.decode_attention
+    if not kernels_loaded():
         raise SystemExit("the kernel did not build here (see the warning above)")
     layers, heads, groups, dim = MODELS[model]
     gen = torch.Generator().manual_seed(seed)

@@ -41,6 +41,7 @@ class MKLPackedLinear(nn.Linear):
 
 
 def sweep(rows: list[int], layers: int = LAYERS, seed: int = 0):
+    from domino_ray.backend import ops
     from domino_ray.backend.library import kernels_loaded
 
     if not kernels_loaded():
@@ -49,11 +50,11 @@ def sweep(rows: list[int], layers: int = LAYERS, seed: int = 0):
     shapes = LAYER_SHAPES * layers + [HEAD]
     weights = [torch.randn(s, generator=gen) / s[1] ** 0.5 for s in shapes]
     mkl = [torch.ops.mkl._mkl_reorder_linear_weight(w, MKL_PACKED_FOR) for w in weights]
-    ours = [torch.ops.domino_ray.pack_linear(w) for w in weights]
+    ours = [ops.pack_linear(w) for w in weights]
     kernels = {
         "F.linear": lambda x, i, m: F.linear(x, weights[i]),
         "MKL packed": lambda x, i, m: torch.ops.mkl._mkl_linear(x, mkl[i], weights[i], None, m),
-        "ours": lambda x, i, m: torch.ops.domino_ray.linear(x, ours[i], weights[i].shape[0], None),
+        "ours": lambda x, i, m: ops.linear(x, ours[i], weights[i].shape[0], None),
     }
 
     def passes(m: int, kernel) -> float:

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from domino_ray.backend import library
+from domino_ray.model import kv_cache
 from domino_ray.model import target_forward
 from domino_ray.model.packed_linear import pack_linears
 from domino_ray.engine.spec_engine import SpecEngine
@@ -270,10 +270,10 @@ def test_layers_outside_the_family_or_with_hooks_keep_hf_forward():
 def test_kv_write_puts_each_row_at_its_own_positions(op, monkeypatch):
     ran = []
     if op == "torch":  # the path for other dtypes and devices, and where our kernels do not build
-        monkeypatch.setattr(library, "kv_write", lambda *args: False)
+        monkeypatch.setattr(kv_cache, "kv_write", lambda *args: False)
     else:
-        ours = library.kv_write
-        monkeypatch.setattr(library, "kv_write", lambda *args: ran.append(ours(*args)) or ran[-1])
+        ours = kv_cache.kv_write
+        monkeypatch.setattr(kv_cache, "kv_write", lambda *args: ran.append(ours(*args)) or ran[-1])
     kv = KVBuffers(2, 4, 16, 2, 3, torch.float32, "cpu")
     index = torch.tensor([[5, 6], [0, 1], [9, 10]])        # [b, q] for slots 1..3
     keys = torch.randn(3, 2, 2, 3)                          # [b, Hkv, q, D]

@@ -1,25 +1,4 @@
-"""Our CPU kernels (`csrc/`), built once per machine: decode attention, RMSNorm, the rotary embedding and linear
-layers at decode batch sizes (`cpu_linear.py`).
-
-Decode attention (`csrc/decode_attention.cpp`): torch's CPU attention reads a decode step's keys at about half
-the rate two cores stream them (BENCHMARKS "Our decode-attention kernel"): each (row, K/V head) is a handful of
-queries against a few hundred KB of keys, a shape SDPA's flash kernel and the matmul formulations handle with
-GEMM machinery built for larger ones. The kernel reads every key and value once for all the queries of its K/V
-group and takes each query's key limit instead of a mask. For head sizes in multiples of 8; which attention reads
-a set of K/V buffers is decided when they are made (`KVBuffers.kernel`), through `kv_cache.row_attention`.
-
-RMSNorm and the rotary embedding (`csrc/layer_ops.cpp`): HF's are 8 and 9 dispatched torch ops, and at the rows
-a CPU engine decodes each op's overhead outweighs its arithmetic (BENCHMARKS "Our layer ops and linear kernel").
-`rms_norm` and `rotary` run one op each on fp32 CPU tensors and HF's ops on anything else
-(`fused_layers.FusedLayer`; the draft's own norms and rotary embedding too, through `takes`). So does `kv_write`,
-a step's new keys and values into the KV buffers (`KVBuffers.write`, target and draft): torch's `index_copy_` of
-the transposed keys was 8 ops a layer, and its call cost grows cold: ~50 us after a linear layer's weights have
-streamed through the caches, 5 us hot (SmolLM2 at 16 rows, a layer's write in the engine: 71-75 us against 22-24
-for ours, `work/kvw/percall.py`).
-
-A whole Llama-family layer of a decode step (`csrc/decode_layer.cpp`, `fused_layers.FusedLayer`): the ops above and
-the linear kernel called from C++ (their entry points in `csrc/ops.h`), the views as pointer arithmetic. So the draft's
-context update (`context_update`, same file) and the Domino head's corrections (`csrc/domino_head.cpp`).
+"""Our CPU kernels' library (`csrc/`), built once per machine and loaded into torch (`ops.py` calls its ops).
 
 All fp32 and CPU only; CUDA, other dtypes and a machine where they do not build keep torch's ops. Built with
 the machine's C++ compiler for its own CPU (`-march=native`) into `~/.cache/domino-ray/kernels` (or
@@ -50,54 +29,9 @@ HEADERS = [CSRC / "vectors.h", CSRC / "ops.h"]
 STALE_LOCK_S = 600  # a build takes ~10-20 s; a lock this old is left by a killed one
 
 
-def kernel_enabled(device: torch.device | str, dtype: torch.dtype, head_dim: int) -> bool:
-    """Whether attention over K/V of `head_dim` on `device` in `dtype` runs our kernel (fp32 on CPU, head sizes
-    in multiples of its 8-float vectors, where it built)."""
-    return (torch.device(device).type == "cpu" and dtype == torch.float32 and head_dim % 8 == 0
-            and decode_attention_op() is not None)
-
-
-def decode_attention_op():
-    """`torch.ops.domino_ray.decode_attention`; None where our kernels are off or do not build."""
-    return torch.ops.domino_ray.decode_attention if kernels_loaded() else None
-
-
-# HF's RMSNorm classes: `weight * (x * rsqrt(mean(x^2) + variance_epsilon))`, what our `rms_norm` op computes.
-RMS_NORMS = {"LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"}
-
-
-def rms_norm(norm, x: torch.Tensor) -> torch.Tensor:
-    """`norm(x)`: one op for an HF RMSNorm module (`RMS_NORMS`) on fp32 CPU tensors, the module's own forward
-    otherwise (any other norm, other devices and dtypes, and wherever autograd records: the op has no backward)."""
-    if type(norm).__name__ in RMS_NORMS and takes(x, norm.weight):
-        return torch.ops.domino_ray.rms_norm(x, norm.weight, norm.variance_epsilon)
-    return norm(x)
-
-
-def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """`draft.apply_rotary(x, cos, sin, head_axis=2)` for x `[b, q, H, D]`, cos/sin `[b, q, D]`: one op on fp32 CPU
-    tensors with D a multiple of 16, torch's ops otherwise."""
-    if x.shape[-1] % 16 == 0 and takes(x, cos):
-        return torch.ops.domino_ray.rotary(x, cos, sin)
-    from domino_ray.spec.draft import apply_rotary  # here: draft imports kv_cache, which imports this module
-
-    return apply_rotary(x, cos, sin, head_axis=2)
-
-
-def kv_write(key_buffer: torch.Tensor, value_buffer: torch.Tensor, at: torch.Tensor, keys: torch.Tensor,
-             values: torch.Tensor) -> bool:
-    """`keys/values [b, Hkv, q, D]` into rows `at` of the buffers seen as `[rows, D]` (`kv_cache.KVBuffers.write`) as
-    one op, on fp32 CPU tensors with the last dims contiguous; False (nothing written) otherwise."""
-    if not (takes(keys, values) and key_buffer.dtype == keys.dtype and key_buffer.is_contiguous()
-            and value_buffer.is_contiguous() and keys.stride(-1) == 1 and values.stride(-1) == 1):
-        return False
-    torch.ops.domino_ray.kv_write(key_buffer, value_buffer, at, keys, values)
-    return True
-
-
 def takes(x: torch.Tensor, other: torch.Tensor) -> bool:
-    """Whether our layer ops run on `x` (with `other`, the norm's weight or the rotary table): fp32 on CPU, nothing
-    for autograd to record."""
+    """Whether our ops run on `x` (with `other`, e.g. a norm's weight or the rotary table): fp32 on CPU, nothing for
+    autograd to record (the ops have no backward), the library loaded."""
     recording = torch.is_grad_enabled() and (x.requires_grad or other.requires_grad)
     return x.dtype == torch.float32 and x.device.type == "cpu" and not recording and kernels_loaded()
 

@@ -20,7 +20,7 @@ import ray
 from domino_ray.config import JobConfig
 from domino_ray.engine.loop import EngineDead
 from domino_ray.engine.request import Request
-from domino_ray.spec.sampling_params import generation_defaults
+from domino_ray.config import generation_defaults
 from domino_ray.batch.schema import RowError, engine_columns, error_row, ok_row, row_params, with_columns
 
 

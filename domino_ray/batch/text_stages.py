@@ -16,7 +16,7 @@ import functools
 import pyarrow as pa
 
 from domino_ray.config import JobConfig
-from domino_ray.spec.sampling_params import generation_defaults
+from domino_ray.config import generation_defaults
 from domino_ray.batch.schema import RowError, is_null, output_table, read_row, row_params, with_columns
 
 

@@ -26,7 +26,8 @@ import weakref
 import torch
 from torch import nn
 
-from domino_ray.backend.library import RMS_NORMS, rms_norm, rotary
+from domino_ray.backend import ops
+from domino_ray.model.layer_ops import RMS_NORMS, rms_norm, rotary
 from domino_ray.model.packed_linear import packed_states
 from domino_ray.model.target_forward import engine_attention, one_op_step
 
@@ -113,8 +114,8 @@ class FusedLayer(nn.Module):
         if args is None:
             return None
         buffers, layer = step.buffers, self.layer_idx
-        return torch.ops.domino_ray.decode_layer(hidden, *args, buffers.keys[layer], buffers.values[layer],
-                                                 step.write_at, *position_embeddings, *step.key_group_args)
+        return ops.decode_layer(hidden, *args, buffers.keys[layer], buffers.values[layer], step.write_at,
+                                *position_embeddings, *step.key_group_args)
 
     def decode_layer_args(self) -> tuple | None:
         """`decode_layer`'s weights, shape and scalars, built once (per layer and step the Python around the op was ~60

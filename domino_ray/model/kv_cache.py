@@ -10,7 +10,7 @@ drafts; the limit hides them and the next step overwrites them, so a rejection c
 
 Attention is GQA-native: the query heads that share a K/V head are folded into the query axis
 (`[b, Hkv, G*q, D]`), so K and V are read as stored, never repeated per query head. On CPU in fp32 it is our
-kernel (`cpu_kernels.py`), which takes each query's key limit; elsewhere SDPA with an additive mask.
+kernel (`backend/ops.py`), which takes each query's key limit; elsewhere SDPA with an additive mask.
 """
 
 from __future__ import annotations
@@ -18,7 +18,25 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from domino_ray.backend import library
+from domino_ray.backend import ops
+from domino_ray.backend.library import kernels_loaded, takes
+
+
+def kernel_enabled(device: torch.device | str, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether attention over K/V of `head_dim` on `device` in `dtype` runs our kernel (fp32 on CPU, head sizes
+    in multiples of its 8-float vectors, where it built)."""
+    return torch.device(device).type == "cpu" and dtype == torch.float32 and head_dim % 8 == 0 and kernels_loaded()
+
+
+def kv_write(key_buffer: torch.Tensor, value_buffer: torch.Tensor, at: torch.Tensor, keys: torch.Tensor,
+             values: torch.Tensor) -> bool:
+    """`keys/values [b, Hkv, q, D]` into rows `at` of the buffers seen as `[rows, D]` (`KVBuffers.write`) as our one
+    op, on fp32 CPU tensors with the last dims contiguous; False (nothing written) otherwise."""
+    if not (takes(keys, values) and key_buffer.dtype == keys.dtype and key_buffer.is_contiguous()
+            and value_buffer.is_contiguous() and keys.stride(-1) == 1 and values.stride(-1) == 1):
+        return False
+    ops.kv_write(key_buffer, value_buffer, at, keys, values)
+    return True
 
 
 class KVBuffers:
@@ -35,7 +53,7 @@ class KVBuffers:
         self.max_len = max_len
         # Attended by our CPU kernel (key limits) or SDPA (masks): `group_visibility`. Decided (and the kernel
         # built or loaded) here, once, before any step is timed.
-        self.kernel = library.kernel_enabled(device, dtype, head_dim)
+        self.kernel = kernel_enabled(device, dtype, head_dim)
 
     @property
     def nbytes(self) -> int:
@@ -57,8 +75,8 @@ class KVBuffers:
 
     def write(self, layer: int, at: torch.Tensor, keys: torch.Tensor, values: torch.Tensor):
         """`keys/values [b, Hkv, q, D]` to the positions `at` of layer `layer` (`flat_index`): one op of ours on fp32
-        CPU tensors (`cpu_kernels.kv_write`), torch's otherwise."""
-        if library.kv_write(self.keys[layer], self.values[layer], at, keys, values):
+        CPU tensors (`kv_write`), torch's otherwise."""
+        if kv_write(self.keys[layer], self.values[layer], at, keys, values):
             return
         d = keys.shape[-1]
         self.keys[layer].view(-1, d).index_copy_(0, at, keys.transpose(1, 2).reshape(-1, d))
@@ -151,7 +169,7 @@ def row_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     r, h, q, d = query.shape
     folded = query.reshape(r, keys.shape[1], -1, d)  # [r, Hkv, G*q, D]: heads of a group are adjacent
     if visible.dtype == torch.int64:
-        out = library.decode_attention_op()(folded, keys, values, visible, scale)
+        out = ops.decode_attention(folded, keys, values, visible, scale)
     else:
         out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=visible, scale=scale)
     return out.reshape(r, h, q, d).transpose(1, 2)

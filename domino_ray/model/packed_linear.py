@@ -26,7 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from domino_ray.backend import library
+from domino_ray.backend import ops
+from domino_ray.backend.library import kernels_loaded
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ class PackedLinear(nn.Linear):
 
     def pack(self):
         weight = self.weight.detach()
-        self.packed_weight = torch.ops.domino_ray.pack_linear(weight)
+        self.packed_weight = ops.pack_linear(weight)
         self.mkl_weight = torch.ops.mkl._mkl_reorder_linear_weight(weight, MKL_PACKED_FOR)
         self.packed_from = (weight.data_ptr(), self.weight._version)
 
@@ -65,7 +66,7 @@ class PackedLinear(nn.Linear):
         if recording or not OUR_ROWS.start <= rows < MKL_ROWS.stop:
             return F.linear(x, self.weight, self.bias)
         if rows in OUR_ROWS:
-            return torch.ops.domino_ray.linear(x, self.current_pack(), self.out_features, self.bias)
+            return ops.linear(x, self.current_pack(), self.out_features, self.bias)
         self.current_pack()
         # The op's last argument must equal the input's rows, or it runs F.linear on the unpacked weight.
         return torch.ops.mkl._mkl_linear(x, self.mkl_weight, self.weight, self.bias, rows)
@@ -97,7 +98,7 @@ def can_pack(model: nn.Module) -> bool:
     weight = next(model.parameters(), None)
     return (weight is not None and weight.device.type == "cpu" and weight.dtype == torch.float32
             and torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
-            and library.kernels_loaded())
+            and kernels_loaded())
 
 
 def pack_linears(*models: nn.Module | None, budget_share: float = 0.25) -> int:

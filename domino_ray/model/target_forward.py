@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from domino_ray.backend.library import rms_norm
+from domino_ray.backend import ops
+from domino_ray.model.layer_ops import rms_norm
 from domino_ray.model.packed_linear import one_op_layers
 from domino_ray.model.kv_cache import KVBuffers, causal_prefill_attention, decode_layer_groups, grouped_attention
 
@@ -158,8 +159,8 @@ def run_decoder(decoder, layers, input_ids: torch.Tensor, positions: torch.Tenso
     one_op = one_op_args(layers, hidden, attention)
     if one_op is not None:  # every layer in one call; the last layer's tap is the normed output (below)
         inner = _inner_taps(tap_layers, len(layers))
-        hidden, *outputs = torch.ops.domino_ray.decode_layers(hidden, *one_op, attention.write_at, *rotary,
-                                                               *attention.key_group_args, inner)
+        hidden, *outputs = ops.decode_layers(hidden, *one_op, attention.write_at, *rotary, *attention.key_group_args,
+                                             inner)
         taps.update(zip(inner, outputs))
     else:
         for i, layer in enumerate(layers):

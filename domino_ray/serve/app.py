@@ -39,7 +39,7 @@ from domino_ray.engine.loop import EngineLoop
 from domino_ray.llm import load_engine
 from domino_ray.serve.openai_api import (SSE_DONE, APIError, ModelSpec, chunk_body, models_body, parse_request,
                                          response_body, sse, usage_chunk_body)
-from domino_ray.spec.sampling_params import generation_defaults
+from domino_ray.config import generation_defaults
 from domino_ray.serve.text_stream import Piece, generate
 
 logger = logging.getLogger("ray.serve")

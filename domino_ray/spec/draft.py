@@ -22,7 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from domino_ray.backend import library
+from domino_ray.backend import ops
+from domino_ray.backend.library import takes
+from domino_ray.model import layer_ops
 from domino_ray.model.packed_linear import OUR_ROWS, PackedLinear
 from domino_ray.model.kv_cache import row_attention
 from domino_ray.spec.verify import greedy_choice
@@ -82,8 +84,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if library.takes(x, self.weight):  # one op instead of eight (fp32 CPU inference)
-            return torch.ops.domino_ray.rms_norm(x, self.weight, self.eps)
+        if takes(x, self.weight):  # one op instead of eight (fp32 CPU inference)
+            return ops.rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -96,14 +98,6 @@ def rotary(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dt
     freqs = positions[..., None].float() * inv_freq  # [b, q, D/2]
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_axis: int = 1) -> torch.Tensor:
-    """x `[b, H, q, D]` (`head_axis` 1) or `[b, q, H, D]` (2), cos/sin `[b, q, D]`: HF's rotary embedding, op for op
-    (`x * cos + rotate_half(x) * sin`)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos.unsqueeze(head_axis) + rotated * sin.unsqueeze(head_axis)
 
 
 class DraftAttention(nn.Module):
@@ -123,12 +117,12 @@ class DraftAttention(nn.Module):
         b, q, _ = x.shape
         k = self.k_norm(self.k_proj(x).view(b, q, self.num_kv_heads, self.head_dim))  # [b, q, Hkv, D]
         v = self.v_proj(x).view(b, q, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        return library.rotary(k, cos, sin).transpose(1, 2), v
+        return layer_ops.rotary(k, cos, sin).transpose(1, 2), v
 
     def query(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, q, _ = x.shape
         qs = self.q_norm(self.q_proj(x).view(b, q, self.num_heads, self.head_dim))  # [b, q, H, D]
-        return library.rotary(qs, cos, sin).transpose(1, 2)  # [b, H, q, D]
+        return layer_ops.rotary(qs, cos, sin).transpose(1, 2)  # [b, H, q, D]
 
     def output(self, attended: torch.Tensor) -> torch.Tensor:
         """Attention output `[b, q, H, D]` -> `[b, q, C]`."""
@@ -165,7 +159,7 @@ def context_keys_values(context: torch.Tensor, weights, eps: float, head_dim: in
     k = k.float()
     k = k_norm[:, None, :] * (k * torch.rsqrt(k.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
     k, v = k.permute(2, 0, 3, 1, 4), v.permute(2, 0, 3, 1, 4)                           # [L, b, Hkv, q, D]
-    return apply_rotary(k, cos, sin), v
+    return layer_ops.apply_rotary(k, cos, sin), v
 
 
 class DraftMLP(nn.Module):
@@ -281,7 +275,7 @@ class DominoDraft(nn.Module):
             return tokens[0]
         fc1, fc2 = self.embed_proj[0], self.embed_proj[2]
         if one_op_head(z, base, fc2, embed):  # the loop below as our op, the same calls from C++ (`domino_head.cpp`)
-            corrected = torch.ops.domino_ray.domino_corrections(
+            corrected = ops.domino_corrections(
                 z, base, anchor, tokens[0], embed.weight, self.prefix_gru.weight_ih_l0, self.prefix_gru.weight_hh_l0,
                 fc1.weight, fc2.current_pack(), fc2.out_features, self.d2t if self.config.has_d2t else None, num_draft)
             return torch.cat([tokens[0], corrected], 1)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import torch
 
+from domino_ray.backend import ops
 from domino_ray.spec.checkpoint import check_against_target
 from domino_ray.model.packed_linear import one_op_layers, packed_states
 from domino_ray.spec.draft import DominoDraft, context_key_value_weights, context_keys_values, resolve_num_spec_tokens
@@ -80,8 +81,8 @@ class DominoProposer:
         ours = one_op_layers(self.kv.kernel, taps.shape[0] * taps.shape[1]) and taps.dtype == torch.float32
         native = self._native_context() if ours else None
         if native is not None:  # one op of ours for ~25 torch ops (`decode_layer.cpp`; demo pair, 1 row: 356 -> 200 us)
-            torch.ops.domino_ray.context_update(taps, *native, self.kv.keys, self.kv.values,
-                                                self.kv.flat_index(rows, positions), cos, sin)
+            ops.context_update(taps, *native, self.kv.keys, self.kv.values, self.kv.flat_index(rows, positions), cos,
+                               sin)
             return
         context = self.draft.project_context(taps)  # [b, q, C]
         k, v = context_keys_values(context, self.context_weights, self.config.rms_norm_eps, self.config.head_dim, cos, sin)
@@ -97,7 +98,7 @@ class DominoProposer:
             return None
         if self._context_native is None or self._context_native[0] != state:
             weight, bias, k_norm = self.context_weights
-            weights = [fc.current_pack(), fc.bias, norm.weight, torch.ops.domino_ray.pack_linear(weight), bias, k_norm]
+            weights = [fc.current_pack(), fc.bias, norm.weight, ops.pack_linear(weight), bias, k_norm]
             self._context_native = (state, (weights, [cfg.hidden_size, cfg.num_key_value_heads, cfg.head_dim],
                                             [norm.eps, cfg.rms_norm_eps]))
         return self._context_native[1]
@@ -125,8 +126,8 @@ class DominoProposer:
         if native is None:
             hidden = self.draft.run_layers(block, cos, sin, attend_layer)  # [r, S, C]
         else:  # the layers as our one op, all in one call (`csrc/decode_layer.cpp`): the draft's layers are Qwen3's
-            hidden, = torch.ops.domino_ray.decode_layers(block, *native, self.kv.keys, self.kv.values, write_at, cos,
-                                                         sin, *decode_layer_groups(key_groups, visible), [])
+            hidden, = ops.decode_layers(block, *native, self.kv.keys, self.kv.values, write_at, cos, sin,
+                                        *decode_layer_groups(key_groups, visible), [])
             hidden = self.draft.norm(hidden)
         return self.draft.draft_tokens(hidden, anchor, width, self.embed, self.lm_head)  # the GRU loop stops at W
 
@@ -156,7 +157,7 @@ def _decode_layer_args(layer) -> tuple[list, list[int], list[float]]:
     attn, mlp = layer.self_attn, layer.mlp
     fused = [(attn.q_proj, attn.k_proj, attn.v_proj), (mlp.gate_proj, mlp.up_proj)]
     (qkv, qkv_bias), (gate_up, _) = [
-        (torch.ops.domino_ray.pack_linear(torch.cat([m.weight.detach() for m in ms])),
+        (ops.pack_linear(torch.cat([m.weight.detach() for m in ms])),
          torch.cat([m.bias.detach() for m in ms]) if ms[0].bias is not None else None) for ms in fused]
     weights = [layer.input_layernorm.weight, qkv, qkv_bias, attn.o_proj.current_pack(), attn.o_proj.bias,
                layer.post_attention_layernorm.weight, gate_up, None, mlp.down_proj.current_pack(), None,

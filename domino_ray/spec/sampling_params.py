@@ -13,10 +13,7 @@ text is mostly noise: no use worth a second limit.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from domino_ray.config import GenerationConfig
+from typing import Any
 
 MAX_TEMPERATURE = 2.0
 
@@ -77,11 +74,3 @@ class SamplingParams:
     def stop_ids(self, eos_token_ids) -> frozenset[int]:
         """The ids that end this request: its own stop ids plus the model's EOS ids unless `ignore_eos`."""
         return frozenset(self.stop_token_ids) | (frozenset() if self.ignore_eos else frozenset(eos_token_ids))
-
-
-def generation_defaults(g: GenerationConfig) -> SamplingParams:
-    """The parameters of a batch row or Serve request that sets none of its own: the config's
-    `generation` section. No seed: a sampled batch row derives its own from `generation.seed` and its
-    id (schema.row_params), a request brings one or takes the engine's generator."""
-    return SamplingParams(max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p,
-                          top_k=g.top_k, stop_token_ids=tuple(g.stop_token_ids), ignore_eos=g.ignore_eos)
