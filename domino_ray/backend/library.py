@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / name for name in ("decode_attention.cpp", "layer_ops.cpp", "linear.cpp", "decode_layer.cpp",
-                                     "domino_head.cpp")]
+SOURCES = [CSRC / name for name in ("registration.cpp", "decode_attention.cpp", "layer_ops.cpp", "linear.cpp",
+                                     "decode_layer.cpp", "domino_head.cpp")]
 HEADERS = [CSRC / "vectors.h", CSRC / "ops.h"]
 STALE_LOCK_S = 600  # a build takes ~10-20 s; a lock this old is left by a killed one
 

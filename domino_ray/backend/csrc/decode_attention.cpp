@@ -14,7 +14,6 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
 
 #include "ops.h"
 #include "vectors.h"
@@ -213,9 +212,3 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& keys, con
 }
 
 }  // namespace domino_ray
-
-TORCH_LIBRARY(domino_ray, m) {
-  m.def("decode_attention(Tensor query, Tensor keys, Tensor values, Tensor limits, float scale) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(domino_ray, CPU, m) { m.impl("decode_attention", &domino_ray::decode_attention); }

@@ -14,7 +14,6 @@
 //          gate_up packed, gate_up bias?, down_proj packed, down_proj bias?, q_norm?, k_norm? (Qwen3)
 
 #include <ATen/ATen.h>
-#include <torch/library.h>
 
 #include <vector>
 
@@ -152,20 +151,3 @@ void context_update(const at::Tensor& taps, const c10::List<c10::optional<at::Te
 }
 
 }  // namespace domino_ray
-
-TORCH_LIBRARY_FRAGMENT(domino_ray, m) {
-  m.def("decode_layer(Tensor hidden, Tensor?[] weights, int[] shape, float[] scalars, Tensor(a!) key_buffer, "
-        "Tensor(b!) value_buffer, Tensor rows_at, Tensor cos, Tensor sin, int[] group_stops, int[] group_lengths, "
-        "Tensor[] limits) -> Tensor");
-  m.def("decode_layers(Tensor hidden, Tensor?[] weights, int[] shapes, float[] scalars, Tensor(a!)[] key_buffers, "
-        "Tensor(b!)[] value_buffers, Tensor rows_at, Tensor cos, Tensor sin, int[] group_stops, int[] group_lengths, "
-        "Tensor[] limits, int[] tap_layers) -> Tensor[]");
-  m.def("context_update(Tensor taps, Tensor?[] weights, int[] shape, float[] scalars, Tensor(a!)[] key_buffers, "
-        "Tensor(b!)[] value_buffers, Tensor rows_at, Tensor cos, Tensor sin) -> ()");
-}
-
-TORCH_LIBRARY_IMPL(domino_ray, CPU, m) {
-  m.impl("decode_layer", &domino_ray::decode_layer);
-  m.impl("decode_layers", &domino_ray::decode_layers);
-  m.impl("context_update", &domino_ray::context_update);
-}

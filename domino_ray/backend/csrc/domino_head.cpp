@@ -11,7 +11,6 @@
 //   -> drafts P..num_draft-1 [b, num_draft - P] (target ids)
 
 #include <ATen/ATen.h>
-#include <torch/library.h>
 
 #include <vector>
 
@@ -60,10 +59,3 @@ at::Tensor domino_corrections(const at::Tensor& z, const at::Tensor& base, const
 }
 
 }  // namespace domino_ray
-
-TORCH_LIBRARY_FRAGMENT(domino_ray, m) {
-  m.def("domino_corrections(Tensor z, Tensor base, Tensor anchor, Tensor prefix, Tensor embed, Tensor w_ih, "
-        "Tensor w_hh, Tensor fc1, Tensor fc2, int fc2_rows, Tensor? d2t, int num_draft) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(domino_ray, CPU, m) { m.impl("domino_corrections", &domino_ray::domino_corrections); }

@@ -15,7 +15,6 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
 
 #include "ops.h"
 #include "vectors.h"
@@ -134,15 +133,3 @@ void kv_write(at::Tensor key_buffer, at::Tensor value_buffer, const at::Tensor& 
 }
 
 }  // namespace domino_ray
-
-TORCH_LIBRARY_FRAGMENT(domino_ray, m) {
-  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
-  m.def("rotary(Tensor x, Tensor cos, Tensor sin) -> Tensor");
-  m.def("kv_write(Tensor(a!) key_buffer, Tensor(b!) value_buffer, Tensor at, Tensor keys, Tensor values) -> ()");
-}
-
-TORCH_LIBRARY_IMPL(domino_ray, CPU, m) {
-  m.impl("rms_norm", &domino_ray::rms_norm);
-  m.impl("rotary", &domino_ray::rotary);
-  m.impl("kv_write", &domino_ray::kv_write);
-}

@@ -15,7 +15,6 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
 
 #include "ops.h"
 #include "vectors.h"
@@ -187,13 +186,3 @@ at::Tensor linear(const at::Tensor& input, const at::Tensor& packed, int64_t n, 
 }
 
 }  // namespace domino_ray
-
-TORCH_LIBRARY_FRAGMENT(domino_ray, m) {
-  m.def("pack_linear(Tensor weight) -> Tensor");
-  m.def("linear(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(domino_ray, CPU, m) {
-  m.impl("pack_linear", &domino_ray::pack_linear);
-  m.impl("linear", &domino_ray::linear);
-}
