@@ -44,12 +44,12 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # runs from a plain checkout, no install
 from bench_engine_cpu import prompts_for  # noqa: E402
-from domino_ray.spec.checkpoint import parse_draft_config  # noqa: E402
-from domino_ray.spec.draft import DominoDraft  # noqa: E402
-from domino_ray.engine.spec_engine import SpecEngine  # noqa: E402
 from domino_ray.engine.memory import MAX_AUTO_SLOTS  # noqa: E402
-from domino_ray.spec.proposer import DominoProposer  # noqa: E402
 from domino_ray.engine.request import Request  # noqa: E402
+from domino_ray.engine.spec_engine import SpecEngine  # noqa: E402
+from domino_ray.spec.checkpoint_layouts import parse_draft_config  # noqa: E402
+from domino_ray.spec.draft import DominoDraft  # noqa: E402
+from domino_ray.spec.proposer import DominoProposer  # noqa: E402
 from domino_ray.spec.sampling_params import SamplingParams  # noqa: E402
 
 QWEN3_4B = dict(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,

@@ -8,10 +8,12 @@ from safetensors.torch import load_file, save_file
 
 from batch_fixtures import job_config, tiny_pair  # noqa: F401  (fixture)
 from checkpoint_layouts import write_dflash, write_hub_cache, write_speculators, write_speculators_domino
-from domino_ray.spec.checkpoint import CheckpointError, load_draft, parse_draft_config
-from domino_ray.config import ConfigError
-from domino_ray.spec.draft import DominoDraft, default_target_layer_ids
 from domino_ray.batch.preflight import check_models
+from domino_ray.config import ConfigError
+from domino_ray.spec.checkpoint import load_draft
+from domino_ray.spec.checkpoint_layouts import parse_draft_config
+from domino_ray.spec.checkpoint_sources import CheckpointError
+from domino_ray.spec.draft import DominoDraft, default_target_layer_ids
 from tiny_models import tiny_draft, tiny_target
 from oracles import corrected_logits_full_prefix
 
@@ -279,7 +281,7 @@ def fake_hub(monkeypatch, directory):
     import huggingface_hub
     from huggingface_hub.utils import SafetensorsFileMetadata, SafetensorsRepoMetadata, TensorInfo
 
-    from domino_ray.spec import checkpoint
+    from domino_ray.spec import checkpoint_sources
 
     raw = (directory / "model.safetensors").read_bytes()
     header = json.loads(raw[8:8 + int.from_bytes(raw[:8], "little")])
@@ -291,7 +293,7 @@ def fake_hub(monkeypatch, directory):
     ranges = []
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", lambda repo, name: str(directory / name))
     monkeypatch.setattr(huggingface_hub, "get_safetensors_metadata", lambda repo: meta)
-    monkeypatch.setattr(checkpoint, "_hub_range",
+    monkeypatch.setattr(checkpoint_sources, "_hub_range",
                         lambda repo, name, start, end: ranges.append((start, end)) or raw[start:end])
     return ranges
 

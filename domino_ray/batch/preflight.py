@@ -14,11 +14,12 @@ import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from domino_ray.spec.checkpoint import CheckpointError, check_draft, open_draft
-from domino_ray.config import ConfigError, InputConfig, JobConfig, to_dict
-from domino_ray.spec.draft import resolve_num_spec_tokens
 from domino_ray.batch.io import Location, list_parquet_files, overlap, resolve
 from domino_ray.batch.schema import GENERATED_NAMES, OVERRIDE_KEYS
+from domino_ray.config import ConfigError, InputConfig, JobConfig, to_dict
+from domino_ray.spec.checkpoint import check_draft
+from domino_ray.spec.checkpoint_sources import CheckpointError, open_draft
+from domino_ray.spec.draft import resolve_num_spec_tokens
 
 
 # Per-row columns users name like OpenAI / vLLM fields; only `input.sampling_column` overrides sampling.
