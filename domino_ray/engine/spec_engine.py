@@ -45,20 +45,20 @@ from typing import Callable, Hashable, Iterable
 
 import torch
 
-from domino_ray.model.packed_linear import pack_linears
 from domino_ray.backend.malloc import keep_freed_memory
-from domino_ray.model.fused_layers import fuse_layers
-from domino_ray.model.key_groups import GROUP_COST, Groups, KeyReads
-from domino_ray.model.key_groups import plan as plan_key_groups
-from domino_ray.model.kv_cache import KVBuffers, group_visibility
 from domino_ray.engine.memory import auto_slots, check_memory_fits, free_device_memory, memory_plan
 from domino_ray.engine.request import Completion, Request, Row, StepEvent, check_prompt
-from domino_ray.spec.sampling import RowSampling, sampling_mode
-from domino_ray.spec.stats import RowStats
 from domino_ray.engine.step_graphs import (StepGraphs, capture_steps, greedy_step_keys, key_buckets, row_buckets,
                                            use_cuda_graphs, verify_positions)
+from domino_ray.model.fused_layers import fuse_layers
+from domino_ray.model.key_groups import GROUP_COST, Groups, KeyReads, plan as plan_key_groups
+from domino_ray.model.kv_cache import KVBuffers, group_visibility
+from domino_ray.model.packed_linear import pack_linears
 from domino_ray.model.target_forward import RowAttention, install, rotary_table, run_decoder
-from domino_ray.spec.width_policy import StepCosts, WidthController, measure_step_costs, step_widths
+from domino_ray.spec.sampling import RowSampling, sampling_mode
+from domino_ray.spec.stats import RowStats
+from domino_ray.spec.width_costs import StepCosts, measure_step_costs, step_widths
+from domino_ray.spec.width_policy import WidthController
 
 log = logging.getLogger(__name__)
 

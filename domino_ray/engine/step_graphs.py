@@ -31,7 +31,7 @@ from typing import Callable, Hashable, Mapping, Sequence
 
 import torch
 
-from domino_ray.spec.width_policy import step_widths
+from domino_ray.spec.width_costs import step_widths
 
 log = logging.getLogger(__name__)
 
