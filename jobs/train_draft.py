@@ -26,13 +26,14 @@ from pathlib import Path
 
 import torch
 
-from domino_ray.spec.checkpoint import save_draft, save_draft_speculators
-from domino_ray.spec.draft import DominoDraft
 from domino_ray.model.target import (encode_prompt, load_target, load_tokenizer, resolve_device, resolve_dtype,
                                      stop_token_ids)
-from domino_ray.training.loop import (TrainConfig, backbone_only, draft_config_for, engine_acceptance, frequent_ids,
-                                      generate_sequences, init_pruned_vocabulary, sequence_features,
-                                      target_to_draft_ids, train_draft)
+from domino_ray.spec.checkpoint import save_draft, save_draft_speculators
+from domino_ray.spec.draft import DominoDraft
+from domino_ray.training.data import frequent_ids, generate_sequences, init_pruned_vocabulary, sequence_features
+from domino_ray.training.evaluation import backbone_only, engine_acceptance
+from domino_ray.training.loop import draft_config_for, train_draft
+from domino_ray.training.objective import TrainConfig, target_to_draft_ids
 
 
 def read_prompts(path: Path, column: str, limit: int | None) -> list[str]:
