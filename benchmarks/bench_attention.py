@@ -58,11 +58,11 @@ def sweep(model: str, rows: int, keys: list[int], positions: list[int], seed: in
 
 def engine_steps(rows: int):
     def settings(engine):
-        if not engine.kv.kernel:
+        if not engine.runner.kv.kernel:
             raise SystemExit("the engine's attention is not our kernel here (not fp32 on CPU, or it did not build)")
 
         def use(kernel: bool):
-            engine.kv.kernel = kernel  # what kv_cache.group_visibility reads each forward
+            engine.runner.kv.kernel = kernel  # what kv_cache.group_visibility reads each forward
         return {"our kernel": lambda: use(True), "SDPA + mask": lambda: use(False)}
 
     alternating_decode_steps(rows, settings)

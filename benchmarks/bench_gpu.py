@@ -296,8 +296,8 @@ def main():
     graph_report["forced"] = graph_counts(engine, at_start)
     r = engine.row_buckets[-1]
     groups = ((r, engine.capacity),)  # one key bucket, as graphed
-    steps = time_steps(engine, [("draft_step_ms", lambda: engine._draft_step(r, groups, k)),
-                                ("verify_step_ms", lambda: engine._verify_step(r, groups, k, False, False))])
+    steps = time_steps(engine, [("draft_step_ms", lambda: engine.runner.draft(r, groups, k)),
+                                ("verify_step_ms", lambda: engine.runner.verify(r, groups, k, False, False))])
     del engine, forced
     release_memory()
 

@@ -9,8 +9,9 @@ import pytest
 
 import torch
 
+from domino_ray.engine.context_ring import DEFERRED_STEPS
 from domino_ray.engine.request import Request
-from domino_ray.engine.spec_engine import DEFERRED_STEPS, SpecEngine
+from domino_ray.engine.spec_engine import SpecEngine
 from domino_ray.spec.proposer import DominoProposer
 from domino_ray.spec.sampling_params import SamplingParams
 from domino_ray.spec.width_costs import candidate_widths, smooth_costs, StepCosts
@@ -201,10 +202,10 @@ def test_an_admitted_prompt_reaches_the_draft_only_before_a_step_that_keeps_its_
                             width_costs={r: {w: 1.0 + w for w in range(K + 1)} for r in (1, 2)})
         engine.width.choose = lambda r, t, usable: (0, context)
         prefill, waiting = engine._prefill, []
-        engine._prefill = lambda *a: (first := prefill(*a), waiting.append(len(engine.pending_prompts)))[0]
+        engine._prefill = lambda *a: (first := prefill(*a), waiting.append(len(engine.ring.pending_prompts)))[0]
         out = engine.generate([Request(i, p, params) for i, p in enumerate(prompts)])
         assert [c.token_ids for c in out] == [hf_greedy(target, p, 12) for p in prompts]
-        assert all(waiting) and not engine.pending_prompts
+        assert all(waiting) and not engine.ring.pending_prompts
         prompt_feeds = sorted(q for slots, q, offsets in proposer.feeds if offsets == [0])  # a prompt from position 0
         assert prompt_feeds == (sorted(len(p) for p in prompts) if context else [])
         assert context or not proposer.feeds  # far off: nothing fed at all (a full ring drops its oldest)
@@ -241,7 +242,8 @@ def test_deferred_context_gives_the_draft_what_an_update_every_step_gives(target
         proposer = ContextRecorder(tiny_draft(target, block_size=K), target)
         engine = SpecEngine(target, proposer, max_rows=3, adaptive=True, width_costs=costs)
         assert engine.defer_context
-        engine.defer_context = defer
+        if not defer:  # the same engine, but its W = 0 steps feed their taps at once
+            engine.ring.deferred = None
         steps = iter(schedule * 20)
         engine.width.choose = lambda r, t, usable: (next(steps), True)
         out = engine.generate([Request(i, p, sp) for i, (p, sp) in enumerate(zip(prompts, params))])
@@ -304,9 +306,9 @@ def test_while_drafting_is_far_off_the_draft_context_keeps_the_prompt_and_the_la
         steps = iter(schedule * 20)
         engine.width.choose = lambda r, t, usable: next(steps) if skip else (next(steps)[0], True)
         prefill, waiting = engine._prefill, []
-        engine._prefill = lambda *a: (first := prefill(*a), waiting.append(len(engine.pending_prompts)))[0]
+        engine._prefill = lambda *a: (first := prefill(*a), waiting.append(len(engine.ring.pending_prompts)))[0]
         out = engine.generate([Request(i, p, sp) for i, (p, sp) in enumerate(zip(prompts, params))])
-        assert all(waiting) and not engine.pending_prompts  # each admission's prompts wait for a step, then none
+        assert all(waiting) and not engine.ring.pending_prompts  # each admission's prompts wait for a step, then none
         assert [c.token_ids for c in out] == [hf_greedy(target, p, sp.max_new_tokens) for p, sp in zip(prompts, params)]
         kept = [match for p, prompt, length, match in proposer.checked if p < prompt or p >= length - DEFERRED_STEPS]
         between = [match for p, prompt, length, match in proposer.checked if prompt <= p < length - DEFERRED_STEPS]
@@ -331,7 +333,7 @@ def test_a_step_keeping_no_taps_empties_the_ring(target):
     while engine.has_unfinished():
         for event in engine.step():
             out[event.request_id] += event.new_token_ids
-        held.append(len(engine.deferred))
+        held.append(len(engine.ring.deferred))
     assert held[:9] == [1, 2, 3, 4, 5, 0, 1, 2, 0]  # the admission's step, then one a step
     assert [out[i] for i in range(2)] == [hf_greedy(target, p, 30) for p in prompts]
 
@@ -348,10 +350,10 @@ def test_deferred_taps_are_in_the_memory_plan_of_eager_adaptive_engines_only(tar
         engine.add_request(Request(i, prompt, SamplingParams(max_new_tokens=DEFERRED_STEPS + 4, ignore_eos=True)))
     for _ in range(DEFERRED_STEPS + 2):
         engine.step()
-    assert len(engine.rows) == 3 and len(engine.deferred) == DEFERRED_STEPS
-    assert adaptive["deferred_taps"] == sum(t.nbytes for taps in engine.deferred for t in taps) > 0
+    assert len(engine.rows) == 3 and len(engine.ring.deferred) == DEFERRED_STEPS
+    assert adaptive["deferred_taps"] == sum(t.nbytes for taps in engine.ring.deferred for t in taps) > 0
     engine, fixed = plan()
-    assert "deferred_taps" not in fixed and engine.deferred is None
+    assert "deferred_taps" not in fixed and engine.ring.deferred is None
 
 
 def test_start_up_costs_time_rows_that_fill_the_keys_timed(target):
@@ -362,14 +364,14 @@ def test_start_up_costs_time_rows_that_fill_the_keys_timed(target):
     seen, device_step = [], engine._device_step
 
     def recording(r, key_groups, *args):
-        seen.append((key_groups[0][1], engine.lens[:r].tolist()))
+        seen.append((key_groups[0][1], engine.runner.lens[:r].tolist()))
         return device_step(r, key_groups, *args)
 
     engine._device_step = recording
     engine.measure_costs({1: [0, 2], 2: [0, 2]}, repeats=1)
     assert {t for t, _ in seen} == {engine._key_bucket(engine.span), engine.capacity}
     assert all(lens == [t - engine.span] * len(lens) for t, lens in seen), seen
-    assert engine.lens.tolist() == [0, 0]
+    assert engine.runner.lens.tolist() == [0, 0]
 
 
 def test_oracle_at_full_acceptance_verifies_the_full_block_at_batch_one(target):

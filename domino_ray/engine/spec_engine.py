@@ -18,13 +18,13 @@ does the draft's context. One step, for all active rows at once:
   2. verify: one target forward over `[anchor, d_1..d_W]` at positions `lens + 0..W`  -> [n, W+1, V]
   3. accept: `verify.py` picks a (accepted) and the bonus; `lens += a + 1`; the hidden states of the
      a + 1 newly committed positions become the draft's new context (an eager adaptive engine's W = 0
-     steps defer that: `DEFERRED_STEPS`). Rejected positions stay in the buffers beyond `lens` and are
+     steps defer that: `context_ring.py`). Rejected positions stay in the buffers beyond `lens` and are
      overwritten next step: nothing is cropped.
   4. one host sync: accepted counts and tokens; stop checks, statistics, finished rows leave.
 Target-only decoding is the same loop with K = 0 (no proposer): the baseline.
 
-Steps 1-3 are pure device work on fixed-address buffers with fixed shapes per *bucket*: the attended
-keys are padded to a key bucket (a multiple of `kv_chunk`; `step_graphs.key_buckets`) and, with CUDA
+Steps 1-3 are pure device work (`runner.py`) on fixed-address buffers with fixed shapes per *bucket*: the
+attended keys are padded to a key bucket (a multiple of `kv_chunk`; `step_graphs.key_buckets`) and, with CUDA
 graphs, the active rows to a row bucket (1, 2, 4, 8, ... up to R; eager steps run the active rows alone).
 Padding slots are free slots with `remaining == 0`: they compute but never advance, and the host never
 reads them. The slots are cut into a few contiguous ranges, each attending over its own
@@ -46,34 +46,22 @@ from typing import Callable, Hashable, Iterable
 import torch
 
 from domino_ray.backend.malloc import keep_freed_memory
+from domino_ray.engine.context_ring import DEFERRED_STEPS, ContextRing
 from domino_ray.engine.memory import auto_slots, check_memory_fits, free_device_memory, memory_plan
 from domino_ray.engine.request import Completion, Request, Row, StepEvent, check_prompt
+from domino_ray.engine.runner import StepRunner
 from domino_ray.engine.step_graphs import (StepGraphs, capture_steps, greedy_step_keys, key_buckets, row_buckets,
                                            use_cuda_graphs, verify_positions)
 from domino_ray.model.fused_layers import fuse_layers
 from domino_ray.model.key_groups import GROUP_COST, Groups, KeyReads, plan as plan_key_groups
-from domino_ray.model.kv_cache import KVBuffers, group_visibility
 from domino_ray.model.packed_linear import pack_linears
-from domino_ray.model.target_forward import RowAttention, install, rotary_table, run_decoder
-from domino_ray.spec.sampling import RowSampling, sampling_mode
+from domino_ray.model.target_forward import install
+from domino_ray.spec.sampling import sampling_mode
 from domino_ray.spec.stats import RowStats
 from domino_ray.spec.width_costs import StepCosts, measure_step_costs, step_widths
 from domino_ray.spec.width_policy import WidthController
 
 log = logging.getLogger(__name__)
-
-# An eager adaptive engine's W = 0 steps keep the target's taps (`deferred`) and feed the draft's context with up to
-# this many positions at once: before the next drafting step or admission, or when full. Fed one position at a time
-# the update is a small GEMM over the projection weights per step (SmolLM2 pair, 16 rows, CPU: 0.53 ms a position,
-# 0.22 ms in a batch of 8); with CUDA graphs it stays in the step (a graph per fill level would multiply the keys).
-# While drafting is far off (`WidthController.choose`: context False) a full ring drops its oldest position instead
-# of feeding: the draft's context then misses those positions but holds the last ones. So do a written-off draft's
-# steps while its re-probe is near: those come mid-row too, and the demo draft's first draft landed in 68 of 72 and 22
-# of 24 probes after 20 and 60 skipped steps with them, 42 of 72 and 9 of 24 without. Far from a re-probe (context None)
-# they keep none: its promise rises slowly as its counts decay, through near (taps kept) long before a probe. The ring
-# holds the tap layers' outputs themselves, joined at a feed (a written-off draft's W = 0 step on the demo target at
-# one row: +15 us over target-only so, +22 when they were copied into a buffer, +10 keeping none).
-DEFERRED_STEPS = 8
 
 
 class SpecEngine:
@@ -124,7 +112,6 @@ class SpecEngine:
         self.capacity = _round_up(self.max_model_len + self.span, self.kv_chunk)
         self.key_buckets = key_buckets(self.capacity, self.kv_chunk, graphs)
         self.adaptive = adaptive and k > 0
-        self.groups = cfg.num_attention_heads // cfg.num_key_value_heads
         self.cuda_graphs = graphs
         # Graphs need fixed shapes: a step's rows padded up to a row bucket. Eager steps run the active rows alone.
         self.pad_rows = graphs
@@ -142,7 +129,7 @@ class SpecEngine:
         self.max_rows = max_rows
         if self.device.type == "cuda":  # before allocating anything
             check_memory_fits(self.memory_plan(), free_device_memory(self.device), self.device, gpu_memory_utilization)
-        self._allocate(cfg, max_rows, k)
+        self._allocate(max_rows, k)
         self.rows: list[Row] = []      # active rows; rows[i] lives in slot i
         self.pending: deque[Row] = deque()
         self._running_ids: set = set()  # request ids of pending and active rows
@@ -159,39 +146,13 @@ class SpecEngine:
                      else self.measure_costs(self.widths))
             self.width = WidthController(k, max_rows, costs, lazy_context=self.defer_context)
 
-    def _allocate(self, cfg, r: int, k: int):
-        """The per-slot buffers, once: target KV, the proposer's state, row state, step outputs."""
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.kv = KVBuffers(cfg.num_hidden_layers, r, self.capacity, cfg.num_key_value_heads, head_dim,
-                            self.dtype, self.device)
-        self.tap_layers: tuple[int, ...] = ()
-        if self.proposer is not None:  # its target_layer_ids are in range: `checkpoint.check_against_target`
-            self.proposer.allocate(r, self.capacity)
-            self.tap_layers = tuple(self.proposer.target_layer_ids)
-        # W = 0 steps' taps not yet fed, oldest first: each step's tap-layer outputs `[r, 1, C]` (its rows then, the
-        # active rows first: admission feeds the ring first, so rows only leave meanwhile); they are the active rows'
-        # last `len(deferred)` positions. Full, a step's append drops the oldest (drafting far off).
-        self.deferred: deque[list[torch.Tensor]] | None = None
-        # Slot -> its prompt's taps `[1, m, F]` (a view: the prefill's taps stay alive meanwhile), for rows an eager
-        # adaptive engine admitted: fed before the next step that keeps the draft's context (drafting or not), never
-        # if none comes (a written-off draft's rows, drafting far off: feeding 16 prompts of the demo pair at admission
-        # took 7.8 ms, ~0.8% of a bench_policy 16-row run where the draft never drafts)
-        self.pending_prompts: dict[int, torch.Tensor] = {}
-        if self.defer_context:
-            self.deferred = deque(maxlen=DEFERRED_STEPS)
+    def _allocate(self, r: int, k: int):
+        """The per-slot state, once: the ring, the device buffers (target KV, the proposer's state, row state, step
+        outputs: `runner.py`), the step widths of each row bucket."""
+        self.ring = ContextRing(self.proposer, self.device, self.defer_context)  # the draft's context not fed yet
+        self.runner = StepRunner(self.target, self.layers, self.proposer, self.ring, rows=r, capacity=self.capacity)
         self.row_buckets = row_buckets(r)
         self.widths = step_widths(self.row_buckets, k, self.adaptive, self.cuda_graphs)  # {r: [W, ...]}
-        dev = self.device
-        self.lens = torch.zeros(r, dtype=torch.long, device=dev)       # [R] committed positions in the KV
-        self.anchor = torch.zeros(r, dtype=torch.long, device=dev)     # [R] last committed token
-        self.remaining = torch.zeros(r, dtype=torch.long, device=dev)  # [R] tokens the row may still emit; 0 = free
-        self.sampling = RowSampling(r, dev)
-        self.drafts = torch.zeros(r, k, dtype=torch.long, device=dev)  # [R, K] the draft step's output
-        self.packed = torch.zeros(r, k + 2, dtype=torch.long, device=dev)  # [R, 1 + K+1] accepted, tokens
-        self.packed_host = torch.zeros(r, k + 2, dtype=torch.long, pin_memory=dev.type == "cuda")
-        self.verify_offsets = torch.arange(k + 1, device=dev)        # [K+1]
-        self.key_positions = torch.arange(self.capacity, device=dev)  # [T]
-        self.cos_sin = rotary_table(self.decoder, self.capacity, self.dtype)  # ([T, D], [T, D]) or None
 
     def memory_plan(self, rows: int | None = None) -> dict[str, int]:
         """Bytes beyond the weights for this engine's sizes with `rows` slots (default: its own), `memory.memory_plan`."""
@@ -278,8 +239,7 @@ class SpecEngine:
             tokens += m
         if not batch:
             return
-        if self.deferred:  # the active rows' deferred positions are the same count only while no row joins
-            self._feed_deferred_context()
+        self.ring.before_admission(len(self.rows), self.runner.lens)
         lo = len(self.rows)
         first_tokens = self._prefill(batch, slice(lo, lo + len(batch))).tolist()  # host sync: the first tokens
         now = time.perf_counter()
@@ -294,29 +254,13 @@ class SpecEngine:
         sizes = [len(r.request.prompt_token_ids) for r in batch]
         ids = torch.tensor([t for r in batch for t in r.request.prompt_token_ids])[None]   # [1, N]
         ints = torch.tensor([[m, r.max_new - 1, end - 1] for m, r, end in zip(sizes, batch, accumulate(sizes))])
-        ints = ints.to(self.device)
-        lengths, last_token = ints[:, 0], ints[:, 2]
-        self.sampling.load(rows, [r.request.params for r in batch], [r.seed for r in batch])
         if self.width is not None:
             for slot in range(rows.start, rows.stop):
                 self.width.reset_slot(slot)
-        positions = torch.cat([self.key_positions[:m] for m in sizes])[None]  # [1, N]: every prompt starts at 0
-        hidden, taps = run_decoder(self.decoder, self.layers, ids.to(self.device), positions,
-                                   RowAttention(self.kv, write_index=positions, prefill_rows=rows,
-                                                prefill_lengths=tuple(sizes)), self.tap_layers, cos_sin=self.cos_sin)
-        last = hidden[0, last_token]  # [k, C]
-        # The first token is an acceptance step with zero drafts at the prompt's last position.
-        no_drafts = torch.zeros(len(batch), 0, dtype=torch.long, device=self.device)
-        _, first = self.sampling.accept(rows, self.lm_head(last)[:, None], no_drafts, torch.zeros_like(lengths),
-                                        (lengths - 1)[:, None], *sampling_mode(r.request.params for r in batch))
-        first = first[:, 0]  # [k]
+        first, taps = self.runner.prefill(ids, sizes, rows, ints.to(self.device), [r.request.params for r in batch],
+                                          [r.seed for r in batch], sampling_mode(r.request.params for r in batch))
         if taps is not None:
-            self.pending_prompts.update(zip(range(rows.start, rows.stop), taps.split(sizes, 1)))  # [1, m, F] each
-            if not self.defer_context:
-                self._feed_pending_prompts()
-        self.lens[rows] = lengths
-        self.anchor[rows] = first
-        self.remaining[rows] = ints[:, 1]
+            self.ring.add_prompts(rows, taps, sizes)
         return first
 
     def _decode(self, events: list[StepEvent]):
@@ -334,15 +278,9 @@ class SpecEngine:
         key_groups = self._key_groups(r, self.span if w else 1)  # may move rows between slots first
         usable = self._usable() if w else [0] * n  # in the slots' order after any move (the width was chosen before)
         started = time.perf_counter()
-        # Timed with the step that needs it: deferred W = 0 work then counts against a drafting width (conservative)
-        if self.deferred and (w or (context and len(self.deferred) == DEFERRED_STEPS)):
-            self._feed_deferred_context()
-        elif self.deferred and context is None:  # a step keeping no taps: the ring's are no longer the last positions
-            self.deferred.clear()
-        if self.pending_prompts and (w or context):
-            self._feed_pending_prompts()
+        self.ring.before_step(w, context, n, self.runner.lens)  # timed with the step that needs it
         timed = self._device_step(r, key_groups, w, sampled, filtered, context)
-        packed = self._read_packed(n, w)  # the step's one host sync
+        packed = self.runner.read_packed(n, w)  # the step's one host sync
         now = time.perf_counter()
         if self.width is not None:  # a step that captured a graph says nothing about its width's cost
             self.width.learn(r, t, w, now - started if timed else None, [a for a, *_ in packed] if w else (), usable)
@@ -365,28 +303,6 @@ class SpecEngine:
         buckets = [self._key_bucket(row.committed - 1 + span) for row in self.rows]
         return buckets + [self._key_bucket(span)] * (r - len(self.rows))
 
-    def _defers(self, w: int, context: bool | None) -> bool:
-        """Whether a step at width `w` keeps its taps for later (`DEFERRED_STEPS`) instead of feeding them (`context`
-        None: neither)."""
-        return not w and self.defer_context and context is not None
-
-    def _feed_pending_prompts(self):
-        """The draft's context of the prompts waiting in `pending_prompts`, prompt by prompt (padded together, each
-        would take the longest one's memory)."""
-        start = torch.zeros(1, dtype=torch.long, device=self.device)
-        for slot, prompt_taps in sorted(self.pending_prompts.items()):
-            self.proposer.append_context(slice(slot, slot + 1), prompt_taps, start)
-        self.pending_prompts.clear()
-
-    def _feed_deferred_context(self):
-        """The deferred taps into the draft's context, at once: the active rows' last `len(deferred)` positions (every
-        one of them decoded all the deferred steps, one position a step: admission feeds them first)."""
-        n, m = len(self.rows), len(self.deferred)
-        if n:
-            taps = torch.cat([torch.cat(step, -1)[:n] for step in self.deferred], 1)  # [n, m, F], oldest first
-            self.proposer.append_context(slice(0, n), taps, self.lens[:n] - m)
-        self.deferred.clear()
-
     def _usable(self) -> list[int]:
         """Drafts each active row's budget allows, in slot order (the bonus token always comes)."""
         return [row.max_new - len(row.tokens) - 1 for row in self.rows]
@@ -401,12 +317,12 @@ class SpecEngine:
         CUDA graph with graphs. False when that graph was captured now (the step's time is not a step's cost)."""
         def step():
             if w and not self.host_drafts:
-                self._draft_step(r, key_groups, w)
-            self._verify_step(r, key_groups, w, sampled, filtered, context)
+                self.runner.draft(r, key_groups, w)
+            self.runner.verify(r, key_groups, w, sampled, filtered, context)
 
         if w and self.host_drafts:  # test proposers: drafts from the rows' ids, so the whole step runs eagerly
-            self._draft_step(r, key_groups, w, [row.committed for row in self.rows],
-                             [row.request.request_id for row in self.rows])
+            self.runner.draft(r, key_groups, w, [row.committed for row in self.rows],
+                              [row.request.request_id for row in self.rows])
         if self.graphs is None or self.host_drafts:
             step()
             return True
@@ -418,9 +334,9 @@ class SpecEngine:
         free: padding rows, which the steps leave unchanged. Their lengths are set to fill the key bucket timed,
         since attention reads only the keys a row holds (the CPU kernel's key limits), then set back to 0."""
         def run_step(r: int, t: int, w: int):
-            self.lens[:r] = t - self.span  # a step writes `span` positions past a row's length
+            self.runner.lens[:r] = t - self.span  # a step writes `span` positions past a row's length
             self._device_step(r, ((r, t),), w, False, False, True)
-            self._read_packed(0, w)
+            self.runner.read_packed(0, w)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
 
@@ -428,53 +344,7 @@ class SpecEngine:
         try:
             return measure_step_costs(run_step, widths, lengths, repeats)
         finally:
-            self.lens.zero_()  # free slots are inert padding rows
-
-    # ---- the fixed-shape steps (device work only: no host syncs, no shape that varies within a bucket) ----
-
-    def _draft_step(self, r: int, key_groups: Groups, w: int, committed=None, request_ids=None):
-        """`w` draft tokens for slots `0..r` into `self.drafts[:r, :w]`."""
-        self.drafts[:r, :w] = self.proposer.propose(r, self.anchor[:r], self.lens[:r], key_groups, w, committed,
-                                                    request_ids)
-
-    def _verify_step(self, r: int, key_groups: Groups, w: int, sampled: bool, filtered: bool,
-                     context: bool | None = True):
-        """Verify `[anchor, drafts[:w]]` for slots `0..r` over `key_groups`, accept, advance the rows and
-        write `self.packed[:r, :w+2]` = (accepted, tokens); `context`: also feed the draft's context (None: nor keep
-        the taps for later, `_defers`)."""
-        lens, remaining = self.lens[:r], self.remaining[:r]
-        verify_ids = torch.cat([self.anchor[:r, None], self.drafts[:r, :w]], 1)  # [r, W+1]
-        positions = lens[:, None] + self.verify_offsets[:w + 1]                  # [r, W+1]
-        # causal after the prefix
-        visible = group_visibility(positions + 1, self.groups, self.key_positions, key_groups, self.kv)
-        defer = self._defers(w, context)  # the taps of a W = 0 step wait in the ring, whether or not they will be fed
-        hidden, taps = run_decoder(self.decoder, self.layers, verify_ids, positions,
-                                   RowAttention(self.kv, write_index=positions, visible=visible, key_groups=key_groups),
-                                   self.tap_layers if context or defer else (), join_taps=not defer,
-                                   cos_sin=self.cos_sin)
-        logits = self.lm_head(hidden)  # [r, W+1, V]
-        limit = remaining - 1          # drafts that fit the row's budget beside the bonus
-        accepted, tokens = self.sampling.accept(slice(0, r), logits, verify_ids[:, 1:], limit, positions, sampled,
-                                                filtered)
-        if defer:  # a full ring drops its oldest (drafting far off)
-            self.deferred.append(taps)
-        elif taps is not None:
-            self.proposer.append_context(slice(0, r), taps, lens)
-        advance = torch.where(remaining > 0, accepted + 1, 0)  # padding slots (remaining 0) stay put
-        self.packed[:r, 0] = accepted
-        self.packed[:r, 1:w + 2] = tokens
-        self.anchor[:r] = tokens.gather(1, accepted[:, None])[:, 0]
-        lens += advance
-        remaining -= advance
-
-    def _read_packed(self, n: int, w: int) -> list[list[int]]:
-        """Rows `0..n` of (accepted, W+1 tokens), read to the host."""
-        if self.device.type != "cuda":
-            return self.packed[:n, :w + 2].tolist()
-        host = self.packed_host[:n, :w + 2]
-        host.copy_(self.packed[:n, :w + 2], non_blocking=True)
-        torch.cuda.current_stream(self.device).synchronize()
-        return host.tolist()
+            self.runner.lens.zero_()  # free slots are inert padding rows
 
     # ---- host bookkeeping -------------------------------------------------------------------------
 
@@ -486,13 +356,12 @@ class SpecEngine:
                 continue
             if row.finish_reason == "abort":
                 events.append(StepEvent(row.request.request_id, [], row.completion(time.perf_counter())))
-            self.pending_prompts.pop(slot, None)  # the finished row's, before the last row moves in
+            self.ring.drop(slot)
             last = len(self.rows) - 1
             if slot != last:
                 self._move_rows([last], [slot])
             self.rows.pop()
-            self.lens[last] = 0  # a free slot is an inert padding row: it never advances
-            self.remaining[last] = 0
+            self.runner.free_slot(last)
             self._running_ids.discard(row.request.request_id)
 
     def _move_rows(self, src: list[int], dst: list[int]):
@@ -505,18 +374,8 @@ class SpecEngine:
         else:  # index tensors, copied once without a sync (a list index is copied, synchronously, at every use)
             pairs = torch.tensor([src, dst], pin_memory=self.device.type == "cuda")
             src_index, dst_index = pairs.to(self.device, non_blocking=True)
-        self.kv.move_row(src_index, dst_index, length)
-        if self.proposer is not None:
-            self.proposer.move_row(src_index, dst_index, length)
-        if self.pending_prompts:
-            moved = {d: self.pending_prompts.pop(s, None) for s, d in zip(src, dst)}
-            self.pending_prompts.update((d, taps) for d, taps in moved.items() if taps is not None)
-        for step_taps in self.deferred or ():  # the whole ring: its order is the same for every row
-            for taps in step_taps:
-                taps[dst_index] = taps[src_index]
-        for t in (self.lens, self.anchor, self.remaining):
-            t[dst_index] = t[src_index]  # an index tensor gathers the sources first
-        self.sampling.move(src_index, dst_index)
+        self.runner.move_slots(src_index, dst_index, length)
+        self.ring.move(src, dst, src_index, dst_index)
         if self.width is not None:
             self.width.move_slots(src, dst)
         moved = [self.rows[s] for s in src]
