@@ -1,6 +1,6 @@
 """The batch job on Ray Data: Parquet (local or s3://) in, the processor, Parquet + `_summary.json` out.
 
-    read_parquet -> _prepare (ids; drop rows already in the output) -> Processor (ray_processor.py: tokenize,
+    read_parquet -> _prepare (ids; drop rows already in the output) -> Processor (processor.py: tokenize,
     engine actors, detokenize) -> Ray Data's Parquet sink (explicit schema; a retried write keeps its finished files)
 
 Each engine actor loads the target and draft once and runs one `SpecEngine` on a background thread

@@ -1,6 +1,6 @@
 """The processor's engine stage on Ray Data: one engine per actor, `pyarrow.Table` batches in and out.
 
-`DominoPredictor` is the `map_batches` callable class (see `ray_processor.py` for the stages around it);
+`DominoPredictor` is the `map_batches` callable class (see `processor.py` for the stages around it);
 `RunStats` is the run's small stats actor (per-actor throughput, engine crashes and their rows).
 """
 

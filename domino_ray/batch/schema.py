@@ -5,7 +5,7 @@ first), then the generated columns below. A row that cannot run (bad prompt, bad
 per-row sampling overrides, too long for the model) becomes an error row: same schema, typed
 defaults (zeros, empty strings and lists, `finish_reason = "error"`) and the reason in `error`.
 
-The processor's stages (ray_processor.py) each fill their own columns: the tokenize stage `prompt`,
+The processor's stages (processor.py) each fill their own columns: the tokenize stage `prompt`,
 `prompt_token_ids` and `error`; the engine stage the token and statistics columns (`error` for rows
 the engine refused); the detokenize stage `generated_text`.
 """

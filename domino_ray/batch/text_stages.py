@@ -3,7 +3,7 @@
 Both are `map_batches` functions run as Ray tasks (a tokenizer cached per worker process), `pyarrow.Table`
 in and out, one row out per row in. Tasks rather than actors: Ray fuses them with the light tasks next to
 them (the job's read before, its write after), so they cost no processes of their own. Ray-free: the
-processor (ray_processor.py) places them.
+processor (processor.py) places them.
 
     tokenize_batch:   prompt | messages, sampling_params -> prompt (as the engine sees it), prompt_token_ids, error
     detokenize_batch: generated_tokens, finish_reason    -> generated_text; then the error policy and column order
@@ -87,7 +87,7 @@ def detokenize_batch(batch: pa.Table, cfg: JobConfig, *, detokenize: bool = True
         tokenizer = _tokenizer(cfg.model.tokenizer or cfg.model.source)
         for i, tokens in enumerate(batch.column("generated_tokens").to_pylist()):
             if reasons[i] != "error":
-                # "stop" means the last token is the stop id that ended the row (engine.py): the one to drop.
+                # "stop" means the last token is the stop id that ended the row (spec_engine.py): the one to drop.
                 texts[i] = decode(tokenizer, tokens, frozenset(tokens[-1:]) if reasons[i] == "stop" else frozenset())
     table = output_table(with_columns(batch, {"generated_text": texts}), schema)
     if error_column != "error":

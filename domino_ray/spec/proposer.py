@@ -1,7 +1,7 @@
 """Proposers: what the engine asks for draft tokens each step.
 
 A proposer is any object with these members (duck-typed; the engine needs nothing else):
-- `num_spec_tokens`: K, drafts per step at most (the engine may verify fewer: `verify_width.py`);
+- `num_spec_tokens`: K, drafts per step at most (the engine may verify fewer: `width_policy.py`);
   `block_size`: positions its block writes past a row's context.
 - `target_layer_ids`: target layers whose outputs it needs as context (empty: none).
 - `graph_safe`: its `propose` is device work on fixed shapes (CUDA-graph capturable).
@@ -11,12 +11,12 @@ A proposer is any object with these members (duck-typed; the engine needs nothin
   tolerate (they are overwritten later).
 - `propose(r, anchor, offsets, key_groups, width, committed, request_ids) -> [r, width]`: `width <= K`
   drafts after `anchor [r]` at positions `offsets [r]` for slots `0..r` (padding slots included), each slot
-  range of `key_groups` (`((stop, t), ...)`, `key_groups.py`) attending over its first `t` buffer positions;
+  range of `key_groups` (`((stop, t), ...)`, `model/key_groups.py`) attending over its first `t` buffer positions;
   `committed`/`request_ids` are the host's view of the real rows (test proposers use them).
 - `move_row(src, dst, length)`: slot `src` -> `dst` (ints: compaction), or slots `src[i]` -> `dst[i]`
   (index tensors `[m]`: regrouping; the pairs may form cycles).
 - optionally `draft`: its model (an `nn.Module`), whose linear layers the engine packs like the target's on
-  CPU (`cpu_linear.py`).
+  CPU (`model/packed_linear.py`).
 
 `DominoProposer` runs a Domino/DFlash draft. (The tests' `OracleProposer` knows the target's continuation.)
 """
@@ -170,6 +170,5 @@ def _decode_layer_args(layer) -> tuple[list, list[int], list[float]]:
 def block_slots(block_size: int, width: int, shift_label: bool) -> int:
     """Slots of the draft block a step of `width` drafts runs: `width` more past the last slot that drafts, not the
     whole block. The slots past a step's drafts only shape the earlier slots' attention, and the draft's work grows
-    with its slots (SmolLM2 pair, 16 rows, W = 1: accepted drafts per row-step 0.408 with 2 slots against
-    0.417 with all 8, 174 against 166 tok/s; BENCHMARKS "The linear kernel's k-blocks; the draft block's slots")."""
+    with its slots (at W = 1, two slots accept about as many drafts as all eight, at a higher rate of tokens)."""
     return min(block_size, 2 * width + (0 if shift_label else 1))

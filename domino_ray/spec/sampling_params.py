@@ -1,7 +1,7 @@
 """Sampling parameters and their one set of rules; no torch, so config.py and request parsing use them too.
 
 The same checks judge a job's `generation.*` keys (config.py, reported as `generation.temperature`),
-a batch row's `sampling_params` overrides, a Serve request's fields (openai_api.py, a 400 naming the
+a batch row's `sampling_params` overrides, a Serve request's fields (serve/openai_api.py, a 400 naming the
 field) and `SamplingParams` built in Python; the message format is `invalid_value`'s everywhere.
 
 Temperature is a number in [0, 2] (`MAX_TEMPERATURE`) everywhere: the range OpenAI's API documents,

@@ -3,7 +3,7 @@
 Vocabulary (used in code, output columns and logs alike):
 - **K** (`num_spec_tokens`): the most draft tokens a step may verify, fixed per engine.
 - **verify width** W (0..K): the draft tokens this step verifies; K every step, or chosen per step by the
-  adaptive width (`verify_width.py`). W = 0 is a plain target decode step (no drafting).
+  adaptive width (`width_policy.py`). W = 0 is a plain target decode step (no drafting).
 - **draft tokens**: the W tokens the draft proposes for the step, d_1..d_W.
 - **step**: one target verify pass over `[anchor, d_1..d_W]`; the anchor is the last committed token.
 - **accepted**: draft tokens the target keeps, a prefix d_1..d_a (0 <= a <= W); excludes the bonus.

@@ -8,15 +8,15 @@ each step the engine picks the W that maximises expected committed tokens per se
     E[tokens | W] = 1 + sum_{i=1..W} prod_{j<=i} p_j      (p_j: draft j accepted given drafts < j were)
 
 `cost` is a table of step times measured on the device at engine start and updated from real steps
-(`width_costs.py`);
-`p` comes from running acceptance estimates, pooled over the engine's rows with a decaying average
-and refined per row from its own history. W = 0 is a plain target decode step (no drafting at all);
-the Domino correction loop stops at W, so a short width also drafts less. Verifying fewer drafts never changes what the target accepts: lossless by construction.
+(`width_costs.py`); `p` comes from running acceptance estimates, pooled over the engine's rows with a
+decaying average and refined per row from its own history. W = 0 is a plain target decode step (no
+drafting at all); the Domino correction loop stops at W, so a short width also drafts less. Verifying
+fewer drafts never changes what the target accepts: lossless by construction.
 
 While the draft is useless (`AcceptanceEstimates.draft_is_useless`: its first draft lands under 5% of the
 time, counted, not assumed; the verdict of the last drafting step, kept until the next one), W = 0 steps
 also skip the draft's context update, and so they do while drafting is far off (`CONTEXT_FLOOR`) in an
-engine that keeps the last positions' taps anyway (eager: `engine.DEFERRED_STEPS`). The positions decoded
+engine that keeps the last positions' taps anyway (eager: `context_ring.DEFERRED_STEPS`). The positions decoded
 then are missing from that draft's context, but for those last few where the engine keeps them (a later
 probe sees the draft at its worst; rows admitted later start with their whole prompt as context); a written-off
 draft's steps keep none while drafting is far off, its re-probe far away.
@@ -66,32 +66,30 @@ def width_rates(costs: Mapping[int, float], accept_rows: Sequence[Sequence[float
     return {w: gain[w] / c for w, c in costs.items()}
 
 
-# A drafting width must promise this much more than W = 0 to be chosen. The cost table is off by several
-# percent, and not evenly across widths: on the SmolLM2 pair at 16 rows on CPU, real W = 0 steps ran 2-5% over
-# the table and drafting ones 1-10%, and a predicted gain of 5.7% came out a 2% loss (BENCHMARKS "Our
-# decode-attention kernel"); drafting for a smaller promise loses about as often as it gains.
+# A drafting width must promise this much more than W = 0 to be chosen. The cost table is off by several percent,
+# and not evenly across widths (real drafting steps run further over it than W = 0 steps, up to ~10%), so drafting
+# for a smaller promise loses about as often as it gains.
 DRAFTING_MARGIN = 0.10
 
 
 # While the best drafting width promises under this share of W = 0's rate, drafting is far off: an engine that keeps
-# its last positions' taps anyway (`WidthController(lazy_context=True)`) stops feeding the draft's context. Drafting
-# needs 1 + DRAFTING_MARGIN. Measured (CPU, 2026-12-05): the demo pair at 16 rows sits at 0.77-0.83 (drafting never
-# pays there since our CPU kernels made the target faster; the context cost 2-4% of its steps); the SmolLM2 pair at 16
-# rows at 0.97-1.1, drafting now and then (a floor of 1.0 dropped its context for 51 of 247 steps, and the later
-# drafting steps saw the gaps); a useless draft's fresh rows at 0.97-1.05 (the write-off, not the floor, is for it).
+# its last positions' taps anyway (`WidthController(lazy_context=True)`) stops feeding the draft's context (a few
+# percent of a small target's step). Drafting needs 1 + DRAFTING_MARGIN. The floor sits below where a pair that drafts
+# now and then hovers (~1.0: a floor there drops the context of steps shortly before drafting, and the drafting steps
+# see the gaps) and above where a pair that never pays on a machine sits (~0.8). A useless draft's fresh rows hover
+# near 1.0 too: the write-off, not the floor, is for it.
 CONTEXT_FLOOR = 0.9
 
 # A W = 0 answer stands for this many steps of the same batch (a new row or drafting evidence looks again at once): its
-# estimates move by their slow decay alone meanwhile (0.2% a step), so drafting comes at most this late, and a look
-# cost 36-61 us of Python in the engine, 1-2% of a small model's CPU step (the demo pair: 2.6 ms at 1 row, 5.5 at 16).
+# estimates move by their slow decay alone meanwhile (0.2% a step), so drafting comes at most this late, and a look's
+# Python costs 1-2% of a small model's CPU step.
 HOLD_STEPS = 8
 
 
 # A draft's first drafts are tried this often (decayed counts: three steps at one row, one at three rows or more) before
 # the evidence may stop it or write it off. At one row a single miss brings the estimate from the prior's 0.8 to 0.43,
-# enough to stop drafting on most cost tables; the demo draft's first draft misses in 25% of its rows' first steps
-# (16% from the seventh step on, 24 rows at K = 8), so one miss is no verdict. A useless draft costs three narrow
-# probes.
+# enough to stop drafting on most cost tables, while even a good draft's first draft misses in about a quarter of its
+# rows' first steps: one miss is no verdict. A useless draft costs three narrow probes.
 TRIAL_TRIES = 2.5
 
 
@@ -131,8 +129,7 @@ class AcceptanceEstimates:
     def pooled(self, chained: bool = False) -> list[float]:
         """`[K]` estimates; `chained`: each position's prior is the estimate of the one before it (the first's still
         `prior`), for a written-off draft: nothing says its later drafts land where its first never does. With the
-        flat prior its fresh rows saw positions 2..K (never tried) at 0.8 and were probed again, each (the random
-        draft at one row: a re-probe at the second of two prompts in 3 of 8 runs)."""
+        flat prior its fresh rows would see positions 2..K (never tried) at 0.8 and be probed again, each."""
         out, prior = [], self.prior
         for s, n in zip(self.success, self.trials):
             out.append((s + prior * self.prior_trials) / (n + self.prior_trials))
@@ -150,7 +147,7 @@ class AcceptanceEstimates:
         trial is over (`TRIAL_TRIES`), or at once for a draft `written_off` already (a re-probe's miss after its
         counts decayed below the trial's is no new trial: it stays written off, and misses keep it so). A
         written-off draft still drafts when its estimates say so, and an eager engine feeds it its last positions
-        first (a 20-step gap: the SmolLM2 draft accepted 0.91 drafts a step against 1.00)."""
+        first (after a gap in its context a draft accepts nearly as much as one fed every step)."""
         return bool(self.k) and (written_off or self.trials[0] >= TRIAL_TRIES) and \
             self.success[0] < max_rate * self.trials[0]
 

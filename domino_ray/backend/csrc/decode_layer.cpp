@@ -27,7 +27,7 @@ at::Tensor required(const c10::List<c10::optional<at::Tensor>>& weights, int64_t
   return *w;
 }
 
-// `cpu_kernels.rotary`: our op for head sizes in multiples of 16, HF's math in torch's ops otherwise
+// `layer_ops.rotary`: our op for head sizes in multiples of 16, HF's math in torch's ops otherwise
 at::Tensor rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   const int64_t half = x.size(3) / 2;
   if (x.size(3) % 16 == 0) return domino_ray::rotary(x, cos, sin);

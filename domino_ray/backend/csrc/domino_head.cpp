@@ -1,8 +1,8 @@
 // The Domino head's corrected drafts as one op: `draft.DominoDraft.draft_tokens` after its uncorrected prefix, the
-// same ATen calls in the same order (fc2 through our linear kernel, as `cpu_linear.PackedLinear` runs it at these
+// same ATen calls in the same order (fc2 through our linear kernel, as `packed_linear.PackedLinear` runs it at these
 // rows), fp32 CPU. In Python each corrected draft is ~25 dispatched ops (the GRU cell, the projection, the greedy
-// choice, the embedding of the choice), mostly fixed cost: `draft_tokens` in a demo-pair drafting step at one row and
-// K = 8 took 1,075 us with the loop, 713 with this op (`work/headsplit.py`, medians of 800 steps each).
+// choice, the embedding of the choice), mostly fixed cost: as one op `draft_tokens` takes ~2/3 of the loop's time in
+// a small pair's drafting step at one row and K = 8.
 //
 // domino_corrections(z [b, K, C] (the block's draft rows), base [b, K, V] (base logits), anchor [b],
 //                    prefix [b, P] (the uncorrected drafts, target ids), embed [Vt, C] (the target's embedding),
