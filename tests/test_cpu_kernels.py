@@ -1,6 +1,6 @@
-"""Our CPU kernels (`cpu_kernels.py`, `csrc/`): decode attention computes the function SDPA computes under the
-engine's masks, on the engine's strided buffer views (and the engine's choice between the two); RMSNorm and the
-rotary embedding compute what HF's modules and ops compute, on the engine's strided views."""
+"""Our CPU kernels (`backend/`: `library.py`, `ops.py`, `csrc/`): decode attention computes the function SDPA
+computes under the engine's masks, on the engine's strided buffer views (and the engine's choice between the two);
+RMSNorm and the rotary embedding compute what HF's modules and ops compute, on the engine's strided views."""
 
 import importlib
 import os

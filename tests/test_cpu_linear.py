@@ -1,5 +1,5 @@
-"""Linear layers over packed weights and our kernel (`cpu_linear.py`, `csrc/linear.cpp`): the same function as
-`nn.Linear`, in place, and the same numbers for a row whatever batch it is in."""
+"""Linear layers over packed weights and our kernel (`model/packed_linear.py`, `backend/csrc/linear.cpp`): the same
+function as `nn.Linear`, in place, and the same numbers for a row whatever batch it is in."""
 
 import pytest
 import torch

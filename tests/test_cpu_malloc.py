@@ -1,4 +1,4 @@
-"""A CPU engine keeps freed memory for reuse (`cpu_malloc.py`): repeated forwards stop page-faulting."""
+"""A CPU engine keeps freed memory for reuse (`backend/malloc.py`): repeated forwards stop page-faulting."""
 
 import subprocess
 import sys
