@@ -38,9 +38,9 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from domino_ray.config import DEMO_ASSETS
-from domino_ray.spec.draft import DominoDraft
-from domino_ray.engine.spec_engine import SpecEngine
 from domino_ray.engine.request import Request
+from domino_ray.engine.spec_engine import SpecEngine
+from domino_ray.spec.draft import DominoDraft
 from domino_ray.spec.proposer import DominoProposer
 from domino_ray.spec.sampling_params import SamplingParams
 from common import demo_pair, write_results

@@ -33,8 +33,8 @@ def alternating_decode_steps(rows: int, settings, detail: str = "", rounds: int 
     """Our engine's steady decode step on the SmolLM2 pair (make smollm2), target-only, `rows` chat prompts, under
     each of `settings(engine)` (name -> a function applying it) in turn for `steps` timed steps (after one
     untimed), `rounds` times, in one process; prints ms per step."""
-    from domino_ray.llm import build_engine
     from domino_ray.engine.request import Request
+    from domino_ray.llm import build_engine
     from domino_ray.spec.sampling_params import SamplingParams
 
     pair = load_pair("smollm2", num_prompts=rows)
@@ -82,9 +82,9 @@ def load_pair(name: str = "demo", assets: Path | None = None, num_prompts: int =
     is not converted."""
     import pyarrow.parquet as pq
 
-    from domino_ray.spec.checkpoint import load_draft
     from domino_ray.config import DEMO_ASSETS
     from domino_ray.model.target import encode_prompt, load_target, load_tokenizer
+    from domino_ray.spec.checkpoint import load_draft
 
     if name == "smollm2":
         from domino_ray.model.smollm2 import cache_dir, is_converted

@@ -16,13 +16,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+from domino_ray.engine.request import Request
+from domino_ray.engine.spec_engine import SpecEngine
+from domino_ray.model.target import decode, encode_prompt, load_target, load_tokenizer, stop_token_ids
 from domino_ray.spec.checkpoint import load_draft
 from domino_ray.spec.draft import resolve_num_spec_tokens
-from domino_ray.engine.spec_engine import SpecEngine
-from domino_ray.engine.request import Request
 from domino_ray.spec.proposer import DominoProposer
 from domino_ray.spec.sampling_params import SamplingParams
-from domino_ray.model.target import decode, encode_prompt, load_target, load_tokenizer, stop_token_ids
 
 
 def build_engine(target, draft=None, tokenizer=None, *, num_draft_tokens: int | str | None = "auto",

@@ -3,8 +3,8 @@ wrong from a chosen draft position: every acceptance length 0..K happens and is 
 
 import pytest
 
-from domino_ray.engine.spec_engine import SpecEngine
 from domino_ray.engine.request import Request
+from domino_ray.engine.spec_engine import SpecEngine
 from domino_ray.spec.sampling_params import SamplingParams
 from oracles import OracleProposer
 from tiny_models import ragged_prompts, tiny_target

@@ -8,11 +8,11 @@ import pyarrow.parquet as pq
 import pytest
 
 from batch_fixtures import job_config, ray_cluster, REPO, tiny_pair  # noqa: F401
-from domino_ray.engine.spec_engine import SpecEngine
-from domino_ray.engine.request import Request
-from domino_ray.engine.loop import EngineLoop
 from domino_ray.batch.job import run_job
 from domino_ray.batch.predictor import RowCrashesEngine
+from domino_ray.engine.loop import EngineLoop
+from domino_ray.engine.request import Request
+from domino_ray.engine.spec_engine import SpecEngine
 from domino_ray.spec.sampling_params import SamplingParams
 from faulty_predictor import faulty_predictor
 from tiny_models import tiny_target

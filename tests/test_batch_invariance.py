@@ -5,8 +5,8 @@ import random
 
 import pytest
 
-from domino_ray.engine.spec_engine import SpecEngine
 from domino_ray.engine.request import Request
+from domino_ray.engine.spec_engine import SpecEngine
 from domino_ray.spec.proposer import DominoProposer
 from domino_ray.spec.sampling_params import SamplingParams
 from tiny_models import Recorder, ragged_prompts, tiny_draft, tiny_target

@@ -18,9 +18,9 @@ import torch
 
 from batch_fixtures import (check_output_invariants, job_config, make_prompts, ray_cluster,  # noqa: F401
                             tiny_pair, write_shards)
-from domino_ray.config import ConfigError, load_config
-from domino_ray.batch.preflight import check_input
 from domino_ray.batch.job import init_ray, read_inputs, run_job
+from domino_ray.batch.preflight import check_input
+from domino_ray.config import ConfigError, load_config
 from domino_ray.model.target import encode_prompt, load_target, load_tokenizer
 from faulty_predictor import faulty_predictor
 

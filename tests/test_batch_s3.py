@@ -7,9 +7,9 @@ import pytest
 
 from batch_fixtures import (AWS_ENV, check_output_invariants, job_config, make_prompts, ray_cluster,  # noqa: F401
                             s3_endpoint, tiny_pair)
-from domino_ray.config import S3Config
 from domino_ray.batch.io import read_json, resolve
 from domino_ray.batch.job import run_job
+from domino_ray.config import S3Config
 
 pytestmark = pytest.mark.ray
 

@@ -4,8 +4,8 @@ same drafts as recomputing the draft from scratch on the committed prefix (the D
 import pytest
 import torch
 
-from domino_ray.engine.spec_engine import SpecEngine
 from domino_ray.engine.request import Request
+from domino_ray.engine.spec_engine import SpecEngine
 from domino_ray.spec.proposer import DominoProposer
 from oracles import OracleProposer
 from domino_ray.spec.sampling_params import SamplingParams

@@ -4,9 +4,9 @@ import asyncio
 
 import pytest
 
-from domino_ray.engine.spec_engine import SpecEngine
-from domino_ray.engine.request import Request
 from domino_ray.engine.loop import EngineLoop, QueueFull
+from domino_ray.engine.request import Request
+from domino_ray.engine.spec_engine import SpecEngine
 from domino_ray.spec.proposer import DominoProposer
 from domino_ray.spec.sampling_params import SamplingParams
 from tiny_models import hf_greedy, ragged_prompts, tiny_draft, tiny_target

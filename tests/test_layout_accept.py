@@ -8,9 +8,9 @@ import itertools
 import pytest
 
 from checkpoint_layouts import write_dflash, write_speculators, write_speculators_domino
-from domino_ray.spec.checkpoint import load_draft
-from domino_ray.engine.spec_engine import SpecEngine
 from domino_ray.engine.request import Request
+from domino_ray.engine.spec_engine import SpecEngine
+from domino_ray.spec.checkpoint import load_draft
 from domino_ray.spec.proposer import DominoProposer
 from domino_ray.spec.sampling_params import SamplingParams
 from domino_ray.spec.stats import total_stats

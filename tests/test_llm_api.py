@@ -3,12 +3,12 @@
 import pytest
 import torch
 
-from domino_ray.spec.checkpoint import save_draft
 from domino_ray.config import load_config
 from domino_ray.engine.request import Request
 from domino_ray.llm import DominoLLM, load_engine
-from domino_ray.spec.sampling_params import SamplingParams
 from domino_ray.model.target import decode, encode_prompt, load_target, load_tokenizer, stop_token_ids
+from domino_ray.spec.checkpoint import save_draft
+from domino_ray.spec.sampling_params import SamplingParams
 from tiny_models import hf_greedy, save_tiny_pair, tiny_draft, tiny_target
 
 

@@ -13,12 +13,12 @@ import pytest
 import ray
 
 from batch_fixtures import job_config, make_prompts, ray_cluster, tiny_pair, write_shards  # noqa: F401
+from domino_ray.batch.job import run_job
+from domino_ray.batch.processor import DominoEngineProcessorConfig, build_processor
+from domino_ray.batch.summary import TOTALS
 from domino_ray.config import ConfigError
 from domino_ray.llm import DominoLLM
-from domino_ray.batch.processor import DominoEngineProcessorConfig, build_processor
-from domino_ray.batch.job import run_job
 from domino_ray.spec.sampling_params import SamplingParams
-from domino_ray.batch.summary import TOTALS
 
 pytestmark = pytest.mark.ray
 

@@ -11,8 +11,8 @@ import itertools
 
 import torch
 
-from domino_ray.engine.spec_engine import SpecEngine
 from domino_ray.engine.request import Request
+from domino_ray.engine.spec_engine import SpecEngine
 from oracles import OracleProposer
 from domino_ray.spec.sampling import sampling_probs
 from domino_ray.spec.sampling_params import SamplingParams

@@ -22,8 +22,8 @@ import torch
 
 from domino_ray.config import load_config
 from domino_ray.llm import DominoLLM
-from domino_ray.spec.sampling_params import SamplingParams
 from domino_ray.model.target import encode_prompt
+from domino_ray.spec.sampling_params import SamplingParams
 from tiny_models import CORPUS, save_tiny_pair
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -373,8 +373,8 @@ def test_health_check_fails_when_the_engine_loop_dies(app):
     engine loop thread has died, so Serve replaces the replica (Serve's contract, not re-tested here)."""
     from ray import serve
 
-    from domino_ray.engine.spec_engine import SpecEngine
     from domino_ray.engine.loop import EngineLoop
+    from domino_ray.engine.spec_engine import SpecEngine
     from domino_ray.serve.app import DominoServer
     from tiny_models import tiny_target
 

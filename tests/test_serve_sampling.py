@@ -3,8 +3,8 @@ it used to crash the engine loop (an in-place broadcast of a [n, 1, V] mask agai
 
 import torch
 
-from domino_ray.engine.spec_engine import SpecEngine
 from domino_ray.engine.request import Request
+from domino_ray.engine.spec_engine import SpecEngine
 from domino_ray.spec.proposer import DominoProposer
 from domino_ray.spec.sampling import sampling_probs
 from domino_ray.spec.sampling_params import SamplingParams

@@ -65,8 +65,8 @@ def test_a_retried_write_on_s3_keeps_its_finished_objects(s3_endpoint, monkeypat
     import s3fs
 
     from batch_fixtures import AWS_ENV
-    from domino_ray.config import S3Config
     from domino_ray.batch.io import resolve
+    from domino_ray.config import S3Config
 
     for key, value in AWS_ENV.items():
         monkeypatch.setenv(key, value)

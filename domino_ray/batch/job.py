@@ -23,15 +23,15 @@ from ray.data._internal.planner.plan_write_op import WRITE_UUID_KWARG_NAME
 from ray.data.block import BlockAccessor
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from domino_ray.config import ConfigError, JobConfig, to_dict
 from domino_ray.batch.io import (SETTINGS_NAME, SUMMARY_NAME, Location, delete_if_exists, list_parquet_files, read_json,
                                  rows_in_complete_parts, scan_output, write_json_atomic)
+from domino_ray.batch.predictor import DominoPredictor, RowCrashesEngine, RunStats, key_name
 from domino_ray.batch.preflight import (InputPlan, check_input, check_models, check_output, check_settings,
                                         output_settings)
 from domino_ray.batch.processor import LIGHT_CPUS, Processor
-from domino_ray.batch.predictor import DominoPredictor, RowCrashesEngine, RunStats, key_name
 from domino_ray.batch.schema import generated_ids, output_schema
 from domino_ray.batch.summary import STATS_COLUMNS, human_summary, run_stats, summarize
+from domino_ray.config import ConfigError, JobConfig, to_dict
 
 
 def _prepare(table: pa.Table, done_ids, id_column: str, generated_id: bool) -> pa.Table:

@@ -17,11 +17,10 @@ import time
 import pyarrow as pa
 import ray
 
-from domino_ray.config import JobConfig
+from domino_ray.batch.schema import RowError, engine_columns, error_row, ok_row, row_params, with_columns
+from domino_ray.config import JobConfig, generation_defaults
 from domino_ray.engine.loop import EngineDead
 from domino_ray.engine.request import Request
-from domino_ray.config import generation_defaults
-from domino_ray.batch.schema import RowError, engine_columns, error_row, ok_row, row_params, with_columns
 
 
 class RowCrashesEngine(RuntimeError):

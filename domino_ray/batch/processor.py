@@ -35,9 +35,9 @@ from typing import Any, Callable
 import pyarrow as pa
 import ray
 
-from domino_ray.config import ConfigError, JobConfig, load_config
 from domino_ray.batch.predictor import DominoPredictor
 from domino_ray.batch.text_stages import detokenize_batch, tokenize_batch
+from domino_ray.config import ConfigError, JobConfig, load_config
 
 # engine_kwargs may set keys of these config sections, as `section.key` or a bare `key` that names one.
 ENGINE_SECTIONS = ("model", "draft", "generation", "runtime", "input")

@@ -19,8 +19,8 @@ from dataclasses import dataclass, fields, replace
 import pyarrow as pa
 
 from domino_ray.config import InputConfig
-from domino_ray.spec.sampling_params import SamplingParams
 from domino_ray.model.target import check_messages
+from domino_ray.spec.sampling_params import SamplingParams
 
 GENERATED_FIELDS = [
     pa.field("prompt", pa.string()),

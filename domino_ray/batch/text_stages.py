@@ -15,9 +15,8 @@ import functools
 
 import pyarrow as pa
 
-from domino_ray.config import JobConfig
-from domino_ray.config import generation_defaults
 from domino_ray.batch.schema import RowError, is_null, output_table, read_row, row_params, with_columns
+from domino_ray.config import JobConfig, generation_defaults
 
 
 class RowFailed(RuntimeError):

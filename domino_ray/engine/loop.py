@@ -14,8 +14,8 @@ import threading
 from dataclasses import dataclass
 from typing import AsyncIterator, Hashable
 
-from domino_ray.engine.spec_engine import SpecEngine
 from domino_ray.engine.request import Completion, Request, StepEvent
+from domino_ray.engine.spec_engine import SpecEngine
 from domino_ray.spec.stats import RowStats
 
 

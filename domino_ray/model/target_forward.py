@@ -19,9 +19,9 @@ from dataclasses import dataclass
 import torch
 
 from domino_ray.backend import ops
+from domino_ray.model.kv_cache import KVBuffers, causal_prefill_attention, decode_layer_groups, grouped_attention
 from domino_ray.model.layer_ops import rms_norm
 from domino_ray.model.packed_linear import one_op_layers
-from domino_ray.model.kv_cache import KVBuffers, causal_prefill_attention, decode_layer_groups, grouped_attention
 
 ATTENTION = "domino_ray"
 

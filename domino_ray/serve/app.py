@@ -34,12 +34,11 @@ from ray.serve.config import AutoscalingConfig, BackpressureConfig
 from ray.util import metrics
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from domino_ray.config import JobConfig, load_config
+from domino_ray.config import JobConfig, generation_defaults, load_config
 from domino_ray.engine.loop import EngineLoop
 from domino_ray.llm import load_engine
 from domino_ray.serve.openai_api import (SSE_DONE, APIError, ModelSpec, chunk_body, models_body, parse_request,
                                          response_body, sse, usage_chunk_body)
-from domino_ray.config import generation_defaults
 from domino_ray.serve.text_stream import Piece, generate
 
 logger = logging.getLogger("ray.serve")

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from domino_ray.engine.request import Completion
-from domino_ray.spec.sampling_params import SAMPLING_CHECKS, SamplingParams, invalid_value, is_int
 from domino_ray.model.target import encode_prompt
+from domino_ray.spec.sampling_params import SAMPLING_CHECKS, SamplingParams, invalid_value, is_int
 
 MAX_STOP_STRINGS = 16
 SSE_DONE = "data: [DONE]\n\n"

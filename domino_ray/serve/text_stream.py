@@ -10,8 +10,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import AsyncIterator
 
-from domino_ray.engine.request import Completion, Request
 from domino_ray.engine.loop import EngineDead, EngineLoop, QueueFull
+from domino_ray.engine.request import Completion, Request
 from domino_ray.serve.openai_api import APIError, ParsedRequest
 from domino_ray.spec.stats import RowStats
 

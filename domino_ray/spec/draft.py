@@ -25,8 +25,8 @@ from torch import nn
 from domino_ray.backend import ops
 from domino_ray.backend.library import takes
 from domino_ray.model import layer_ops
-from domino_ray.model.packed_linear import OUR_ROWS, PackedLinear
 from domino_ray.model.kv_cache import row_attention
+from domino_ray.model.packed_linear import OUR_ROWS, PackedLinear
 from domino_ray.spec.verify import greedy_choice
 
 

@@ -26,11 +26,11 @@ from __future__ import annotations
 import torch
 
 from domino_ray.backend import ops
-from domino_ray.spec.checkpoint import check_against_target
-from domino_ray.model.packed_linear import one_op_layers, packed_states
-from domino_ray.spec.draft import DominoDraft, context_key_value_weights, context_keys_values, resolve_num_spec_tokens
 from domino_ray.model.kv_cache import KVBuffers, decode_layer_groups, group_visibility, grouped_attention
+from domino_ray.model.packed_linear import one_op_layers, packed_states
 from domino_ray.model.target_forward import decode_layers_args
+from domino_ray.spec.checkpoint import check_against_target
+from domino_ray.spec.draft import DominoDraft, context_key_value_weights, context_keys_values, resolve_num_spec_tokens
 
 
 class DominoProposer:
