@@ -1,7 +1,6 @@
 """The offline Python API: load a target and a draft, generate for a list of prompts.
 
-    from domino_ray.llm import DominoLLM
-    from domino_ray.spec.sampling_params import SamplingParams
+    from domino_ray import DominoLLM, SamplingParams
 
     llm = DominoLLM.from_pretrained("Qwen/Qwen3-4B", draft="Huang2020/Qwen3-4B-Domino-b16", dtype="bfloat16")
     for out in llm.generate(["Explain KV caches."], SamplingParams(max_new_tokens=128)):

@@ -1,6 +1,6 @@
 """Domino as a Ray Data stage, shaped like Ray Data LLM's processors (README "From Ray Data LLM").
 
-    from domino_ray.batch.processor import DominoEngineProcessorConfig, build_processor
+    from domino_ray import DominoEngineProcessorConfig, build_processor
 
     config = DominoEngineProcessorConfig(model_source="Qwen/Qwen3-4B", draft_source="Huang2020/Qwen3-4B-Domino-b16",
                                          engine_kwargs={"dtype": "bfloat16", "max_batch_size": "auto"},
