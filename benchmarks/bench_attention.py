@@ -1,4 +1,4 @@
-"""Decode attention on CPU (`domino_ray/cpu_kernels.py`): our kernel against torch's SDPA under the mask.
+"""Decode attention on CPU (`domino_ray/backend/library.py`): our kernel against torch's SDPA under the mask.
 
 Two measurements (BENCHMARKS.md "Our decode-attention kernel"):
 - `sweep` (default): one decode step's attention over every layer of a model's shape (random fp32 K/V
@@ -27,11 +27,12 @@ MODELS = {"smollm2": (30, 3, 3, 64), "qwen3-4b": (36, 8, 4, 128)}
 
 
 def sweep(model: str, rows: int, keys: list[int], positions: list[int], seed: int = 0):
-    from domino_ray.cpu_kernels import decode_attention_op
-    from domino_ray.kv_cache import query_limits, visible_keys
+    from domino_ray.backend import ops
+    from domino_ray.backend.library import kernels_loaded
+    from domino_ray.model.kv_cache import query_limits, visible_keys
 
-    op = decode_attention_op()
-    if op is None:
+    op = ops.decode_attention
+    if not kernels_loaded():
         raise SystemExit("the kernel did not build here (see the warning above)")
     layers, heads, groups, dim = MODELS[model]
     gen = torch.Generator().manual_seed(seed)
@@ -57,11 +58,11 @@ def sweep(model: str, rows: int, keys: list[int], positions: list[int], seed: in
 
 def engine_steps(rows: int):
     def settings(engine):
-        if not engine.kv.kernel:
+        if not engine.runner.kv.kernel:
             raise SystemExit("the engine's attention is not our kernel here (not fp32 on CPU, or it did not build)")
 
         def use(kernel: bool):
-            engine.kv.kernel = kernel  # what kv_cache.group_visibility reads each forward
+            engine.runner.kv.kernel = kernel  # what kv_cache.group_visibility reads each forward
         return {"our kernel": lambda: use(True), "SDPA + mask": lambda: use(False)}
 
     alternating_decode_steps(rows, settings)

@@ -73,11 +73,10 @@ def direct(target_dir: str, draft_dir: str, prompts: list[str], args) -> dict:
     """The engine alone: load, tokenize, generate everything with continuous batching."""
     import torch
 
-    from domino_ray.config import load_config
-    from domino_ray.request import Request
+    from domino_ray.config import generation_defaults, load_config
+    from domino_ray.engine.request import Request
     from domino_ray.llm import load_engine
-    from domino_ray.sampling_params import generation_defaults
-    from domino_ray.target import encode_prompt
+    from domino_ray.model.target import encode_prompt
 
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
@@ -98,8 +97,8 @@ def job(target_dir: str, draft_dir: str, prompts: list[str], tmp: Path, args) ->
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    from domino_ray.batch.job import run_job
     from domino_ray.config import load_config
-    from domino_ray.ray_batch import run_job
 
     n = len(prompts)
     inp, out = tmp / f"in-{n}", tmp / f"out-{n}"

@@ -27,15 +27,15 @@ from pathlib import Path
 
 import torch
 
-from domino_ray.checkpoint import load_draft
-from domino_ray.draft import resolve_num_spec_tokens
-from domino_ray.engine import SpecEngine
-from domino_ray.request import Request
-from domino_ray.proposer import DominoProposer
-from domino_ray.sampling_params import SamplingParams
-from domino_ray.stats import per_position_acceptance, total_stats
-from domino_ray.target import stop_token_ids
-from domino_ray.train_draft import backbone_only
+from domino_ray.engine.request import Request
+from domino_ray.engine.spec_engine import SpecEngine
+from domino_ray.model.target import stop_token_ids
+from domino_ray.spec.checkpoint import load_draft
+from domino_ray.spec.draft import resolve_num_spec_tokens
+from domino_ray.spec.proposer import DominoProposer
+from domino_ray.spec.sampling_params import SamplingParams
+from domino_ray.spec.stats import per_position_acceptance, total_stats
+from domino_ray.training.evaluation import backbone_only
 
 from common import load_pair, token_digest
 

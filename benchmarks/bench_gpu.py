@@ -44,13 +44,13 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # runs from a plain checkout, no install
 from bench_engine_cpu import prompts_for  # noqa: E402
-from domino_ray.checkpoint import parse_draft_config  # noqa: E402
-from domino_ray.draft import DominoDraft  # noqa: E402
-from domino_ray.engine import SpecEngine  # noqa: E402
-from domino_ray.memory import MAX_AUTO_SLOTS  # noqa: E402
-from domino_ray.proposer import DominoProposer  # noqa: E402
-from domino_ray.request import Request  # noqa: E402
-from domino_ray.sampling_params import SamplingParams  # noqa: E402
+from domino_ray.engine.memory import MAX_AUTO_SLOTS  # noqa: E402
+from domino_ray.engine.request import Request  # noqa: E402
+from domino_ray.engine.spec_engine import SpecEngine  # noqa: E402
+from domino_ray.spec.checkpoint_layouts import parse_draft_config  # noqa: E402
+from domino_ray.spec.draft import DominoDraft  # noqa: E402
+from domino_ray.spec.proposer import DominoProposer  # noqa: E402
+from domino_ray.spec.sampling_params import SamplingParams  # noqa: E402
 
 QWEN3_4B = dict(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
                 num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
@@ -296,8 +296,8 @@ def main():
     graph_report["forced"] = graph_counts(engine, at_start)
     r = engine.row_buckets[-1]
     groups = ((r, engine.capacity),)  # one key bucket, as graphed
-    steps = time_steps(engine, [("draft_step_ms", lambda: engine._draft_step(r, groups, k)),
-                                ("verify_step_ms", lambda: engine._verify_step(r, groups, k, False, False))])
+    steps = time_steps(engine, [("draft_step_ms", lambda: engine.runner.draft(r, groups, k)),
+                                ("verify_step_ms", lambda: engine.runner.verify(r, groups, k, False, False))])
     del engine, forced
     release_memory()
 

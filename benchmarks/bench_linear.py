@@ -1,4 +1,4 @@
-"""Linear layers on CPU at decode batch sizes (`domino_ray/cpu_linear.py`): `F.linear`, MKL's packed GEMM and our
+"""Linear layers on CPU at decode batch sizes (`domino_ray/model/packed_linear.py`): `F.linear`, MKL's packed GEMM and our
 kernel (`csrc/linear.cpp`).
 
 Two measurements (BENCHMARKS.md "Our layer ops and linear kernel"):
@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from common import alternating_decode_steps, median_ms
-from domino_ray.cpu_linear import MKL_PACKED_FOR
+from domino_ray.model.packed_linear import MKL_PACKED_FOR
 
 # SmolLM2-135M: hidden 576, 3 K/V heads of 64, MLP 1536, 30 layers, vocabulary 49152 (out, in).
 LAYER_SHAPES = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]
@@ -41,7 +41,8 @@ class MKLPackedLinear(nn.Linear):
 
 
 def sweep(rows: list[int], layers: int = LAYERS, seed: int = 0):
-    from domino_ray.cpu_kernels import kernels_loaded
+    from domino_ray.backend import ops
+    from domino_ray.backend.library import kernels_loaded
 
     if not kernels_loaded():
         raise SystemExit("our CPU kernels did not build here (see the warning above)")
@@ -49,11 +50,11 @@ def sweep(rows: list[int], layers: int = LAYERS, seed: int = 0):
     shapes = LAYER_SHAPES * layers + [HEAD]
     weights = [torch.randn(s, generator=gen) / s[1] ** 0.5 for s in shapes]
     mkl = [torch.ops.mkl._mkl_reorder_linear_weight(w, MKL_PACKED_FOR) for w in weights]
-    ours = [torch.ops.domino_ray.pack_linear(w) for w in weights]
+    ours = [ops.pack_linear(w) for w in weights]
     kernels = {
         "F.linear": lambda x, i, m: F.linear(x, weights[i]),
         "MKL packed": lambda x, i, m: torch.ops.mkl._mkl_linear(x, mkl[i], weights[i], None, m),
-        "ours": lambda x, i, m: torch.ops.domino_ray.linear(x, ours[i], weights[i].shape[0], None),
+        "ours": lambda x, i, m: ops.linear(x, ours[i], weights[i].shape[0], None),
     }
 
     def passes(m: int, kernel) -> float:
@@ -69,11 +70,11 @@ def sweep(rows: list[int], layers: int = LAYERS, seed: int = 0):
 
 
 def engine_steps(rows: int):
-    from domino_ray import cpu_linear
+    from domino_ray.model import packed_linear
 
     def settings(engine):
         packed = [m for part in (engine.layers, engine.lm_head) for m in part.modules()
-                  if isinstance(m, cpu_linear.PackedLinear)]
+                  if isinstance(m, packed_linear.PackedLinear)]
         if not packed:
             raise SystemExit("the engine packed nothing (not fp32 on CPU, our kernels did not build, or not enough "
                              "memory)")
@@ -81,7 +82,7 @@ def engine_steps(rows: int):
         def use(cls):
             for m in packed:
                 m.__class__ = cls
-        return {"ours": lambda: use(cpu_linear.PackedLinear), "MKL packed": lambda: use(MKLPackedLinear),
+        return {"ours": lambda: use(packed_linear.PackedLinear), "MKL packed": lambda: use(MKLPackedLinear),
                 "plain": lambda: use(torch.nn.Linear)}
 
     alternating_decode_steps(rows, settings, "")

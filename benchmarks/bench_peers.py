@@ -91,9 +91,9 @@ def start_costs(engine):
 
 def run_ours(pair, mode: tuple, prompts, *, rows: int, max_new_tokens: int, ignore_eos: bool, max_model_len: int,
              width_costs=None) -> dict:
-    from domino_ray.request import Request
-    from domino_ray.sampling_params import SamplingParams
-    from domino_ray.stats import total_stats
+    from domino_ray.engine.request import Request
+    from domino_ray.spec.sampling_params import SamplingParams
+    from domino_ray.spec.stats import total_stats
 
     start = time.perf_counter()
     engine = our_engine(pair, mode, rows=rows, max_model_len=max_model_len, width_costs=width_costs)
@@ -154,8 +154,8 @@ def profile_ours_step(pair, name: str, mode: tuple, prompts, *, rows: int, max_m
     The rows ignore EOS: a steady state needs them all running."""
     from torch.profiler import ProfilerActivity, profile
 
-    from domino_ray.request import Request
-    from domino_ray.sampling_params import SamplingParams
+    from domino_ray.engine.request import Request
+    from domino_ray.spec.sampling_params import SamplingParams
 
     def started_engine(width_costs=None):
         engine = our_engine(pair, mode, rows=rows, max_model_len=max_model_len, width_costs=width_costs)
@@ -295,7 +295,7 @@ def iomp_library(vllm_python: Path) -> Path:
 
 def run_vllm(mode: str, args, pair, rows: int, workdir: Path, profile_steps: int = 0) -> dict:
     """`profile_steps`: profile a decode step instead of timing runs (`vllm_step_profile`)."""
-    from domino_ray.target import stop_token_ids
+    from domino_ray.model.target import stop_token_ids
 
     spec = {"mode": mode, "target": pair.target_dir, "draft": str(pair.draft_dir),
             "draft_no_head": str(workdir / "draft-no-head"),
@@ -469,7 +469,7 @@ def main(argv=None):
     import torch
 
     from common import load_pair
-    from domino_ray.cpu_kernels import compile_flags, kernels_loaded
+    from domino_ray.backend.library import compile_flags, kernels_loaded
 
     if args.isa == "avx2" and torch.backends.cpu.get_cpu_capability() != "AVX2":
         raise SystemExit(f"--isa avx2: torch runs {torch.backends.cpu.get_cpu_capability()} kernels (set "

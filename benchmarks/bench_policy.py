@@ -22,13 +22,13 @@ from pathlib import Path
 import torch
 
 from domino_ray.config import DEMO_ASSETS
-from domino_ray.draft import DominoDraft, resolve_num_spec_tokens
-from domino_ray.engine import SpecEngine
-from domino_ray.request import Request
-from domino_ray.proposer import DominoProposer
-from domino_ray.sampling_params import SamplingParams
+from domino_ray.engine.request import Request
+from domino_ray.engine.spec_engine import SpecEngine
+from domino_ray.spec.draft import DominoDraft, resolve_num_spec_tokens
+from domino_ray.spec.proposer import DominoProposer
+from domino_ray.spec.sampling_params import SamplingParams
 from common import demo_pair, token_digest, write_results
-from domino_ray.train_draft import backbone_only
+from domino_ray.training.evaluation import backbone_only
 
 
 def run(target, draft, k, prompts, rows, max_new_tokens):

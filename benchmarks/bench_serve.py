@@ -98,7 +98,7 @@ async def run_level(url: str, model: str, prompts: list[str], concurrency: int, 
 def bench_mode(cfg, mode: str, prompts: list[str], args) -> list[dict]:
     from ray import serve
 
-    from domino_ray.ray_serve import build_app
+    from domino_ray.serve.app import build_app
 
     serve.run(build_app(cfg), name=f"bench-{mode}", route_prefix="/")
     url = f"http://127.0.0.1:{cfg.serve.port}"

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import random
+import re
 import statistics
 import subprocess
 import sys
@@ -37,11 +38,11 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from domino_ray.config import DEMO_ASSETS
-from domino_ray.draft import DominoDraft
-from domino_ray.engine import SpecEngine
-from domino_ray.request import Request
-from domino_ray.proposer import DominoProposer
-from domino_ray.sampling_params import SamplingParams
+from domino_ray.engine.request import Request
+from domino_ray.engine.spec_engine import SpecEngine
+from domino_ray.spec.draft import DominoDraft
+from domino_ray.spec.proposer import DominoProposer
+from domino_ray.spec.sampling_params import SamplingParams
 from common import demo_pair, write_results
 
 
@@ -63,27 +64,30 @@ def baseline_engine(ref: str) -> dict:
     """The engine classes of git commit `ref`, importable beside today's (package renamed)."""
     root = Path(tempfile.mkdtemp(prefix="domino_baseline_"))
     repo = Path(__file__).resolve().parent.parent
-    names = subprocess.run(["git", "-C", str(repo), "ls-tree", "--name-only", ref, "domino_ray/"], check=True,
+    names = subprocess.run(["git", "-C", str(repo), "ls-tree", "-r", "--name-only", ref, "domino_ray/"], check=True,
                            capture_output=True, text=True).stdout.split()
-    (root / "domino_ray_baseline").mkdir()
-    for name in names:
+    for name in names:  # the Python modules, in their packages (the flat layout and the subpackages alike)
         if name.endswith(".py"):
             text = subprocess.run(["git", "-C", str(repo), "show", f"{ref}:{name}"], check=True, capture_output=True,
                                   text=True).stdout
-            (root / "domino_ray_baseline" / Path(name).name).write_text(text.replace("domino_ray.", "domino_ray_baseline."))
+            path = root / "domino_ray_baseline" / Path(name).relative_to("domino_ray")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            # `domino_ray.x` and `from domino_ray import x`, not `torch.ops.domino_ray`
+            path.write_text(re.sub(r"(?<![\w.])domino_ray(?=[.\s])", "domino_ray_baseline", text))
     sys.path.insert(0, str(root))
 
     def first(name: str, *modules: str):  # names moved between modules over the project's history
         for module in modules:
             found = getattr(importlib.import_module(f"domino_ray_baseline.{module}"), name, None) \
-                if (root / "domino_ray_baseline" / f"{module}.py").exists() else None
+                if (root / "domino_ray_baseline" / f"{module.replace('.', '/')}.py").exists() else None
             if found is not None:
                 return found
         raise ImportError(f"{name} not found in {modules} at {ref}")
 
-    return {"SpecEngine": first("SpecEngine", "engine"), "Request": first("Request", "request", "engine"),
-            "DominoProposer": first("DominoProposer", "proposer"),
-            "SamplingParams": first("SamplingParams", "sampling_params", "engine", "sampling")}
+    return {"SpecEngine": first("SpecEngine", "engine.spec_engine", "engine"),
+            "Request": first("Request", "engine.request", "request", "engine"),
+            "DominoProposer": first("DominoProposer", "spec.proposer", "proposer"),
+            "SamplingParams": first("SamplingParams", "spec.sampling_params", "sampling_params", "engine", "sampling")}
 
 
 def run(target, draft, prompts, rows, max_new_tokens, count_calls=False, api=CURRENT):

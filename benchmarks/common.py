@@ -34,9 +34,9 @@ def alternating_decode_steps(rows: int, settings, detail: str = "", rounds: int 
     """Our engine's steady decode step on the SmolLM2 pair (make smollm2), target-only, `rows` chat prompts, under
     each of `settings(engine)` (name -> a function applying it) in turn for `steps` timed steps (after one
     untimed), `rounds` times, in one process; prints ms per step."""
+    from domino_ray.engine.request import Request
     from domino_ray.llm import build_engine
-    from domino_ray.request import Request
-    from domino_ray.sampling_params import SamplingParams
+    from domino_ray.spec.sampling_params import SamplingParams
 
     pair = load_pair("smollm2", num_prompts=rows)
     engine = build_engine(pair.target, None, pair.tokenizer, max_batch_size=rows, max_model_len=1024)
@@ -89,12 +89,12 @@ def load_pair(name: str = "demo", assets: Path | None = None, num_prompts: int =
     is not converted."""
     import pyarrow.parquet as pq
 
-    from domino_ray.checkpoint import load_draft
     from domino_ray.config import DEMO_ASSETS
-    from domino_ray.target import encode_prompt, load_target, load_tokenizer
+    from domino_ray.model.target import encode_prompt, load_target, load_tokenizer
+    from domino_ray.spec.checkpoint import load_draft
 
     if name == "smollm2":
-        from domino_ray.smollm2 import cache_dir, is_converted
+        from domino_ray.model.smollm2 import cache_dir, is_converted
 
         if not is_converted():
             raise SystemExit(f"error: SmolLM2 is not converted at {cache_dir()}: run `make smollm2` first")

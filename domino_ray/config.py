@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from domino_ray.sampling_params import SAMPLING_CHECKS, invalid_value, is_int
+from domino_ray.spec.sampling_params import SAMPLING_CHECKS, SamplingParams, invalid_value, is_int
 
 DEMO_ASSETS = Path(__file__).parent / "assets" / "demo"
 
@@ -284,3 +284,11 @@ def to_dict(cfg: JobConfig) -> dict:
     from omegaconf import OmegaConf
 
     return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
+
+
+def generation_defaults(g: GenerationConfig) -> SamplingParams:
+    """The parameters of a batch row or Serve request that sets none of its own: the config's
+    `generation` section. No seed: a sampled batch row derives its own from `generation.seed` and its
+    id (schema.row_params), a request brings one or takes the engine's generator."""
+    return SamplingParams(max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p,
+                          top_k=g.top_k, stop_token_ids=tuple(g.stop_token_ids), ignore_eos=g.ignore_eos)

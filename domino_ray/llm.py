@@ -1,7 +1,6 @@
 """The offline Python API: load a target and a draft, generate for a list of prompts.
 
-    from domino_ray.llm import DominoLLM
-    from domino_ray.sampling_params import SamplingParams
+    from domino_ray import DominoLLM, SamplingParams
 
     llm = DominoLLM.from_pretrained("Qwen/Qwen3-4B", draft="Huang2020/Qwen3-4B-Domino-b16", dtype="bfloat16")
     for out in llm.generate(["Explain KV caches."], SamplingParams(max_new_tokens=128)):
@@ -16,13 +15,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from domino_ray.checkpoint import load_draft
-from domino_ray.draft import resolve_num_spec_tokens
-from domino_ray.engine import SpecEngine
-from domino_ray.request import Request
-from domino_ray.proposer import DominoProposer
-from domino_ray.sampling_params import SamplingParams
-from domino_ray.target import decode, encode_prompt, load_target, load_tokenizer, stop_token_ids
+from domino_ray.engine.request import Request
+from domino_ray.engine.spec_engine import SpecEngine
+from domino_ray.model.target import decode, encode_prompt, load_target, load_tokenizer, stop_token_ids
+from domino_ray.spec.checkpoint import load_draft
+from domino_ray.spec.draft import resolve_num_spec_tokens
+from domino_ray.spec.proposer import DominoProposer
+from domino_ray.spec.sampling_params import SamplingParams
 
 
 def build_engine(target, draft=None, tokenizer=None, *, num_draft_tokens: int | str | None = "auto",

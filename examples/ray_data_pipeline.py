@@ -14,8 +14,8 @@ import argparse
 
 import ray
 
+from domino_ray.batch.processor import DominoEngineProcessorConfig, build_processor
 from domino_ray.config import DEMO_ASSETS
-from domino_ray.ray_processor import DominoEngineProcessorConfig, build_processor
 
 
 def main(argv: list[str] | None = None):

@@ -16,8 +16,8 @@ from domino_ray.config import ConfigError, config_from_command_line
 def main(argv: list[str] | None = None) -> int:
     try:
         cfg = config_from_command_line(argv, __doc__.splitlines()[0], "generation.max_new_tokens=64")
-        from domino_ray.ray_batch import run_job
-        from domino_ray.ray_predictor import RowCrashesEngine
+        from domino_ray.batch.job import run_job
+        from domino_ray.batch.predictor import RowCrashesEngine
 
         try:
             run_job(cfg)

@@ -21,7 +21,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = config_from_command_line(argv, __doc__.splitlines()[0], "serve.port=8001")
         # The batch job's model checks (configs, tokenizer, draft shapes; no weights): a model that cannot
         # load fails here, not in a replica that Serve keeps restarting.
-        from domino_ray.preflight import check_models
+        from domino_ray.batch.preflight import check_models
 
         check_models(cfg)
     except ConfigError as exc:
@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     import ray
     from ray import serve
 
-    from domino_ray.ray_serve import build_app, build_health_app
+    from domino_ray.serve.app import build_app, build_health_app
 
     try:
         ray.init(address=cfg.runtime.ray_address)

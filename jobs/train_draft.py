@@ -6,10 +6,10 @@
 1. The target generates greedy continuations of `--prompts` (a Parquet file with a `prompt` column;
    use prompts from the domain you will serve) with our engine: the draft learns the target's own outputs.
 2. The draft (hidden size, heads and RoPE of the target; `--layers` decoder layers; Domino GRU head
-   unless `--no-head`) trains on them (domino_ray/train_draft.py: random anchors, [anchor, MASK...]
+   unless `--no-head`) trains on them (domino_ray/training/loop.py: random anchors, [anchor, MASK...]
    blocks, target hidden-state context, position-weighted loss, base-anchored curriculum), logging
    per-position accuracy and the acceptance length it implies.
-3. It is saved in the HF/DFlash layout that `domino_ray.checkpoint.load_draft` reads (plus
+3. It is saved in the HF/DFlash layout that `domino_ray.spec.checkpoint.load_draft` reads (plus
    `training.json`), and with `--eval-prompts` measured in the engine (greedy, target verifies).
 
 The generated sequences can be cached (`--sequences`, saved chunk by chunk: a stopped run resumes) and reused
@@ -26,13 +26,14 @@ from pathlib import Path
 
 import torch
 
-from domino_ray.checkpoint import save_draft, save_draft_speculators
-from domino_ray.draft import DominoDraft
-from domino_ray.target import (encode_prompt, load_target, load_tokenizer, resolve_device, resolve_dtype,
-                              stop_token_ids)
-from domino_ray.train_draft import (TrainConfig, backbone_only, draft_config_for, engine_acceptance, frequent_ids,
-                                    generate_sequences, init_pruned_vocabulary, sequence_features,
-                                    target_to_draft_ids, train_draft)
+from domino_ray.model.target import (encode_prompt, load_target, load_tokenizer, resolve_device, resolve_dtype,
+                                     stop_token_ids)
+from domino_ray.spec.checkpoint import save_draft, save_draft_speculators
+from domino_ray.spec.draft import DominoDraft
+from domino_ray.training.data import frequent_ids, generate_sequences, init_pruned_vocabulary, sequence_features
+from domino_ray.training.evaluation import backbone_only, engine_acceptance
+from domino_ray.training.loop import draft_config_for, train_draft
+from domino_ray.training.objective import TrainConfig, target_to_draft_ids
 
 
 def read_prompts(path: Path, column: str, limit: int | None) -> list[str]:

@@ -17,8 +17,8 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from domino_ray.batch.schema import GENERATED_FIELDS
 from domino_ray.config import load_config
-from domino_ray.schema import GENERATED_FIELDS
 from tiny_models import CORPUS, save_agreeing_pair, save_tiny_pair
 
 REPO = Path(__file__).resolve().parents[1]

@@ -14,7 +14,7 @@ import tempfile
 
 import ray.cloudpickle
 
-from domino_ray.ray_predictor import DominoPredictor
+from domino_ray.batch.predictor import DominoPredictor
 
 
 def faulty_predictor(*, kill_actor_once: str | None = None, crash_engine_on_row=None, hold_row_s: float = 0.0,

@@ -12,8 +12,8 @@ from pathlib import Path
 
 def main(argv: list[str]) -> int:
     sys.path.insert(0, str(Path(__file__).parent))
+    from domino_ray.batch.job import run_job
     from domino_ray.config import config_from_command_line
-    from domino_ray.ray_batch import run_job
     from faulty_predictor import faulty_predictor
 
     cfg = config_from_command_line(argv[1:], __doc__.splitlines()[0], "runtime.ray_address=HOST:PORT")

@@ -8,12 +8,12 @@ import pyarrow.parquet as pq
 import pytest
 
 from batch_fixtures import job_config, ray_cluster, REPO, tiny_pair  # noqa: F401
-from domino_ray.engine import SpecEngine
-from domino_ray.request import Request
-from domino_ray.engine_loop import EngineLoop
-from domino_ray.ray_batch import run_job
-from domino_ray.ray_predictor import RowCrashesEngine
-from domino_ray.sampling_params import SamplingParams
+from domino_ray.batch.job import run_job
+from domino_ray.batch.predictor import RowCrashesEngine
+from domino_ray.engine.loop import EngineLoop
+from domino_ray.engine.request import Request
+from domino_ray.engine.spec_engine import SpecEngine
+from domino_ray.spec.sampling_params import SamplingParams
 from faulty_predictor import faulty_predictor
 from tiny_models import tiny_target
 
@@ -79,6 +79,6 @@ def test_cli_exits_1_naming_a_row_that_crashes_the_engine(monkeypatch, capsys):
 
     def crashes(cfg):
         raise RowCrashesEngine("input row id='r3' crashes the engine (engine loop failed: test fault)")
-    monkeypatch.setattr("domino_ray.ray_batch.run_job", crashes)
+    monkeypatch.setattr("domino_ray.batch.job.run_job", crashes)
     assert generate.main([]) == 1
     assert "error: input row id='r3' crashes the engine" in capsys.readouterr().err

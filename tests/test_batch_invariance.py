@@ -5,10 +5,10 @@ import random
 
 import pytest
 
-from domino_ray.engine import SpecEngine
-from domino_ray.request import Request
-from domino_ray.proposer import DominoProposer
-from domino_ray.sampling_params import SamplingParams
+from domino_ray.engine.request import Request
+from domino_ray.engine.spec_engine import SpecEngine
+from domino_ray.spec.proposer import DominoProposer
+from domino_ray.spec.sampling_params import SamplingParams
 from tiny_models import Recorder, ragged_prompts, tiny_draft, tiny_target
 
 

@@ -20,10 +20,10 @@ import torch
 
 from batch_fixtures import (agreeing_pair, check_output_invariants, job_config, make_prompts,  # noqa: F401
                             ray_cluster, tiny_pair, write_shards)
+from domino_ray.batch.job import init_ray, read_inputs, run_job
+from domino_ray.batch.preflight import check_input
 from domino_ray.config import ConfigError, load_config
-from domino_ray.preflight import check_input
-from domino_ray.ray_batch import init_ray, read_inputs, run_job
-from domino_ray.target import encode_prompt, load_target, load_tokenizer, stop_token_ids
+from domino_ray.model.target import encode_prompt, load_target, load_tokenizer, stop_token_ids
 from faulty_predictor import faulty_predictor
 from speculation import check_speculated
 

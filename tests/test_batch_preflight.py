@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from batch_fixtures import REPO, job_config, job_overrides, python, tiny_pair  # noqa: F401  (fixture)
-from domino_ray.checkpoint import save_draft
+from domino_ray.batch.preflight import check_input, check_models, check_output
 from domino_ray.config import ConfigError
-from domino_ray.preflight import check_input, check_models, check_output
+from domino_ray.spec.checkpoint import save_draft
 from tiny_models import tiny_draft, tiny_target
 
 

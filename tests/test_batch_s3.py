@@ -11,11 +11,11 @@ import pytest
 
 from batch_fixtures import (AWS_ENV, agreeing_pair, check_output_invariants, job_config, make_prompts,  # noqa: F401
                             ray_cluster, s3_endpoint)
+from domino_ray.batch.io import read_json, resolve
+from domino_ray.batch.job import run_job
 from domino_ray.config import S3Config
-from domino_ray.io import read_json, resolve
-from domino_ray.ray_batch import run_job
-from domino_ray.sampling_params import SamplingParams
-from domino_ray.target import load_tokenizer
+from domino_ray.model.target import load_tokenizer
+from domino_ray.spec.sampling_params import SamplingParams
 from speculation import check_speculated, speculate_in_process
 
 K = 4

@@ -4,7 +4,7 @@ import re
 import pytest
 
 from domino_ray.config import ConfigError, JobConfig, load_config, validate
-from domino_ray.sampling_params import MAX_TEMPERATURE, SamplingParams
+from domino_ray.spec.sampling_params import MAX_TEMPERATURE, SamplingParams
 
 
 def test_defaults_yaml_and_overrides(tmp_path):
@@ -72,7 +72,7 @@ def test_sampling_params_and_config_reject_the_same_values_alike(name, value):
                                                    (100.0, False), (-0.5, False)])
 def test_one_temperature_range_for_config_sampling_params_and_serve(temperature, accepted):
     """The config, SamplingParams and a Serve request accept and refuse the same temperatures."""
-    from domino_ray.openai_api import APIError, ModelSpec, parse_request
+    from domino_ray.serve.openai_api import APIError, ModelSpec, parse_request
 
     cfg = JobConfig()
     cfg.generation.temperature = temperature

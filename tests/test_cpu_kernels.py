@@ -1,6 +1,6 @@
-"""Our CPU kernels (`cpu_kernels.py`, `csrc/`): decode attention computes the function SDPA computes under the
-engine's masks, on the engine's strided buffer views (and the engine's choice between the two); RMSNorm and the
-rotary embedding compute what HF's modules and ops compute, on the engine's strided views."""
+"""Our CPU kernels (`backend/`: `library.py`, `ops.py`, `csrc/`): decode attention computes the function SDPA
+computes under the engine's masks, on the engine's strided buffer views (and the engine's choice between the two);
+RMSNorm and the rotary embedding compute what HF's modules and ops compute, on the engine's strided views."""
 
 import importlib
 import os
@@ -13,10 +13,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from domino_ray import cpu_kernels
-from domino_ray.cpu_kernels import STALE_LOCK_S, build_key, cache_dir, decode_attention_op, has_avx512, kernel_enabled
-from domino_ray.draft import apply_rotary
-from domino_ray.kv_cache import KVBuffers, group_visibility, visible_keys
+from domino_ray.backend import ops
+from domino_ray.backend.library import STALE_LOCK_S, build_key, cache_dir, has_avx512, kernels_loaded
+from domino_ray.model import layer_ops
+from domino_ray.model.kv_cache import KVBuffers, group_visibility, kernel_enabled, visible_keys
+from domino_ray.model.layer_ops import apply_rotary
 
 # fp32 dot products and sums over a few hundred keys in another order, exp within ~2 ulp: relative error
 # ~1e-6; 1e-5 leaves room, a wrong key, limit or head is off by O(1).
@@ -40,7 +41,7 @@ def buffers_and_query(rows, heads, queries, dim, keys, *, seed=0, sharp=1.0):
 
 def test_the_kernel_builds_on_this_machine():
     """`make setup` builds it; a machine without a compiler would fall back to SDPA (slower, same function)."""
-    assert decode_attention_op() is not None
+    assert kernels_loaded()
     assert kernel_enabled("cpu", torch.float32, 64)
     assert not kernel_enabled("cpu", torch.float64, 64) and not kernel_enabled("meta", torch.float32, 64)
     assert not kernel_enabled("cpu", torch.float32, 12)  # not a multiple of its 8-float vectors: SDPA
@@ -50,7 +51,7 @@ def test_the_kernel_builds_on_this_machine():
 @pytest.mark.parametrize("queries", [1, 3, 12, 27])
 def test_same_function_as_sdpa_under_the_mask(dim, queries):
     """Limits anywhere in [1, t] (off the 8-key blocks too), sharp and flat score distributions."""
-    op = decode_attention_op()
+    op = ops.decode_attention
     for keys, sharp in ((1, 1.0), (7, 1.0), (61, 1.0), (300, 1.0), (300, 8.0)):
         query, k, v, gen = buffers_and_query(5, 3, queries, dim, keys, seed=keys + dim, sharp=sharp)
         limits = torch.randint(1, keys + 1, (5, queries), generator=gen)
@@ -62,7 +63,7 @@ def test_same_function_as_sdpa_under_the_mask(dim, queries):
 
 def test_nothing_past_a_limit_or_from_another_row_reaches_an_output():
     """Hidden keys (stale drafts) and other rows hold huge values: the outputs do not move."""
-    op = decode_attention_op()
+    op = ops.decode_attention
     query, k, v, gen = buffers_and_query(4, 2, 6, 64, 100)
     limits = torch.randint(1, 101, (4, 6), generator=gen)
     clean = op(query, k, v, limits, 0.125)
@@ -78,7 +79,7 @@ def test_nothing_past_a_limit_or_from_another_row_reaches_an_output():
 
 
 def test_a_zero_limit_gives_zeros_and_a_bad_limit_an_error():
-    op = decode_attention_op()
+    op = ops.decode_attention
     query, k, v, _ = buffers_and_query(2, 2, 3, 16, 20)
     limits = torch.tensor([[0, 0, 0], [5, 20, 1]])
     out = op(query, k, v, limits, 0.25)
@@ -109,14 +110,14 @@ def test_the_engine_passes_limits_on_cpu_fp32_and_masks_otherwise():
 def test_a_build_lock_left_by_a_killed_build_does_not_hang_the_next(tmp_path):
     """The built library copied into a new cache with an old lock beside it (as a killed build leaves it): a new
     process loads the kernel instead of waiting on the lock forever."""
-    assert decode_attention_op() is not None
+    assert kernels_loaded()
     name = f"domino_ray_kernels_{build_key()}"
     shutil.copytree(cache_dir() / name, tmp_path / name)
     lock = tmp_path / name / "lock"
     lock.touch()
     old = lock.stat().st_mtime - STALE_LOCK_S - 60
     os.utime(lock, (old, old))
-    code = "from domino_ray.cpu_kernels import kernels_loaded; assert kernels_loaded()"
+    code = "from domino_ray.backend.library import kernels_loaded; assert kernels_loaded()"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120,
                    env={**os.environ, "DOMINO_RAY_KERNEL_CACHE": str(tmp_path)})
     assert not lock.exists()
@@ -133,7 +134,7 @@ def test_the_avx2_build_passes_the_kernel_tests():
     (once per machine, ~35 s), checked to hold no AVX-512 register, and the kernels' tests run on that build."""
     root = Path(__file__).parent.parent
     env = {**os.environ, "DOMINO_RAY_KERNEL_MARCH": "haswell"}
-    code = ("from domino_ray.cpu_kernels import kernels_loaded, build_key, cache_dir, compile_flags; "
+    code = ("from domino_ray.backend.library import kernels_loaded, build_key, cache_dir, compile_flags; "
             "assert kernels_loaded() and '-march=haswell' in compile_flags(); "
             "print(cache_dir() / f'domino_ray_kernels_{build_key()}')")
     build = Path(subprocess.run([sys.executable, "-c", code], env=env, check=True, capture_output=True, text=True,
@@ -162,7 +163,7 @@ def test_rms_norm_computes_the_hf_module(norm_class):
         fused = torch.randn(3, 5, 7, features, generator=gen) * 4  # [b, q, heads, D]: heads 2..4 are a strided view
         for x in (fused, fused[:, :, 2:5], fused[1]):
             with torch.inference_mode():
-                got = cpu_kernels.rms_norm(norm, x)
+                got = layer_ops.rms_norm(norm, x)
             assert got.is_contiguous() and got.shape == x.shape
             torch.testing.assert_close(got, norm(x).detach())
 
@@ -177,7 +178,7 @@ def test_rotary_computes_hf_rotate_half(dim):
     freqs = torch.cat([positions[..., None] * inv_freq] * 2, -1)  # [b, q, D]
     cos, sin = freqs.cos(), freqs.sin()
     with torch.inference_mode():
-        got = cpu_kernels.rotary(qkv[:, :, :6], cos, sin)
+        got = layer_ops.rotary(qkv[:, :, :6], cos, sin)
     assert got.is_contiguous()
     torch.testing.assert_close(got, apply_rotary(qkv[:, :, :6], cos, sin, head_axis=2))
 
@@ -186,16 +187,16 @@ def test_layer_ops_fall_back_to_torch_where_they_do_not_apply():
     """float64 tensors and head sizes off the kernel's 16 run torch's ops; the op itself refuses them."""
     x = torch.randn(2, 3, 4, 24)
     cos, sin = torch.randn(2, 3, 24), torch.randn(2, 3, 24)
-    torch.testing.assert_close(cpu_kernels.rotary(x, cos, sin), apply_rotary(x, cos, sin, head_axis=2))
+    torch.testing.assert_close(layer_ops.rotary(x, cos, sin), apply_rotary(x, cos, sin, head_axis=2))
     with pytest.raises(RuntimeError, match="multiple of 16"):
-        torch.ops.domino_ray.rotary(x, cos, sin)
+        ops.rotary(x, cos, sin)
     x64 = torch.randn(3, 8, dtype=torch.float64)
     norm = type("Norm", (), {"weight": torch.ones(8, dtype=torch.float64), "variance_epsilon": 1e-6,
                              "__call__": lambda self, v: v * 2})()
-    assert torch.equal(cpu_kernels.rms_norm(norm, x64), x64 * 2)  # the module's own forward
+    assert torch.equal(layer_ops.rms_norm(norm, x64), x64 * 2)  # the module's own forward
     x32 = torch.randn(3, 8)
     norm.weight = torch.ones(8)
     with torch.inference_mode():  # fp32, but not one of HF's RMSNorm classes (a final norm of another family)
-        assert torch.equal(cpu_kernels.rms_norm(norm, x32), x32 * 2)
+        assert torch.equal(layer_ops.rms_norm(norm, x32), x32 * 2)
     with pytest.raises(RuntimeError, match="fp32"):
-        torch.ops.domino_ray.rms_norm(x64, norm.weight, 1e-6)
+        ops.rms_norm(x64, norm.weight, 1e-6)

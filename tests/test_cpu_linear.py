@@ -1,12 +1,13 @@
-"""Linear layers over packed weights and our kernel (`cpu_linear.py`, `csrc/linear.cpp`): the same function as
-`nn.Linear`, in place, and the same numbers for a row whatever batch it is in."""
+"""Linear layers over packed weights and our kernel (`model/packed_linear.py`, `backend/csrc/linear.cpp`): the same
+function as `nn.Linear`, in place, and the same numbers for a row whatever batch it is in."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from domino_ray.cpu_linear import MKL_ROWS, OUR_ROWS, PackedLinear, can_pack, pack_linears
+from domino_ray.backend import ops
+from domino_ray.model.packed_linear import MKL_ROWS, OUR_ROWS, PackedLinear, can_pack, pack_linears
 
 pytestmark = pytest.mark.skipif(not can_pack(nn.Linear(2, 2)), reason="our CPU kernels did not build")
 
@@ -50,7 +51,7 @@ def test_packed_path_is_taken():
     ours, mkl = x[:OUR_ROWS.stop - 1], x[:MKL_ROWS.start]
     with torch.inference_mode():
         before = [layer(part) for part in (ours, mkl, x)]
-        layer.packed_weight = torch.ops.domino_ray.pack_linear(2 * layer.weight)
+        layer.packed_weight = ops.pack_linear(2 * layer.weight)
         torch.testing.assert_close(layer(ours), 2 * before[0] - layer.bias, **TOL)
         torch.testing.assert_close(layer(mkl), before[1], **TOL)
         layer.mkl_weight = torch.ops.mkl._mkl_reorder_linear_weight(2 * layer.weight, 64)

@@ -1,12 +1,12 @@
-"""A CPU engine keeps freed memory for reuse (`cpu_malloc.py`): repeated forwards stop page-faulting."""
+"""A CPU engine keeps freed memory for reuse (`backend/malloc.py`): repeated forwards stop page-faulting."""
 
 import subprocess
 import sys
 
 import torch
 
-import domino_ray.engine
-from domino_ray.engine import SpecEngine
+import domino_ray.engine.spec_engine
+from domino_ray.engine.spec_engine import SpecEngine
 from tiny_models import tiny_target
 
 # A fresh process each (the allocator setting is process-wide), torch alone: eight rounds of a 2-layer MLP over
@@ -14,7 +14,7 @@ from tiny_models import tiny_target
 # page faults of the last four (the first ones grow the heap either way).
 SCRIPT = """
 import resource, sys, torch
-from domino_ray.cpu_malloc import keep_freed_memory
+from domino_ray.backend.malloc import keep_freed_memory
 if sys.argv[1] == "keep":
     assert keep_freed_memory()
 torch.set_num_threads(1)
@@ -51,12 +51,12 @@ def test_kept_freed_memory_ends_the_page_faults_of_repeated_forwards():
 
 def test_a_cpu_engine_keeps_freed_memory(monkeypatch):
     calls = []
-    monkeypatch.setattr(domino_ray.engine, "keep_freed_memory", lambda: calls.append(1) or True)
+    monkeypatch.setattr(domino_ray.engine.spec_engine, "keep_freed_memory", lambda: calls.append(1) or True)
     SpecEngine(tiny_target("llama", dtype=torch.float32), max_rows=2, max_model_len=64)
     assert calls
 
 
 def test_keep_freed_memory_is_idempotent():
-    from domino_ray.cpu_malloc import keep_freed_memory
+    from domino_ray.backend.malloc import keep_freed_memory
 
     assert keep_freed_memory() is True and keep_freed_memory() is True  # glibc here: set once, then reported

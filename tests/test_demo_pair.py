@@ -8,14 +8,14 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from domino_ray.checkpoint import load_draft
 from domino_ray.config import DEMO_ASSETS, load_config
-from domino_ray.engine import SpecEngine
-from domino_ray.request import Request
-from domino_ray.proposer import DominoProposer
-from domino_ray.sampling_params import SamplingParams
-from domino_ray.stats import total_stats
-from domino_ray.target import decode, encode_prompt, load_target, load_tokenizer, stop_token_ids
+from domino_ray.engine.request import Request
+from domino_ray.engine.spec_engine import SpecEngine
+from domino_ray.model.target import decode, encode_prompt, load_target, load_tokenizer, stop_token_ids
+from domino_ray.spec.checkpoint import load_draft
+from domino_ray.spec.proposer import DominoProposer
+from domino_ray.spec.sampling_params import SamplingParams
+from domino_ray.spec.stats import total_stats
 from oracles import corrected_logits_full_prefix
 
 MAX_ASSET_BYTES = 30 * 2**20
@@ -94,7 +94,8 @@ def test_greedy_speculative_equals_target_only(pair, prompts):
 def test_trained_draft_training_logits_equal_inference(pair, prompts):
     """On the shipped (trained) draft: the training forward's logits at an anchor equal the inference path's
     (one block from scratch on the prefix, GRU stepped over the true tokens)."""
-    from domino_ray.train_draft import block_logits, context_features
+    from domino_ray.training.data import context_features
+    from domino_ray.training.objective import block_logits
 
     target, tokenizer, draft = pair
     ids = encode_prompt(tokenizer, prompt=prompts["prompt"][7], chat_template=False)

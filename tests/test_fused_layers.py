@@ -4,15 +4,15 @@ import pytest
 import torch
 from torch import nn
 
-from domino_ray import cpu_kernels, target_forward
-from domino_ray.cpu_linear import pack_linears
-from domino_ray.engine import SpecEngine
-from domino_ray.fused_layers import FusedLayer, fuse_layers, fuse_linears
-from domino_ray.kv_cache import KVBuffers, group_visibility
-from domino_ray.request import Request
-from domino_ray.sampling_params import SamplingParams
-from domino_ray.target_forward import RowAttention, install, rotary_table, run_decoder
-from domino_ray.proposer import DominoProposer
+from domino_ray.engine.request import Request
+from domino_ray.engine.spec_engine import SpecEngine
+from domino_ray.model import kv_cache, target_forward
+from domino_ray.model.fused_layers import FusedLayer, fuse_layers, fuse_linears
+from domino_ray.model.kv_cache import KVBuffers, group_visibility
+from domino_ray.model.packed_linear import pack_linears
+from domino_ray.model.target_forward import RowAttention, install, rotary_table, run_decoder
+from domino_ray.spec.proposer import DominoProposer
+from domino_ray.spec.sampling_params import SamplingParams
 from tiny_models import hf_greedy, ragged_prompts, tiny_draft, tiny_target
 
 FAMILIES = {"qwen3": {}, "llama": {}, "qwen2": {},  # Qwen2: q/k/v biases
@@ -269,10 +269,10 @@ def test_layers_outside_the_family_or_with_hooks_keep_hf_forward():
 def test_kv_write_puts_each_row_at_its_own_positions(op, monkeypatch):
     ran = []
     if op == "torch":  # the path for other dtypes and devices, and where our kernels do not build
-        monkeypatch.setattr(cpu_kernels, "kv_write", lambda *args: False)
+        monkeypatch.setattr(kv_cache, "kv_write", lambda *args: False)
     else:
-        ours = cpu_kernels.kv_write
-        monkeypatch.setattr(cpu_kernels, "kv_write", lambda *args: ran.append(ours(*args)) or ran[-1])
+        ours = kv_cache.kv_write
+        monkeypatch.setattr(kv_cache, "kv_write", lambda *args: ran.append(ours(*args)) or ran[-1])
     kv = KVBuffers(2, 4, 16, 2, 3, torch.float32, "cpu")
     index = torch.tensor([[5, 6], [0, 1], [9, 10]])        # [b, q] for slots 1..3
     keys = torch.randn(3, 2, 2, 3)                          # [b, Hkv, q, D]

@@ -1,33 +1,232 @@
-"""The core is Ray-free: every domino_ray module except the Ray edge (ray_*.py) imports with Ray blocked;
-the sampling rules and the config are torch-free too."""
+"""The package's layers (DESIGN.md §1) import downwards only, with no import cycle (imports inside functions and
+under TYPE_CHECKING counted); the engine and everything below import and run without Ray, the YAML config or the
+HTTP stack; `import domino_ray` is light and exposes the public API lazily; the sampling rules and the config are
+torch-free."""
 
-import pkgutil
+import ast
 import subprocess
 import sys
+from pathlib import Path
 
-import domino_ray
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "domino_ray"
+TESTS = Path(__file__).resolve().parent
+
+# Each subpackage (or top-level module) of domino_ray and its layer: a module imports from its own subpackage or
+# from a lower layer, never from its own layer's other subpackages or from above. The package's own `__init__`
+# (the lazy public API) is above them all.
+LAYERS = {
+    "backend": 0,   # the C++ sources, their build, the only Python naming torch.ops.domino_ray
+    "model": 1,     # target loading and forward, fused layers, KV storage and attention
+    "spec": 2,      # draft, checkpoints, proposer, verify, sampling, the width policy, statistics
+    "engine": 3,    # scheduling, admission, the step, graphs, memory plan, the loop thread
+    "llm": 4,       # the Python API
+    "training": 4,  # draft training
+    "config": 4,    # the job's YAML config, for the edges
+    "batch": 5,     # the Ray Data edge
+    "serve": 5,     # the Ray Serve edge
+}
+CORE = ("backend", "model", "spec", "engine")  # importable without Ray, omegaconf or the HTTP stack
+BLOCKED = ("ray", "omegaconf", "fastapi", "starlette", "httpx", "uvicorn", "aiohttp")
 
 
-def test_core_imports_without_ray():
-    core = [m.name for m in pkgutil.iter_modules(domino_ray.__path__) if not m.name.startswith("ray_")]
-    assert {"engine", "draft", "checkpoint", "verify"} <= set(core)
-    code = ("import sys; sys.modules['ray'] = None\n"  # any `import ray` now raises ImportError
-            + "".join(f"import domino_ray.{name}\n" for name in core)
-            + "assert not any(m == 'ray' or m.startswith('ray.') for m in sys.modules if sys.modules[m])\n")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr
+def module_files(root: Path = PACKAGE) -> dict[str, Path]:
+    """Dotted module name -> file, for every module of the package (packages by their `__init__.py`)."""
+    out = {}
+    for path in sorted(root.rglob("*.py")):
+        parts = list(path.relative_to(root.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+def imports_of(name: str, path: Path, modules) -> set[str]:
+    """The package modules `name` imports anywhere in its file (module level, functions, TYPE_CHECKING blocks),
+    each resolved to the deepest module it names; its own parent packages left out (imported anyway)."""
+    is_package = path.name == "__init__.py"
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = name.split(".") if is_package else name.split(".")[:-1]
+                base = ".".join(anchor[:len(anchor) - node.level + 1] + ([base] if base else []))
+            targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in node.names]
+        else:
+            continue
+        for target in targets:
+            while target and target not in modules:
+                target = target.rpartition(".")[0]
+            if target and target != name and not name.startswith(target + "."):
+                found.add(target)
+    return found
+
+
+def import_graph(root: Path = PACKAGE) -> dict[str, set[str]]:
+    modules = module_files(root)
+    return {name: imports_of(name, path, modules) for name, path in modules.items()}
+
+
+def layer_of(module: str) -> str | None:
+    """`domino_ray.spec.draft` -> "spec"; the package itself -> None."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else None
+
+
+def layering_violations(graph: dict[str, set[str]]) -> list[str]:
+    bad = []
+    for module, targets in graph.items():
+        own = layer_of(module)
+        if own is None:
+            continue  # the package's lazy public API
+        for target in targets:
+            theirs = layer_of(target)
+            if theirs is None:
+                bad.append(f"{module} imports the package itself ({target}), which imports every layer")
+            elif theirs != own and LAYERS[theirs] >= LAYERS[own]:
+                bad.append(f"{module} (layer {own}) imports {target} (layer {theirs})")
+    return sorted(bad)
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on_stack, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_every_subpackage_has_a_layer():
+    found = {layer_of(m) for m in module_files()} - {None}
+    assert found == set(LAYERS), f"give each subpackage a layer in LAYERS: {sorted(found ^ set(LAYERS))}"
+
+
+def test_imports_point_downwards_only():
+    assert layering_violations(import_graph()) == []
+
+
+def test_no_import_cycle_between_modules():
+    assert cycles(import_graph()) == []
+
+
+def test_the_checks_see_an_upward_import_and_a_cycle(tmp_path):
+    """The checks above on a copy of the package with one upward import added inside a function (the shape of the
+    old cycle: KV storage reaching up to the draft, which imports it): both fail."""
+    import shutil
+
+    copy = tmp_path / "domino_ray"
+    shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("assets", "csrc", "__pycache__"))
+    kv_cache = copy / "model" / "kv_cache.py"
+    kv_cache.write_text(kv_cache.read_text() + "\n\ndef _upward():\n    from domino_ray.spec.draft import DominoDraft\n")
+    graph = import_graph(copy)
+    assert layering_violations(graph) == ["domino_ray.model.kv_cache (layer model) imports domino_ray.spec.draft "
+                                          "(layer spec)"]
+    assert any({"domino_ray.model.kv_cache", "domino_ray.spec.draft"} <= set(c) for c in cycles(graph))
+
+
+def test_subpackage_inits_import_nothing():
+    """Importing a module imports its parent packages: they stay empty, so a module costs only what it imports."""
+    for name, path in module_files().items():
+        if path.name == "__init__.py" and name != "domino_ray":
+            tree = ast.parse(path.read_text())
+            assert not [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))], name
+
+
+def run_python(code: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout,
+                          cwd=str(TESTS))
+
+
+def test_the_engine_and_below_import_and_run_without_ray_config_or_http():
+    """Every module of the core layers imports with Ray, omegaconf and the HTTP stack blocked (an import of any of
+    them raises), and a tiny speculative engine generates."""
+    core = sorted(m for m in module_files() if layer_of(m) in CORE)
+    assert {"domino_ray.engine.spec_engine", "domino_ray.spec.draft", "domino_ray.backend.ops"} <= set(core)
+    code = (f"import sys\nfor name in {BLOCKED!r}:\n    sys.modules[name] = None\n"  # `import name` now raises
+            + "".join(f"import {name}\n" for name in core)
+            + "from tiny_models import ragged_prompts, tiny_draft, tiny_target\n"
+              "from domino_ray.engine.request import Request\n"
+              "from domino_ray.engine.spec_engine import SpecEngine\n"
+              "from domino_ray.spec.proposer import DominoProposer\n"
+              "from domino_ray.spec.sampling_params import SamplingParams\n"
+              "target = tiny_target()\n"
+              "engine = SpecEngine(target, DominoProposer(tiny_draft(target), target), max_rows=2, max_model_len=64)\n"
+              "out = engine.generate([Request(i, p, SamplingParams(max_new_tokens=5, ignore_eos=True))\n"
+              "                       for i, p in enumerate(ragged_prompts(3))])\n"
+              "assert [len(c.token_ids) for c in out] == [5, 5, 5]\n"
+              f"loaded = [m for m in sys.modules if m.split('.')[0] in {BLOCKED!r} and sys.modules[m] is not None]\n"
+              "assert not loaded, loaded\n")
+    result = run_python(code)
+    assert result.returncode == 0, result.stderr[-3000:]
 
 
 def test_package_import_is_light():
-    result = subprocess.run([sys.executable, "-c", "import sys, domino_ray; print('torch' in sys.modules)"],
-                            capture_output=True, text=True, timeout=60)
-    assert result.stdout.strip() == "False", result.stderr
+    result = run_python("import sys, domino_ray; print(sorted({'torch', 'ray'} & set(sys.modules)))")
+    assert result.stdout.strip() == "[]", result.stderr
+
+
+@pytest.mark.parametrize("name, loads, leaves", [
+    ("SamplingParams", [], ["torch", "ray"]),
+    ("DominoLLM", ["torch"], ["ray"]),
+    ("SpecEngine", ["torch"], ["ray"]),
+    ("build_processor", ["ray"], []),
+])
+def test_the_public_api_comes_from_the_package_lazily(name, loads, leaves):
+    """Each name is its module's own object, and importing it loads only what that module needs."""
+    import domino_ray
+
+    code = (f"import sys, domino_ray\nvalue = domino_ray.{name}\n"
+            f"import {domino_ray._API[name]} as home\nassert value is home.{name}\n"
+            f"print(sorted(m for m in {[*loads, *leaves]!r} if m in sys.modules))")
+    result = run_python(code)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split()[-1] == str(sorted(loads)).replace(" ", ""), result.stdout
+
+
+def test_every_public_name_resolves():
+    import domino_ray
+
+    assert set(domino_ray.__all__) == {"__version__", *domino_ray._API}
+    assert {"DominoLLM", "build_engine", "load_target", "load_tokenizer", "encode_prompt", "load_draft", "SpecEngine",
+            "Request", "SamplingParams", "total_stats", "DominoEngineProcessorConfig",
+            "build_processor"} <= set(domino_ray.__all__)
+    for name in domino_ray._API:
+        assert getattr(domino_ray, name) is not None
+    with pytest.raises(AttributeError, match="no attribute 'nothing_here'"):
+        domino_ray.nothing_here  # noqa: B018
 
 
 def test_sampling_rules_and_config_import_without_torch():
     code = ("import sys; sys.modules['torch'] = None\n"  # any `import torch` now raises ImportError
-            "import domino_ray.sampling_params, domino_ray.config\n"
+            "import domino_ray.spec.sampling_params, domino_ray.config\n"
             "domino_ray.config.load_config()\n"  # the checks run (generation.* via sampling_params)
             "assert not any(m == 'torch' or m.startswith('torch.') for m in sys.modules if sys.modules[m])\n")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    result = run_python(code, timeout=60)
     assert result.returncode == 0, result.stderr

@@ -10,14 +10,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from domino_ray.batch.io import list_parquet_files, read_json, resolve, scan_output, write_json_atomic
+from domino_ray.batch.schema import (GENERATED_FIELDS, RowError, engine_columns, error_row, ok_row, output_schema,
+                                     output_table, read_row, row_params, with_columns)
+from domino_ray.batch.summary import STATS_COLUMNS, human_summary, run_stats, summarize
 from domino_ray.config import ConfigError, InputConfig, S3Config, load_config
-from domino_ray.request import Completion
-from domino_ray.io import list_parquet_files, read_json, resolve, scan_output, write_json_atomic
-from domino_ray.sampling_params import SamplingParams
-from domino_ray.schema import (GENERATED_FIELDS, RowError, engine_columns, error_row, ok_row, output_schema,
-                               output_table, read_row, row_params, with_columns)
-from domino_ray.stats import RowStats
-from domino_ray.summary import STATS_COLUMNS, human_summary, run_stats, summarize
+from domino_ray.engine.request import Completion
+from domino_ray.spec.sampling_params import SamplingParams
+from domino_ray.spec.stats import RowStats
 
 IC = InputConfig()
 
@@ -186,7 +186,7 @@ def test_new_config_keys_are_checked():
 def test_job_helpers_import_without_ray():
     """Ray stays at the edge (`ray_*.py`): the batch job's IO, schema, summary and pre-flight do not need it."""
     code = ("import sys; sys.modules['ray'] = None\n"
-            "import domino_ray.io, domino_ray.schema, domino_ray.summary, domino_ray.preflight")
+            "import domino_ray.batch.io, domino_ray.batch.schema, domino_ray.batch.summary, domino_ray.batch.preflight")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
 
@@ -215,8 +215,8 @@ def test_run_counts_the_rows_it_wrote_not_the_rows_actors_retried():
 def test_resume_compares_ids_and_settings(tmp_path):
     """Issue 12 item 12: 'nothing to do' means every input id is done (not equal counts), and a changed
     output-determining setting is refused unless output.allow_mixed_settings=true."""
-    from domino_ray.preflight import InputPlan, check_settings, output_settings
-    from domino_ray.ray_batch import rows_to_do
+    from domino_ray.batch.job import rows_to_do
+    from domino_ray.batch.preflight import InputPlan, check_settings, output_settings
 
     loc = resolve(str(tmp_path), S3Config())
     plan = InputPlan(loc, ["f"], pa.schema([("id", pa.string())]), False, {"f": 2}, 2, pa.array(["a", "b"]))

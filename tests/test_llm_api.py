@@ -4,12 +4,12 @@ import pytest
 import torch
 
 from batch_fixtures import make_prompts
-from domino_ray.checkpoint import save_draft
 from domino_ray.config import load_config
-from domino_ray.request import Request
+from domino_ray.engine.request import Request
 from domino_ray.llm import DominoLLM, load_engine
-from domino_ray.sampling_params import SamplingParams
-from domino_ray.target import decode, encode_prompt, load_target, load_tokenizer, stop_token_ids
+from domino_ray.model.target import decode, encode_prompt, load_target, load_tokenizer, stop_token_ids
+from domino_ray.spec.checkpoint import save_draft
+from domino_ray.spec.sampling_params import SamplingParams
 from speculation import check_speculated, speculate_in_process
 from tiny_models import hf_greedy, save_agreeing_pair, save_tiny_pair, tiny_draft, tiny_target
 

@@ -7,9 +7,9 @@ import pytest
 import torch
 from transformers import Qwen3Config
 
-from domino_ray.draft import DraftConfig
-from domino_ray.memory import check_memory_fits, memory_plan, plan_slots
-from domino_ray.step_graphs import verify_positions
+from domino_ray.engine.memory import check_memory_fits, memory_plan, plan_slots
+from domino_ray.engine.step_graphs import verify_positions
+from domino_ray.spec.draft import DraftConfig
 
 REPO = Path(__file__).resolve().parents[1]
 GiB = 2**30
@@ -64,10 +64,10 @@ def test_too_little_memory_plans_no_slot_and_names_the_keys():
 # ---- the engine sizing itself (CPU here: the CUDA branch is the same planner over free device memory) ----
 
 def test_auto_slots_on_cpu_follow_the_threads_and_the_engine_runs_at_that_size():
-    from domino_ray.engine import SpecEngine
-    from domino_ray.proposer import DominoProposer
-    from domino_ray.request import Request
-    from domino_ray.sampling_params import SamplingParams
+    from domino_ray.engine.request import Request
+    from domino_ray.engine.spec_engine import SpecEngine
+    from domino_ray.spec.proposer import DominoProposer
+    from domino_ray.spec.sampling_params import SamplingParams
     from tiny_models import ragged_prompts, tiny_draft, tiny_target
 
     target = tiny_target("qwen3")

@@ -8,12 +8,12 @@ import time
 
 import pytest
 
-from domino_ray.engine import SpecEngine
-from domino_ray.engine_loop import EngineLoop
-from domino_ray.openai_api import APIError, ModelSpec, chunk_body, parse_request, response_body
-from domino_ray.sampling_params import SamplingParams
-from domino_ray.target import decode, encode_prompt
-from domino_ray.text_stream import TextStream, generate
+from domino_ray.engine.loop import EngineLoop
+from domino_ray.engine.spec_engine import SpecEngine
+from domino_ray.model.target import decode, encode_prompt
+from domino_ray.serve.openai_api import APIError, ModelSpec, chunk_body, parse_request, response_body
+from domino_ray.serve.text_stream import TextStream, generate
+from domino_ray.spec.sampling_params import SamplingParams
 from tiny_models import tiny_target, tiny_tokenizer
 
 
@@ -268,8 +268,8 @@ def test_stop_string_usage_and_stats_count_the_returned_texts_tokens(engine_loop
 
 
 def test_stats_through_cuts_a_step_as_the_engine_cuts_at_a_stop_token():
-    from domino_ray.text_stream import stats_through
-    from domino_ray.stats import RowStats
+    from domino_ray.serve.text_stream import stats_through
+    from domino_ray.spec.stats import RowStats
 
     K, snapshots = 4, [RowStats(4), RowStats(4)]  # nothing yet; after the prefill's first token
     for drafted, accepted in [(4, 2), (4, 4), (3, 1)]:  # three verify steps: 3, 5 and 2 tokens

@@ -16,12 +16,12 @@ import ray
 
 from batch_fixtures import (agreeing_pair, job_config, make_prompts, ray_cluster, tiny_pair,  # noqa: F401
                             write_shards)
+from domino_ray.batch.job import run_job
+from domino_ray.batch.processor import DominoEngineProcessorConfig, build_processor
+from domino_ray.batch.summary import TOTALS
 from domino_ray.config import ConfigError
 from domino_ray.llm import DominoLLM
-from domino_ray.ray_processor import DominoEngineProcessorConfig, build_processor
-from domino_ray.ray_batch import run_job
-from domino_ray.sampling_params import SamplingParams
-from domino_ray.summary import TOTALS
+from domino_ray.spec.sampling_params import SamplingParams
 from speculation import check_speculated, speculate_in_process
 
 pytestmark = pytest.mark.ray

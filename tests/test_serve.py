@@ -24,8 +24,8 @@ import pytest
 from batch_fixtures import make_prompts
 from domino_ray.config import load_config
 from domino_ray.llm import DominoLLM
-from domino_ray.sampling_params import SamplingParams
-from domino_ray.target import encode_prompt
+from domino_ray.model.target import encode_prompt
+from domino_ray.spec.sampling_params import SamplingParams
 from speculation import check_speculated, speculate_in_process
 from tiny_models import CORPUS, save_agreeing_pair
 
@@ -51,7 +51,7 @@ def app(tmp_path_factory):
     import ray
     from ray import serve
 
-    from domino_ray.ray_serve import build_app, build_health_app
+    from domino_ray.serve.app import build_app, build_health_app
 
     # float64 (the pair's): greedy comparisons against a differently batched reference must not flip on
     # near-ties. A long context, so the overload test's long requests outlast its burst.
@@ -486,9 +486,9 @@ def test_health_check_fails_when_the_engine_loop_dies(app):
     engine loop thread has died, so Serve replaces the replica (Serve's contract, not re-tested here)."""
     from ray import serve
 
-    from domino_ray.engine import SpecEngine
-    from domino_ray.engine_loop import EngineLoop
-    from domino_ray.ray_serve import DominoServer
+    from domino_ray.engine.loop import EngineLoop
+    from domino_ray.engine.spec_engine import SpecEngine
+    from domino_ray.serve.app import DominoServer
     from tiny_models import tiny_target
 
     assert serve.get_app_handle("domino-test").check_health.remote().result() is None

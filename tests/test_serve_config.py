@@ -9,7 +9,7 @@ import yaml
 from ray.serve.schema import ServeDeploySchema
 
 from domino_ray.config import ConfigError, load_config
-from domino_ray.ray_serve import app_builder, deployment_options, health_app_builder
+from domino_ray.serve.app import app_builder, deployment_options, health_app_builder
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -55,10 +55,10 @@ def test_deploy_files_are_valid_serve_configs_that_build_the_app(which):
     raw = serve_configs()[which]
     schema = ServeDeploySchema.model_validate(raw)
     app, health = schema.applications
-    assert (health.route_prefix, health.import_path) == ("/health", "domino_ray.ray_serve:health_app_builder")
+    assert (health.route_prefix, health.import_path) == ("/health", "domino_ray.serve.app:health_app_builder")
     assert dict(health.args)["app_name"] == app.name
     assert health_app_builder(dict(health.args))._bound_deployment.name == "HealthProbe"
-    assert app.import_path == "domino_ray.ray_serve:app_builder"
+    assert app.import_path == "domino_ray.serve.app:app_builder"
     args = dict(app.args)
     # The production config file lives in the image; build against the defaults with the same overrides.
     overrides = args.get("overrides") or []

@@ -7,12 +7,12 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from domino_ray.draft import gru_cell
-from domino_ray.engine import SpecEngine
-from domino_ray.request import Request
-from domino_ray.memory import check_memory_fits
-from domino_ray.proposer import DominoProposer
-from domino_ray.sampling_params import SamplingParams
+from domino_ray.engine.memory import check_memory_fits
+from domino_ray.engine.request import Request
+from domino_ray.engine.spec_engine import SpecEngine
+from domino_ray.spec.draft import gru_cell
+from domino_ray.spec.proposer import DominoProposer
+from domino_ray.spec.sampling_params import SamplingParams
 from oracles import OracleProposer
 from tiny_models import ragged_prompts, tiny_draft, tiny_target
 
@@ -128,8 +128,8 @@ def test_compiled_steps_are_one_graph_without_recompiles(target):
 
     draft = tiny_draft(target, block_size=4)
     engine = SpecEngine(target, DominoProposer(draft, target), max_rows=4, max_model_len=200, kv_chunk=256)
-    engine._draft_step = torch.compile(engine._draft_step, fullgraph=True, backend=backend)
-    engine._verify_step = torch.compile(engine._verify_step, fullgraph=True, backend=backend)
+    engine.runner.draft = torch.compile(engine.runner.draft, fullgraph=True, backend=backend)
+    engine.runner.verify = torch.compile(engine.runner.verify, fullgraph=True, backend=backend)
     params = SamplingParams(max_new_tokens=100, ignore_eos=True)
     for i, p in enumerate(ragged_prompts(3, seed=9, max_len=10)):
         engine.add_request(Request(i, p, params))
@@ -179,10 +179,11 @@ def test_memory_plan_counts_every_preallocation_and_names_the_keys(target):
     engine = SpecEngine(target, DominoProposer(tiny_draft(target, block_size=4), target), max_rows=4,
                         max_model_len=100)
     plan = engine.memory_plan()
-    assert plan["target_kv"] == sum(t.numel() * t.element_size() for t in (*engine.kv.keys, *engine.kv.values))
+    kv = engine.runner.kv
+    assert plan["target_kv"] == sum(t.numel() * t.element_size() for t in (*kv.keys, *kv.values))
     assert plan["draft_kv"] == engine.proposer.kv.nbytes > 0
     assert plan["draft_rope"] == engine.proposer.rope_cos.nbytes + engine.proposer.rope_sin.nbytes > 0
-    assert plan["target_rope"] == sum(t.nbytes for t in engine.cos_sin) > 0
+    assert plan["target_rope"] == sum(t.nbytes for t in engine.runner.cos_sin) > 0
     assert plan["decode_step"] > 0 and plan["prefill_peak"] > 0
     check_memory_fits(plan, 2 * sum(plan.values()), "cuda:0")
     with pytest.raises(ValueError, match="lower generation.max_batch_size, model.max_model_len or "

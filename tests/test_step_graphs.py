@@ -3,13 +3,13 @@ engine's own steps checked against them on CPU: a greedy step never meets a key 
 
 import pytest
 
-from domino_ray.engine import SpecEngine
-from domino_ray.memory import plan_slots
-from domino_ray.proposer import DominoProposer
-from domino_ray.request import Request
-from domino_ray.sampling_params import SamplingParams
-from domino_ray.step_graphs import MIN_GRAPH_KEYS, greedy_step_keys, key_buckets, row_buckets, verify_positions
-from domino_ray.verify_width import MAX_VERIFY_POSITIONS, step_widths
+from domino_ray.engine.memory import plan_slots
+from domino_ray.engine.request import Request
+from domino_ray.engine.spec_engine import SpecEngine
+from domino_ray.engine.step_graphs import MIN_GRAPH_KEYS, greedy_step_keys, key_buckets, row_buckets, verify_positions
+from domino_ray.spec.proposer import DominoProposer
+from domino_ray.spec.sampling_params import SamplingParams
+from domino_ray.spec.width_costs import MAX_VERIFY_POSITIONS, step_widths
 from test_memory_plan import GiB, WEIGHTS, production_plan
 from tiny_models import ragged_prompts, tiny_draft, tiny_target
 

@@ -6,15 +6,16 @@ from dataclasses import replace
 import pytest
 import torch
 
-from domino_ray.draft import DominoDraft
-from domino_ray.engine import SpecEngine
-from domino_ray.request import Request
-from domino_ray.proposer import DominoProposer
-from domino_ray.sampling_params import SamplingParams
-from domino_ray.train_draft import (TrainConfig, backbone_only, block_labels, block_logits, collate,
-                                    context_features, draft_config_for, engine_acceptance, evaluate_blocks,
-                                    generate_sequences, lambda_base, position_weights, sample_anchors,
-                                    train_draft, training_mask)
+from domino_ray.engine.request import Request
+from domino_ray.engine.spec_engine import SpecEngine
+from domino_ray.spec.draft import DominoDraft
+from domino_ray.spec.proposer import DominoProposer
+from domino_ray.spec.sampling_params import SamplingParams
+from domino_ray.training.data import collate, context_features, generate_sequences, sample_anchors
+from domino_ray.training.evaluation import backbone_only, engine_acceptance, evaluate_blocks
+from domino_ray.training.loop import draft_config_for, train_draft
+from domino_ray.training.objective import (TrainConfig, block_labels, block_logits, lambda_base, position_weights,
+                                           training_mask)
 from tiny_models import Recorder, ragged_prompts, tiny_target
 from oracles import corrected_logits_full_prefix
 
@@ -175,7 +176,8 @@ def test_tiny_training_improves_acceptance():
 # ---- pruned vocabulary, cached features, resume (issue 11) ----------------------------------------
 
 def test_pruned_vocabulary_maps_back_to_target_ids(target64, sequences64):
-    from domino_ray.train_draft import draft_labels, frequent_ids, init_pruned_vocabulary, target_to_draft_ids
+    from domino_ray.training.data import frequent_ids, init_pruned_vocabulary
+    from domino_ray.training.objective import draft_labels, target_to_draft_ids
 
     v = target64.config.vocab_size
     ids = frequent_ids(sequences64, 24, v)
@@ -193,7 +195,7 @@ def test_pruned_vocabulary_maps_back_to_target_ids(target64, sequences64):
 
 
 def test_pruned_draft_trains_and_stays_lossless(target64, sequences64):
-    from domino_ray.train_draft import frequent_ids, init_pruned_vocabulary
+    from domino_ray.training.data import frequent_ids, init_pruned_vocabulary
 
     draft = make_draft(target64, draft_vocab_size=32)
     init_pruned_vocabulary(draft, target64, frequent_ids(sequences64, 32, target64.config.vocab_size))
@@ -208,7 +210,7 @@ def test_pruned_draft_trains_and_stays_lossless(target64, sequences64):
 
 
 def test_cached_features_give_the_same_training(target64, sequences64):
-    from domino_ray.train_draft import sequence_features
+    from domino_ray.training.data import sequence_features
 
     cfg = TrainConfig(steps=3, batch_size=4, anchors_per_sequence=4, lr=1e-2, lambda_base_decay_ratio=0.5)
     a, b = make_draft(target64), make_draft(target64)

@@ -9,13 +9,14 @@ import pytest
 
 import torch
 
-from domino_ray.engine import DEFERRED_STEPS, SpecEngine
-from domino_ray.request import Request
-from domino_ray.proposer import DominoProposer
-from domino_ray.sampling_params import SamplingParams
-from domino_ray.verify_width import (CONTEXT_FLOOR, DRAFTING_MARGIN, HOLD_STEPS, TRIAL_TRIES, AcceptanceEstimates,
-                                     best_width, candidate_widths, choose_width, expected_tokens, smooth_costs,
-                                     StepCosts, WidthController, width_rates)
+from domino_ray.engine.context_ring import DEFERRED_STEPS
+from domino_ray.engine.request import Request
+from domino_ray.engine.spec_engine import SpecEngine
+from domino_ray.spec.proposer import DominoProposer
+from domino_ray.spec.sampling_params import SamplingParams
+from domino_ray.spec.width_costs import candidate_widths, smooth_costs, StepCosts
+from domino_ray.spec.width_policy import (CONTEXT_FLOOR, DRAFTING_MARGIN, HOLD_STEPS, TRIAL_TRIES, AcceptanceEstimates,
+                                          best_width, choose_width, expected_tokens, WidthController, width_rates)
 from oracles import OracleProposer
 from tiny_models import hf_greedy, ragged_prompts, tiny_draft, tiny_target
 
@@ -201,10 +202,10 @@ def test_an_admitted_prompt_reaches_the_draft_only_before_a_step_that_keeps_its_
                             width_costs={r: {w: 1.0 + w for w in range(K + 1)} for r in (1, 2)})
         engine.width.choose = lambda r, t, usable: (0, context)
         prefill, waiting = engine._prefill, []
-        engine._prefill = lambda *a: (first := prefill(*a), waiting.append(len(engine.pending_prompts)))[0]
+        engine._prefill = lambda *a: (first := prefill(*a), waiting.append(len(engine.ring.pending_prompts)))[0]
         out = engine.generate([Request(i, p, params) for i, p in enumerate(prompts)])
         assert [c.token_ids for c in out] == [hf_greedy(target, p, 12) for p in prompts]
-        assert all(waiting) and not engine.pending_prompts
+        assert all(waiting) and not engine.ring.pending_prompts
         prompt_feeds = sorted(q for slots, q, offsets in proposer.feeds if offsets == [0])  # a prompt from position 0
         assert prompt_feeds == (sorted(len(p) for p in prompts) if context else [])
         assert context or not proposer.feeds  # far off: nothing fed at all (a full ring drops its oldest)
@@ -241,7 +242,8 @@ def test_deferred_context_gives_the_draft_what_an_update_every_step_gives(target
         proposer = ContextRecorder(tiny_draft(target, block_size=K), target)
         engine = SpecEngine(target, proposer, max_rows=3, adaptive=True, width_costs=costs)
         assert engine.defer_context
-        engine.defer_context = defer
+        if not defer:  # the same engine, but its W = 0 steps feed their taps at once
+            engine.ring.deferred = None
         steps = iter(schedule * 20)
         engine.width.choose = lambda r, t, usable: (next(steps), True)
         out = engine.generate([Request(i, p, sp) for i, (p, sp) in enumerate(zip(prompts, params))])
@@ -304,9 +306,9 @@ def test_while_drafting_is_far_off_the_draft_context_keeps_the_prompt_and_the_la
         steps = iter(schedule * 20)
         engine.width.choose = lambda r, t, usable: next(steps) if skip else (next(steps)[0], True)
         prefill, waiting = engine._prefill, []
-        engine._prefill = lambda *a: (first := prefill(*a), waiting.append(len(engine.pending_prompts)))[0]
+        engine._prefill = lambda *a: (first := prefill(*a), waiting.append(len(engine.ring.pending_prompts)))[0]
         out = engine.generate([Request(i, p, sp) for i, (p, sp) in enumerate(zip(prompts, params))])
-        assert all(waiting) and not engine.pending_prompts  # each admission's prompts wait for a step, then none
+        assert all(waiting) and not engine.ring.pending_prompts  # each admission's prompts wait for a step, then none
         assert [c.token_ids for c in out] == [hf_greedy(target, p, sp.max_new_tokens) for p, sp in zip(prompts, params)]
         kept = [match for p, prompt, length, match in proposer.checked if p < prompt or p >= length - DEFERRED_STEPS]
         between = [match for p, prompt, length, match in proposer.checked if prompt <= p < length - DEFERRED_STEPS]
@@ -331,7 +333,7 @@ def test_a_step_keeping_no_taps_empties_the_ring(target):
     while engine.has_unfinished():
         for event in engine.step():
             out[event.request_id] += event.new_token_ids
-        held.append(len(engine.deferred))
+        held.append(len(engine.ring.deferred))
     assert held[:9] == [1, 2, 3, 4, 5, 0, 1, 2, 0]  # the admission's step, then one a step
     assert [out[i] for i in range(2)] == [hf_greedy(target, p, 30) for p in prompts]
 
@@ -348,10 +350,10 @@ def test_deferred_taps_are_in_the_memory_plan_of_eager_adaptive_engines_only(tar
         engine.add_request(Request(i, prompt, SamplingParams(max_new_tokens=DEFERRED_STEPS + 4, ignore_eos=True)))
     for _ in range(DEFERRED_STEPS + 2):
         engine.step()
-    assert len(engine.rows) == 3 and len(engine.deferred) == DEFERRED_STEPS
-    assert adaptive["deferred_taps"] == sum(t.nbytes for taps in engine.deferred for t in taps) > 0
+    assert len(engine.rows) == 3 and len(engine.ring.deferred) == DEFERRED_STEPS
+    assert adaptive["deferred_taps"] == sum(t.nbytes for taps in engine.ring.deferred for t in taps) > 0
     engine, fixed = plan()
-    assert "deferred_taps" not in fixed and engine.deferred is None
+    assert "deferred_taps" not in fixed and engine.ring.deferred is None
 
 
 def test_start_up_costs_time_rows_that_fill_the_keys_timed(target):
@@ -362,14 +364,14 @@ def test_start_up_costs_time_rows_that_fill_the_keys_timed(target):
     seen, device_step = [], engine._device_step
 
     def recording(r, key_groups, *args):
-        seen.append((key_groups[0][1], engine.lens[:r].tolist()))
+        seen.append((key_groups[0][1], engine.runner.lens[:r].tolist()))
         return device_step(r, key_groups, *args)
 
     engine._device_step = recording
     engine.measure_costs({1: [0, 2], 2: [0, 2]}, repeats=1)
     assert {t for t, _ in seen} == {engine._key_bucket(engine.span), engine.capacity}
     assert all(lens == [t - engine.span] * len(lens) for t, lens in seen), seen
-    assert engine.lens.tolist() == [0, 0]
+    assert engine.runner.lens.tolist() == [0, 0]
 
 
 class FixedCosts(StepCosts):
@@ -452,7 +454,7 @@ def test_sampled_text_is_the_target_only_sample_for_the_same_seed(target, top_p)
 
 
 def test_step_costs_grow_with_the_context_and_learn_from_real_steps():
-    from domino_ray.verify_width import StepCosts
+    from domino_ray.spec.width_costs import StepCosts
 
     costs = StepCosts.from_two_lengths({1: {0: 1.0, 4: 2.0}}, {1: {0: 2.0, 4: 6.0}}, 100, 500)
     assert costs.at(1, 100) == {0: 1.0, 4: 2.0} and costs.at(1, 300) == {0: 1.5, 4: 4.0}
@@ -470,7 +472,7 @@ def test_step_costs_grow_with_the_context_and_learn_from_real_steps():
 def test_row_counts_between_the_timed_buckets_start_on_the_line_between_them():
     """Eager steps run exactly their active rows: a count start-up never timed gets the line between the
     neighbouring buckets (the nearest bucket's figure outside them), then learns from its own steps alone."""
-    from domino_ray.verify_width import StepCosts
+    from domino_ray.spec.width_costs import StepCosts
 
     costs = StepCosts.from_two_lengths({2: {0: 2.0, 1: 3.0}, 4: {0: 4.0, 1: 7.0}},
                                        {2: {0: 4.0, 1: 5.0}, 4: {0: 8.0, 1: 11.0}}, 100, 300)
@@ -488,7 +490,8 @@ def test_row_counts_between_the_timed_buckets_start_on_the_line_between_them():
 def test_a_step_that_captured_a_graph_teaches_acceptance_not_cost():
     """`learn(seconds=None)` (the engine's first use of a lazily captured graph: a stall, not a step's cost)
     updates the acceptance counts and leaves the cost table as it was; a timed step moves it."""
-    from domino_ray.verify_width import StepCosts, WidthController
+    from domino_ray.spec.width_costs import StepCosts
+    from domino_ray.spec.width_policy import WidthController
 
     width = WidthController(4, 2, StepCosts({2: {0: 1.0, 4: 2.0}}))
     before = width.costs.at(2, 0)
@@ -642,7 +645,7 @@ def test_a_new_draft_gets_a_trial_of_narrow_probes_before_misses_stop_it():
 def test_start_up_times_four_widths_and_puts_the_rest_on_their_line():
     """Eagerly every width 0..K is a candidate, but start-up runs W = 0 and three drafting widths per bucket and
     length; the other widths get the figure of the line through the timed ones (where `smooth_costs` puts them)."""
-    from domino_ray.verify_width import drafting_line, measure_step_costs, widths_to_time
+    from domino_ray.spec.width_costs import drafting_line, measure_step_costs, widths_to_time
 
     assert widths_to_time(range(9)) == [0, 1, 5, 8] and widths_to_time([0, 1, 2, 4, 8]) == [0, 1, 4, 8]
     assert widths_to_time([0, 1, 2, 3]) == [0, 1, 2, 3] and widths_to_time([0]) == [0]

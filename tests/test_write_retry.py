@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 from ray.data._internal.execution.interfaces.task_context import TaskContext
 
 from batch_fixtures import s3_endpoint  # noqa: F401
-from domino_ray.ray_batch import ParquetSinkKeepingFinishedFiles
+from domino_ray.batch.job import ParquetSinkKeepingFinishedFiles
 
 SCHEMA = pa.schema([("id", pa.int64()), ("text", pa.string())])
 
@@ -65,8 +65,8 @@ def test_a_retried_write_on_s3_keeps_its_finished_objects(s3_endpoint, monkeypat
     import s3fs
 
     from batch_fixtures import AWS_ENV
+    from domino_ray.batch.io import resolve
     from domino_ray.config import S3Config
-    from domino_ray.io import resolve
 
     for key, value in AWS_ENV.items():
         monkeypatch.setenv(key, value)

@@ -1,0 +1,39 @@
+// Our CPU ops as C++ functions: registered as torch.ops.domino_ray.* in one place (registration.cpp), and called
+// directly by the ops built on them (decode_layer.cpp, domino_head.cpp): one library, no dispatch between them.
+// fp32 CPU tensors; each checks its inputs.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <vector>
+
+namespace domino_ray {
+
+at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values,
+                            const at::Tensor& limits, double scale);
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+void kv_write(at::Tensor key_buffer, at::Tensor value_buffer, const at::Tensor& rows_at, const at::Tensor& keys,
+              const at::Tensor& values);
+at::Tensor pack_linear(const at::Tensor& weight);
+at::Tensor linear(const at::Tensor& input, const at::Tensor& packed, int64_t n, const c10::optional<at::Tensor>& bias);
+at::Tensor decode_layer(const at::Tensor& hidden, const c10::List<c10::optional<at::Tensor>>& weights,
+                        at::IntArrayRef shape, at::ArrayRef<double> scalars, at::Tensor key_buffer,
+                        at::Tensor value_buffer, const at::Tensor& rows_at, const at::Tensor& cos,
+                        const at::Tensor& sin, at::IntArrayRef group_stops, at::IntArrayRef group_lengths,
+                        at::TensorList limits);
+std::vector<at::Tensor> decode_layers(const at::Tensor& hidden, const c10::List<c10::optional<at::Tensor>>& weights,
+                                      at::IntArrayRef shapes, at::ArrayRef<double> scalars, at::TensorList key_buffers,
+                                      at::TensorList value_buffers, const at::Tensor& rows_at, const at::Tensor& cos,
+                                      const at::Tensor& sin, at::IntArrayRef group_stops, at::IntArrayRef group_lengths,
+                                      at::TensorList limits, at::IntArrayRef tap_layers);
+void context_update(const at::Tensor& taps, const c10::List<c10::optional<at::Tensor>>& weights,
+                    at::IntArrayRef shape, at::ArrayRef<double> scalars, at::TensorList key_buffers,
+                    at::TensorList value_buffers, const at::Tensor& rows_at, const at::Tensor& cos,
+                    const at::Tensor& sin);
+at::Tensor domino_corrections(const at::Tensor& z, const at::Tensor& base, const at::Tensor& anchor,
+                              const at::Tensor& prefix, const at::Tensor& embed, const at::Tensor& w_ih,
+                              const at::Tensor& w_hh, const at::Tensor& fc1, const at::Tensor& fc2, int64_t fc2_rows,
+                              const c10::optional<at::Tensor>& d2t, int64_t num_draft);
+
+}  // namespace domino_ray

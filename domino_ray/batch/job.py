@@ -1,0 +1,248 @@
+"""The batch job on Ray Data: Parquet (local or s3://) in, the processor, Parquet + `_summary.json` out.
+
+    read_parquet -> _prepare (ids; drop rows already in the output) -> Processor (processor.py: tokenize,
+    engine actors, detokenize) -> Ray Data's Parquet sink (explicit schema; a retried write keeps its finished files)
+
+Each engine actor loads the target and draft once and runs one `SpecEngine` on a background thread
+(`EngineLoop`). Ray hands an actor several batches at once (`max_concurrent_calls_per_actor`, async
+`__call__`), so rows of the next batch fill engine slots as rows of the previous one finish:
+continuous batching across batches. Resume: the output directory is the checkpoint (see `io.py`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import ray
+from ray.data._internal.datasource.parquet_datasink import ParquetDatasink  # no public name in Ray 2.60
+from ray.data._internal.planner.plan_write_op import WRITE_UUID_KWARG_NAME
+from ray.data.block import BlockAccessor
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from domino_ray.batch.io import (SETTINGS_NAME, SUMMARY_NAME, Location, delete_if_exists, list_parquet_files, read_json,
+                                 rows_in_complete_parts, scan_output, write_json_atomic)
+from domino_ray.batch.predictor import DominoPredictor, RowCrashesEngine, RunStats, key_name
+from domino_ray.batch.preflight import (InputPlan, check_input, check_models, check_output, check_settings,
+                                        output_settings)
+from domino_ray.batch.processor import LIGHT_CPUS, Processor
+from domino_ray.batch.schema import generated_ids, output_schema
+from domino_ray.batch.summary import STATS_COLUMNS, human_summary, run_stats, summarize
+from domino_ray.config import ConfigError, JobConfig, to_dict
+
+
+def _prepare(table: pa.Table, done_ids, id_column: str, generated_id: bool) -> pa.Table:
+    """Give every row its id and drop rows whose id is already in the output (resume)."""
+    if generated_id:
+        table = table.append_column(id_column, generated_ids(table.column("row_hash"))).drop_columns(["row_hash"])
+    done_ids = ray.get(done_ids)  # Ray Data passes fn_args through unresolved; the object store caches it
+    if len(done_ids):
+        ids = table.column(id_column)
+        done = done_ids.cast(ids.type) if done_ids.type != ids.type else done_ids
+        table = table.filter(pc.invert(pc.is_in(ids, value_set=done, skip_nulls=False)))
+    return table
+
+
+def read_inputs(cfg: JobConfig, plan: InputPlan, done_ids_ref) -> ray.data.Dataset:
+    """Input rows with their ids, minus the rows already in the output."""
+    # Reading prompts is light: a fraction of a CPU leaves room for the engine and text stages on a small machine.
+    ds = ray.data.read_parquet(plan.files, filesystem=plan.location.fs, include_row_hash=plan.generated_id,
+                               num_cpus=LIGHT_CPUS)
+    if cfg.input.limit is not None:
+        ds = ds.limit(cfg.input.limit)
+    return ds.map_batches(_prepare, batch_format="pyarrow", fn_args=(done_ids_ref,), num_cpus=LIGHT_CPUS,
+                          fn_kwargs={"id_column": cfg.input.id_column, "generated_id": plan.generated_id})
+
+
+def build_dataset(cfg: JobConfig, plan: InputPlan, schema: pa.Schema, done_ids_ref, *, use_draft: bool = True,
+                  stats_sink=None, predictor: type = DominoPredictor) -> ray.data.Dataset:
+    """Input rows -> the processor with `predictor` as its engine stage (DominoPredictor, or a subclass of it:
+    the fault tests pass one) -> rows of the job's output `schema`."""
+    processor = Processor(cfg, use_draft=use_draft, stats_sink=stats_sink, predictor=predictor, schema=schema)
+    return processor(read_inputs(cfg, plan, done_ids_ref))
+
+
+def _not_the_stale_cpu_warning(record: logging.LogRecord) -> bool:
+    # Ray Data's write_parquet materializes the written dataset and checks for free CPUs again right after
+    # the pipeline ran, while its finished actors still hold their CPUs (they are released asynchronously):
+    # "does not have any available CPUs ... will hang" at the end of every run, about nothing that runs.
+    return "does not have any available CPUs" not in record.getMessage()
+
+
+def init_ray(cfg: JobConfig):
+    if not ray.is_initialized():
+        ray.init(address=cfg.runtime.ray_address)
+    dataset_logger = logging.getLogger("ray.data.dataset")
+    if _not_the_stale_cpu_warning not in dataset_logger.filters:
+        dataset_logger.addFilter(_not_the_stale_cpu_warning)
+    ctx = ray.data.DataContext.get_current()
+    ctx.max_consecutive_actor_init_deaths = 0  # a model that does not load fails the job at once
+    # The V2 Parquet reader starts a pool of 32 footer-reading actors for every read: seconds of startup
+    # that dominate small jobs and crowd small clusters. Prompt files are small next to inference; the
+    # V1 reader (footers read by the driver) is enough and supports the same row hashes.
+    ctx.use_datasource_v2 = False
+    if cfg.input.limit is not None:
+        ctx.execution_options.preserve_order = True  # the same first rows on every run (resume)
+
+
+def read_output(out: Location, columns: list[str], files: list[str] | None = None) -> pa.Table:
+    tables = []
+    for path in list_parquet_files(out, missing_ok=True) if files is None else files:
+        with out.fs.open_input_file(path) as f:
+            tables.append(pq.read_table(f, columns=columns))
+    return pa.concat_tables(tables) if tables else pa.table({c: [] for c in columns})
+
+
+def _missing_ids(plan: InputPlan, done_ids: pa.Array) -> pa.Array:
+    """Input ids with no output row yet (explicit ids only)."""
+    if not len(done_ids):
+        return plan.ids
+    done = done_ids.cast(plan.ids.type) if done_ids.type != plan.ids.type else done_ids
+    return pc.filter(plan.ids, pc.invert(pc.is_in(plan.ids, value_set=done)))
+
+
+def rows_to_do(plan: InputPlan, done_ids: pa.Array, previous_summary: dict | None) -> int | None:
+    """Input rows without an output row; None when only the pipeline can tell (generated ids)."""
+    if not plan.generated_id:
+        return len(_missing_ids(plan, done_ids))
+    # Generated ids exist only inside Ray (row hashes of file path and position): counts compare only
+    # for the very input files the output was made from.
+    same_files = previous_summary is not None and previous_summary.get("input", {}).get("files") == plan.file_rows
+    return max(0, plan.num_rows - len(done_ids)) if same_files else None
+
+
+def run_job(cfg: JobConfig, log=print, *, predictor: type = DominoPredictor) -> dict:
+    """Run (or resume, or confirm finished) the batch job; returns the summary. `predictor`: the actor
+    class that generates the rows (see build_dataset)."""
+    plan, out, _ = check_input(cfg), check_output(cfg), check_models(cfg)
+    for warning in plan.warnings:
+        log(warning)
+    id_column = cfg.input.id_column
+    try:
+        scan = scan_output(out, id_column)
+    except ValueError as exc:
+        raise ConfigError(f"config key output.path={cfg.output.path!r}: {exc}") from None
+    for path in scan.removed:
+        log(f"removed {path}: a partial file from an interrupted run (its rows will be redone)")
+    settings = output_settings(cfg)
+    recorded = read_json(out, SETTINGS_NAME)
+    differ = check_settings(recorded and recorded["settings"], settings, cfg.output.path,
+                            cfg.output.allow_mixed_settings)
+    input_rows, previous = plan.num_rows, read_json(out, SUMMARY_NAME)
+    todo = rows_to_do(plan, scan.done_ids, previous)
+    if previous is not None and not scan.removed and todo == 0:
+        log(f"nothing to do: all {input_rows} rows are already in {cfg.output.path}; its {SUMMARY_NAME}:")
+        log(human_summary(previous))
+        return previous
+    if recorded is None or differ:
+        if differ:
+            log(f"warning: output.allow_mixed_settings=true: {cfg.output.path} now mixes settings ({differ})")
+        earlier = (recorded or {}).get("earlier", []) + ([recorded["settings"]] if recorded else [])
+        write_json_atomic(out, SETTINGS_NAME, {"settings": settings, "earlier": earlier})
+    delete_if_exists(out, SUMMARY_NAME)  # written again once every row is done
+    done_rows = min(len(scan.done_ids), input_rows) if todo is None else input_rows - todo
+    if done_rows:
+        log(f"resuming: {done_rows} of {input_rows} rows are already in {cfg.output.path}")
+    run = run_stats(0.0, done_rows, [])
+    if todo != 0:  # else every row was written before the summary: only the summary is missing
+        run = generate_missing(cfg, plan, out, scan, done_rows, predictor)
+    rows = read_output(out, [id_column, *STATS_COLUMNS])
+    if plan.generated_id:
+        missing = input_rows - rows.num_rows
+    else:
+        missing = len(_missing_ids(plan, rows.column(id_column).combine_chunks()))
+    if missing > 0:
+        raise RuntimeError(f"{missing} input rows have no output row in {cfg.output.path}: rerun to complete them")
+    summary = summarize(rows, id_column, run=run, config=to_dict(cfg), output_uri=cfg.output.path)
+    summary["input"] = {"path": cfg.input.path, "rows": input_rows, "files": plan.file_rows}
+    write_json_atomic(out, SUMMARY_NAME, summary)
+    log(human_summary(summary))
+    return summary
+
+
+def generate_missing(cfg: JobConfig, plan: InputPlan, out: Location, scan, done_rows: int,
+                     predictor: type = DominoPredictor) -> dict:
+    """Run the rows not yet in the output through the engine actors and write them; returns run stats."""
+    init_ray(cfg)
+    schema = output_schema(plan.schema, cfg.input.id_column, plan.generated_id)
+    done_ref = ray.put(scan.done_ids)
+    sink = _run_stats_actor()
+    parquet = ParquetSinkKeepingFinishedFiles(out.path, filesystem=out.fs, arrow_parquet_args={"schema": schema},
+                                              min_rows_per_file=cfg.output.min_rows_per_file,
+                                              max_rows_per_file=cfg.output.max_rows_per_file)
+    start = time.perf_counter()
+    try:
+        build_dataset(cfg, plan, schema, done_ref, stats_sink=sink, predictor=predictor).write_datasink(
+            parquet, ray_remote_args={"num_cpus": LIGHT_CPUS})  # light, like the read: fits beside the engine actor
+    except Exception as exc:
+        culprits = ray.get(sink.crashes.remote())["culprits"]
+        if not culprits:
+            raise
+        key, error = next(iter(culprits.items()))
+        raise RowCrashesEngine(f"input row {key_name(key, cfg.input.id_column)} crashes the engine ({error}): it did so "
+                               "running alone on a fresh actor, so the job stopped. Fix or remove the row and rerun "
+                               "the same command: finished rows are kept.") from exc
+    # This run's rows and tokens are counted from the files it wrote: the actors' own counters also
+    # count the rows of batches Ray retried after an actor died.
+    new_files = sorted(set(list_parquet_files(out, missing_ok=True)) - set(scan.files))
+    written = read_output(out, ["num_generated_tokens"], new_files).column("num_generated_tokens")
+    run = run_stats(time.perf_counter() - start, done_rows, ray.get(sink.snapshot.remote()),
+                    written=(len(written), int(pc.sum(written).as_py() or 0)))
+    if cfg.runtime.compare_baseline and run["rows"]:
+        run["baseline"] = compare_baseline(cfg, plan, schema, done_ref, out, new_files, run, predictor)
+    return run
+
+
+class ParquetSinkKeepingFinishedFiles(ParquetDatasink):
+    """Ray Data's Parquet sink (what `write_parquet` runs), except that a write task finding its own files
+    already complete leaves them alone. Ray runs a write task again when the node that ran it is lost after
+    its files landed but before the driver heard back (its input, if lost with the node, is computed again
+    first). Without this the retry rewrites finished files in place: same rows, but a resume scan or reader
+    in between sees a partial file (README "Resume guarantee": finished files are never rewritten)."""
+
+    def write(self, blocks, ctx):
+        blocks = list(blocks)
+        rows = sum(BlockAccessor.for_block(block).num_rows() for block in blocks)
+        write_uuid = ctx.kwargs[WRITE_UUID_KWARG_NAME]
+        # The names are a function of (write, task) only: the retry's names are the first attempt's.
+        template = self._get_basename_template(self.filename_provider.get_filename_for_task(write_uuid, ctx.task_idx),
+                                               write_uuid)
+        if rows and rows_in_complete_parts(self.filesystem, self.path, template) == rows:
+            return
+        super().write(blocks, ctx)
+
+
+def _run_stats_actor():
+    # On the driver's node: the run's bookkeeping lives and dies with the driver, never with a worker
+    # node that may be lost (a restarted engine actor asks it for crash suspects in __init__).
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    return RunStats.options(scheduling_strategy=here).remote()
+
+
+def compare_baseline(cfg: JobConfig, plan: InputPlan, schema: pa.Schema, done_ref, out: Location,
+                     new_files: list[str], run: dict, predictor: type = DominoPredictor) -> dict:
+    """The same rows through the same engine without the draft: throughput ratio and greedy equality."""
+    id_column = cfg.input.id_column
+    sink = _run_stats_actor()
+    start = time.perf_counter()
+    ds = build_dataset(cfg, plan, schema, done_ref, use_draft=False, stats_sink=sink, predictor=predictor)
+    base = ds.select_columns([id_column, "generated_tokens", "finish_reason"]).to_arrow_refs()
+    base = pa.concat_tables(ray.get(base)).to_pydict() if base else {id_column: [], "generated_tokens": [],
+                                                                       "finish_reason": []}
+    wall = time.perf_counter() - start
+    ours = read_output(out, [id_column, "generated_tokens"], new_files).to_pydict()
+    ours = dict(zip(ours[id_column], ours["generated_tokens"]))
+    compared = [(i, tokens) for i, tokens, reason in zip(base[id_column], base["generated_tokens"],
+                                                         base["finish_reason"]) if reason != "error"]
+    spec_tps, base_tps = _busy_throughput(run["actors"]), _busy_throughput(ray.get(sink.snapshot.remote()))
+    return {"wall_time_s": wall, "tokens_per_s": base_tps, "speedup": spec_tps / base_tps if base_tps else 0.0,
+            "wall_time_ratio": wall / run["wall_time_s"], "compared": len(compared),
+            "identical": sum(ours.get(i) == tokens for i, tokens in compared)}
+
+
+def _busy_throughput(actors: list[dict]) -> float:
+    busy = sum(a["busy_s"] for a in actors)
+    return sum(a["generated_tokens"] for a in actors) / busy if busy else 0.0

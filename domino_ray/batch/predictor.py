@@ -1,0 +1,208 @@
+"""The processor's engine stage on Ray Data: one engine per actor, `pyarrow.Table` batches in and out.
+
+`DominoPredictor` is the `map_batches` callable class (see `processor.py` for the stages around it);
+`RunStats` is the run's small stats actor (per-actor throughput, engine crashes and their rows).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import itertools
+import os
+import socket
+import threading
+import time
+
+import pyarrow as pa
+import ray
+
+from domino_ray.batch.schema import RowError, engine_columns, error_row, ok_row, row_params, with_columns
+from domino_ray.config import JobConfig, generation_defaults
+from domino_ray.engine.loop import EngineDead
+from domino_ray.engine.request import Request
+
+
+class RowCrashesEngine(RuntimeError):
+    """A row that crashed an engine while it ran alone: the job stops instead of restarting actors forever."""
+
+
+class DominoPredictor:
+    """The engine stage, a map_batches callable class: one engine per actor; rows with `prompt_token_ids`
+    (the tokenize stage's) in, the token and statistics columns of schema.GENERATED_FIELDS added. Rows that
+    arrive with an `error` skip the engine; rows the engine refuses (e.g. too long) get theirs.
+
+    Engine crashes (the engine thread died: every row in it is lost) are reported to the run's
+    `RunStats` with the keys of the rows that were inside, then the actor exits and Ray restarts it and
+    retries its batches. A restarted actor runs those suspect rows one at a time with the engine to
+    themselves; a row that crashes the engine alone is named, and the next batch holding it fails the
+    job (RowCrashesEngine) rather than looping through actor restarts.
+    """
+
+    def __init__(self, cfg: JobConfig, *, use_draft: bool = True, stats_sink=None):
+        started = time.time()
+        import torch
+
+        from domino_ray.engine.loop import EngineLoop
+        from domino_ray.llm import load_engine
+
+        engine, _ = load_engine(cfg.model, cfg.draft if use_draft else None, cfg.generation, cfg.runtime)
+        if engine.device.type == "cpu":
+            torch.set_num_threads(max(1, int(cfg.runtime.cpus_per_actor)))  # the CPUs Ray reserved for us
+        if engine.slot_report:
+            print(f"engine actor {socket.gethostname()}:{os.getpid()}: {engine.slot_report}", flush=True)
+        self.loop = EngineLoop(engine)
+        self.num_spec_tokens = engine.num_spec_tokens
+        self.cfg, self.base = cfg, generation_defaults(cfg.generation)
+        self.request_ids = itertools.count()  # engine ids: input ids may repeat across concurrent batches
+        self.stats_sink = stats_sink
+        # Earlier engine crashes of this run (this actor may be a restart after one).
+        crashes = ray.get(stats_sink.crashes.remote()) if stats_sink is not None else {"suspects": [], "culprits": {}}
+        self._suspects, self._culprits = set(crashes["suspects"]), crashes["culprits"]
+        self._in_engine: dict[int, object] = {}  # engine request id -> row key, for rows inside the engine now
+        self._crash_rows: list | None = None      # the rows inside when the engine died
+        self._alone = asyncio.Lock()              # held while a suspect row runs with the engine to itself
+        self.name = f"{socket.gethostname()}:{os.getpid()}"
+        self.node_id = ray.get_runtime_context().get_node_id()  # hosts can repeat (one machine, containers)
+        self._lock = threading.Lock()
+        self._admission: asyncio.Semaphore | None = None
+        self._in_flight, self._busy_since, self._busy_s, self._rows, self._tokens = 0, 0.0, 0.0, 0, 0
+        self._peak_in_flight = 0  # > 1 means batches overlapped in the engine (continuous batching across them)
+        self._times = {"started_at": started, "load_s": time.time() - started, "first_batch_at": None,
+                       "last_batch_done_at": None}
+
+    async def __call__(self, batch: pa.Table):
+        # Ray may run several batches of one task at once besides several tasks: admit exactly
+        # `max_concurrent_batches` batches into the engine (memory and latency stay bounded).
+        if self._admission is None:  # created on the event loop Ray runs us on
+            self._admission = asyncio.Semaphore(self.cfg.runtime.max_concurrent_batches)
+        async with self._admission:
+            table = await self._generate(batch)
+        yield table
+
+    async def _generate(self, batch: pa.Table) -> pa.Table:
+        ic = self.cfg.input
+        rows = batch.select([c for c in (ic.id_column, ic.sampling_column, "prompt_token_ids", "error")
+                             if c in batch.column_names]).to_pylist()
+        generated: list = [None] * len(rows)
+        runnable = []
+        for i, row in enumerate(rows):
+            try:
+                if row["error"] is not None:
+                    raise RowError(row["error"])
+                params = row_params(row.get(ic.sampling_column), self.base, self.cfg.generation.seed,
+                                    row.get(ic.id_column))
+            except RowError as exc:
+                generated[i] = error_row(str(exc), num_spec_tokens=self.num_spec_tokens)
+                continue
+            key = row_key(row, ic.id_column)
+            if key in self._culprits:
+                raise RowCrashesEngine(
+                    f"input row {key_name(key, ic.id_column)} crashes the engine ({self._culprits[key]}); it did so "
+                    "running alone, so the job stops here. Fix or remove the row and rerun: finished rows are kept.")
+            runnable.append((i, key, row["prompt_token_ids"], params))
+        self._busy(+1)
+        done = await asyncio.gather(*(self._complete(key, ids, params) for _, key, ids, params in runnable),
+                                    return_exceptions=True)
+        for (i, *_), result in zip(runnable, done):
+            if isinstance(result, EngineDead):
+                self._die(result)
+            if isinstance(result, BaseException):  # the engine refused the row (e.g. too long)
+                generated[i] = error_row(str(result), num_spec_tokens=self.num_spec_tokens)
+            else:
+                generated[i] = ok_row(result)
+        self._busy(-1, rows=len(rows), tokens=sum(r["num_generated_tokens"] for r in generated))
+        return with_columns(batch, engine_columns(generated))
+
+    async def _complete(self, key, ids: list[int], params) -> object:
+        request = Request(next(self.request_ids), ids, params)
+        if key in self._suspects:  # inside the engine when one crashed: run it alone to find the culprit
+            async with self._alone:
+                while self._in_engine:
+                    await asyncio.sleep(0.01)
+                return await self._run(key, request)
+        while self._alone.locked():  # polls only while a suspect runs (after a crash)
+            await asyncio.sleep(0.01)
+        return await self._run(key, request)
+
+    async def _run(self, key, request: Request):
+        self._in_engine[request.request_id] = key
+        try:
+            return await self.loop.submit(request).completion()
+        except EngineDead:
+            if self._crash_rows is None:  # the first row to hear of it sees every row still inside
+                self._crash_rows = list(self._in_engine.values())
+            raise
+        finally:
+            del self._in_engine[request.request_id]
+
+    def _die(self, exc: EngineDead):
+        # The engine thread is dead (e.g. a CUDA error): this actor can never finish a row again.
+        # Raising would send Ray's retries back to this same actor; exiting the process is a system
+        # error, so Ray restarts the actor (max_restarts=-1) and retries its batches on a fresh engine.
+        # The run's RunStats learns which rows were inside, so restarted actors run them alone.
+        if self.stats_sink is not None:
+            try:
+                ray.get(self.stats_sink.record_crash.remote(str(exc), self._crash_rows or []), timeout=30)
+            except Exception:  # noqa: BLE001 (exiting regardless: a lost report only costs another crash)
+                pass
+        os._exit(1)
+
+    def _busy(self, delta: int, rows: int = 0, tokens: int = 0):
+        """Track the union of intervals with a batch in flight (throughput while busy)."""
+        now = time.perf_counter()
+        with self._lock:
+            if self._in_flight == 0 and delta > 0:
+                self._busy_since = now
+            if delta > 0 and self._times["first_batch_at"] is None:
+                self._times["first_batch_at"] = time.time()
+            if delta < 0:
+                self._times["last_batch_done_at"] = time.time()
+            self._in_flight += delta
+            self._peak_in_flight = max(self._peak_in_flight, self._in_flight)
+            if self._in_flight == 0:
+                self._busy_s += now - self._busy_since
+                self._busy_since = now
+            busy = self._busy_s + (now - self._busy_since if self._in_flight else 0.0)
+            self._rows += rows
+            self._tokens += tokens
+            snapshot = {"actor": self.name, "node_id": self.node_id, "rows": self._rows, "generated_tokens": self._tokens,
+                        "busy_s": busy, "peak_batches_in_flight": self._peak_in_flight, **self._times}
+        if self.stats_sink is not None and delta < 0:
+            self.stats_sink.record.remote(snapshot)
+
+
+def row_key(row: dict, id_column: str):
+    """What names a row across actor restarts (crash suspects): its id, or without an id column (a
+    processor on any dataset) its token ids."""
+    if row.get(id_column) is not None:
+        return row[id_column]
+    return "sha1:" + hashlib.sha1(str(row["prompt_token_ids"]).encode()).hexdigest()[:16]
+
+
+def key_name(key, id_column: str) -> str:
+    return f"with prompt tokens {key}" if isinstance(key, str) and key.startswith("sha1:") else f"{id_column}={key!r}"
+
+
+@ray.remote(num_cpus=0)
+class RunStats:
+    """Latest counters of every engine actor of this run (for the per-actor throughput)."""
+
+    def __init__(self):
+        self.actors: dict[str, dict] = {}
+        self.crash_rows: list[list] = []   # per engine crash: ids of the rows inside the engine
+        self.culprits: dict = {}            # row id -> error, for rows that crashed an engine alone
+
+    def record(self, snapshot: dict):
+        self.actors[snapshot["actor"]] = snapshot
+
+    def record_crash(self, error: str, row_ids: list):
+        self.crash_rows.append(row_ids)
+        if len(row_ids) == 1:
+            self.culprits.setdefault(row_ids[0], error)
+
+    def crashes(self) -> dict:
+        return {"suspects": sorted({i for ids in self.crash_rows for i in ids}, key=repr), "culprits": self.culprits}
+
+    def snapshot(self) -> list[dict]:
+        return sorted(self.actors.values(), key=lambda a: a["actor"])

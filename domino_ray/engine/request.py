@@ -1,0 +1,85 @@
+"""What goes into the engine and what comes out: a request, its completion, and a step's events for it; and
+the engine's host-side state of a request while it runs (`Row`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Hashable
+
+from domino_ray.spec.sampling_params import SamplingParams
+from domino_ray.spec.stats import RowStats
+
+
+@dataclass
+class Request:
+    request_id: Hashable
+    prompt_token_ids: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+
+
+@dataclass
+class Completion:
+    request_id: Hashable
+    prompt_token_ids: list[int]
+    token_ids: list[int]             # generated tokens, the stop token included when one ended the row
+    finish_reason: str               # "stop" | "length" | "abort"
+    stats: RowStats
+    time_to_first_token_s: float     # from add_request to the first token on the host
+    time_taken_s: float              # from add_request to the last token
+
+
+@dataclass
+class StepEvent:
+    request_id: Hashable
+    new_token_ids: list[int]         # tokens committed for this request in this step (for streaming)
+    completion: Completion | None    # set when the request finished in this step
+
+
+def check_prompt(ids, vocab_size: int, max_model_len: int):
+    """Raises ValueError naming the field for prompt token ids the engine cannot run."""
+    if not isinstance(ids, (list, tuple)) or not ids:
+        raise ValueError("prompt_token_ids must be a non-empty list of token ids")
+    if not all(isinstance(t, int) and 0 <= t < vocab_size for t in ids):
+        raise ValueError(f"prompt_token_ids must be ints in [0, {vocab_size})")
+    if len(ids) >= max_model_len:
+        raise ValueError(f"prompt has {len(ids)} tokens; the model's limit is {max_model_len} "
+                         "tokens including at least one generated token")
+
+
+@dataclass
+class Row:
+    """A running request on the host: its tokens so far, stop rules, statistics."""
+    request: Request
+    max_new: int                     # generated tokens allowed (max_new_tokens capped by the model length)
+    stop_ids: frozenset
+    seed: int                        # per-row randomness for sampled decoding (rng.counter_uniforms)
+    stats: RowStats
+    arrival: float
+    tokens: list[int] = field(default_factory=list)
+    first_token_time: float = 0.0
+    finish_reason: str | None = None
+
+    @property
+    def committed(self) -> int:
+        return len(self.request.prompt_token_ids) + len(self.tokens)
+
+    def commit(self, new_tokens: list[int], now: float, drafted: int | None = None,
+               width: int | None = None) -> StepEvent:
+        """Append a step's tokens (cut after a stop token; `drafted`/`width` for a decode step, not the
+        prefill's first token): the step's event, with the completion when the row finished."""
+        cut = next((i + 1 for i, t in enumerate(new_tokens) if t in self.stop_ids), None)
+        if cut is not None:
+            new_tokens, self.finish_reason = new_tokens[:cut], "stop"
+        if drafted is not None:
+            self.stats.observe_step(drafted, len(new_tokens) - 1, width)
+        self.tokens.extend(new_tokens)
+        if self.finish_reason is None and len(self.tokens) >= self.max_new:
+            self.finish_reason = "length"
+        return StepEvent(self.request.request_id, new_tokens,
+                         self.completion(now) if self.finish_reason is not None else None)
+
+    def completion(self, now: float) -> Completion:
+        return Completion(request_id=self.request.request_id, prompt_token_ids=self.request.prompt_token_ids,
+                          token_ids=list(self.tokens), finish_reason=self.finish_reason, stats=self.stats,
+                          time_to_first_token_s=(self.first_token_time or now) - self.arrival,
+                          time_taken_s=now - self.arrival)

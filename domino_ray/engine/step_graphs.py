@@ -1,0 +1,142 @@
+"""CUDA graphs for the engine's fixed-shape decode step: every greedy key captured at engine start, replayed.
+
+A decode step (`SpecEngine._device_step`: the draft block + correction loop for W tokens, then the target's
+verify forward over W+1 positions and the acceptance) reads and writes only the engine's preallocated
+buffers, with shapes fixed by its key, and makes no host sync, so its kernels are recorded once, as one
+graph, and replayed. The key:
+  ("step", r, groups, W, sampled, filtered, context)
+with r the row bucket (`row_buckets`), groups the key groups (`model/key_groups.py`; with graphs always the one
+range `((r, t),)`, t a key bucket from `key_buckets`: several ranges would make the keys combinatorial), W
+the verify width (`width_costs.step_widths`), `sampled`/`filtered` the rows' sampling mode
+(`sampling.sampling_mode`) and `context` whether the step feeds the draft's context (off only while the
+adaptive width has written the draft off).
+
+Bounded up front: with graphs the key buckets double (512, 1024, 2048, ... then the capacity: a row reads
+under 2x what it holds, against 1x plus a chunk eagerly) and wide verifies are left out where the rows make
+them compute-bound (`width_costs.MAX_VERIFY_POSITIONS`), so the greedy keys (`greedy_step_keys`) are a
+couple of hundred for the production config and the engine captures all of them at start (count and time
+logged): no greedy step stalls on a capture. Any other key (sampling modes, a written-off
+draft) is captured at its first use: that step runs eagerly (it is also the capture's warm-up: lazy
+kernels, cuBLAS workspaces) and its time is kept out of the width policy's costs. The capture itself only
+records (kernels do not run while capturing), so it changes no state. All graphs share one memory pool,
+captured on one stream; a capture that fails raises under `cuda_graphs: on`, and otherwise turns graphs
+off for the engine (logged once).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable, Hashable, Mapping, Sequence
+
+import torch
+
+from domino_ray.spec.width_costs import step_widths
+
+log = logging.getLogger(__name__)
+
+
+def use_cuda_graphs(setting: str, device: torch.device) -> bool:
+    """`runtime.cuda_graphs`: auto (on for CUDA devices) | on | off."""
+    if setting not in ("auto", "on", "off"):
+        raise ValueError(f"cuda_graphs={setting!r} must be one of auto, on, off")
+    if setting == "on" and device.type != "cuda":
+        raise ValueError(f"cuda_graphs=on needs a CUDA device; the model is on {device}")
+    return device.type == "cuda" and setting != "off"
+
+
+MIN_GRAPH_KEYS = 512  # the shortest key bucket with graphs: below it a step is bound by the weights, not keys
+
+
+def row_buckets(max_rows: int) -> list[int]:
+    """The row counts a step is padded to: 1, 2, 4, ... and `max_rows`."""
+    return sorted({min(1 << i, max_rows) for i in range(max_rows.bit_length() + 1)})
+
+
+def verify_positions(max_rows: int, num_spec_tokens: int, adaptive: bool, graphs: bool) -> int:
+    """The most positions a verify forward of an engine with `max_rows` slots takes: rows x (W+1) at its
+    widest (`width_costs.step_widths`), what the memory plan sizes the step's intermediates for."""
+    widths = step_widths(row_buckets(max_rows), num_spec_tokens, adaptive, graphs)
+    return max(r * (max(ws) + 1) for r, ws in widths.items())
+
+
+def key_buckets(capacity: int, kv_chunk: int, graphs: bool) -> list[int]:
+    """The key lengths a step attends over (`capacity` is a multiple of `kv_chunk`). Eager: every multiple of
+    `kv_chunk`. Graphs: `kv_chunk` doubled from `MIN_GRAPH_KEYS` on, then `capacity` (a doubling within 25%
+    of it is dropped): few buckets, so few graphs, at under 2x the keys a row holds."""
+    if not graphs:
+        return list(range(kv_chunk, capacity + 1, kv_chunk))
+    out, t = [], kv_chunk
+    while t < MIN_GRAPH_KEYS:
+        t *= 2
+    while t < capacity:
+        out.append(t)
+        t *= 2
+    if out and capacity <= 1.25 * out[-1]:
+        out.pop()
+    return out + [capacity]
+
+
+def greedy_step_keys(rows: Sequence[int], keys: Sequence[int], widths: Mapping[int, Sequence[int]]) -> list[tuple]:
+    """The step keys greedy decoding can meet: every row bucket x key bucket x that bucket's widths (with the
+    draft's context fed: the written-off state is rare and captured when met)."""
+    return [("step", r, ((r, t),), w, False, False, True) for r in rows for t in keys for w in widths[r]]
+
+
+@torch.inference_mode()
+def capture_steps(graphs: "StepGraphs", keys: Sequence[tuple], run_step: Callable[[tuple], None]) -> float:
+    """Capture `keys` up front (`run_step(key)` runs the engine's step for a key: eagerly, then captured);
+    stops at a failed capture (graphs off). Logs the count and returns the seconds."""
+    started = time.perf_counter()
+    for key in keys:
+        if graphs.disabled:
+            break
+        run_step(key)
+    torch.cuda.synchronize(graphs.device)
+    seconds = time.perf_counter() - started
+    log.info("captured %d CUDA graphs in %.1f s%s", len(graphs.graphs), seconds,
+             "; then a capture failed: graphs are off" if graphs.disabled else "")
+    return seconds
+
+
+class StepGraphs:
+    """Graphs by step key, all captured on one side stream into one memory pool: the caching allocator
+    reuses a block only on the stream that allocated it, so a stream per capture would split the pool.
+    `required` (`cuda_graphs: on`): a failed capture raises; otherwise the first failure turns graphs off
+    for this engine (one log line) and every step runs eagerly from then on."""
+
+    def __init__(self, device: torch.device, required: bool = False):
+        self.device, self.required = device, required
+        self.pool = torch.cuda.graph_pool_handle()
+        self.stream = torch.cuda.Stream(device)
+        self.graphs: dict[Hashable, torch.cuda.CUDAGraph] = {}
+        self.disabled = False
+
+    def run(self, key: Hashable, step: Callable[[], None]) -> bool:
+        """Replay `key`'s graph (True), or run `step` eagerly and capture it (False: a first use)."""
+        graph = self.graphs.get(key)
+        if graph is not None:
+            graph.replay()
+            return True
+        step()  # the real step, and the capture's warm-up
+        if self.disabled:
+            return True  # graphs are off: an ordinary eager step
+        self._capture(key, step)
+        return False
+
+    def _capture(self, key: Hashable, step: Callable[[], None]):
+        graph = torch.cuda.CUDAGraph()
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        try:
+            with torch.cuda.stream(self.stream), torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
+                step()
+        except Exception as exc:  # noqa: BLE001 -- any capture failure: graphs off, or an error under `on`
+            if self.required:
+                raise RuntimeError(f"CUDA graph capture failed for step {key} (runtime.cuda_graphs=on; "
+                                   f"'auto' would run eagerly instead): {exc}") from exc
+            log.warning("CUDA graph capture failed for step %s: %s; CUDA graphs are off for this engine", key, exc)
+            self.disabled = True
+            return
+        finally:
+            torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        self.graphs[key] = graph

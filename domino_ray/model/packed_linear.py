@@ -1,0 +1,123 @@
+"""Linear layers over packed weights, for decoding on CPU: our kernel (`csrc/linear.cpp`) and MKL's packed GEMM.
+
+At the rows a CPU engine decodes (a few to a hundred positions per forward), fp32 `F.linear` is far from
+the weight-read bound: on the 2-core VM the projections of a SmolLM2-shaped model take ~50 ms at 16 rows
+against ~21 at one. MKL's packed GEMM (each weight reordered once into its kernel's layout; torch exposes it as
+`mkl::_mkl_linear`, what inductor's freezing uses) takes ~40 ms at 16 rows. Our kernel, over the weight packed
+once into panels of 16 output columns, streamed once a call with a prefetch while chunks of up to 8 rows accumulate
+in registers block by block, takes ~30 ms: 5-30% less than MKL's up to 32 rows, 5-10% more from 48 (BENCHMARKS
+"The linear kernel's k-blocks"). So
+each call takes the faster of the two by its rows (`OUR_ROWS`, `MKL_ROWS`) and prefills `F.linear`. Our kernel
+gives a row the same numbers whatever batch it is in.
+
+The two packed copies are twice the weight's size, so `pack_linears` packs what the engine holds on CPU in fp32
+when they fit and our kernels built (`backend/library.py`). The modules stay `nn.Linear`s with their own weights:
+state dicts and other callers are unchanged, whenever autograd records they run `F.linear` (the packed ops have
+no backward), and a weight changed in place or replaced after packing (an optimizer step, `load_state_dict`) is
+packed again on its next call.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from domino_ray.backend import ops
+from domino_ray.backend.library import kernels_loaded
+
+log = logging.getLogger(__name__)
+
+# Rows (positions) per call that take our kernel, then MKL's packed GEMM; from 129 (prefills) `F.linear`'s GEMM is
+# as fast. Our kernel is 5-30% faster than MKL's up to 32 rows and 5-10% slower from 48 (BENCHMARKS "The linear
+# kernel's k-blocks"); MKL's packing depends on the batch it is packed for, although any batch may use it:
+# packed for 64 it is the fastest over 4-64 rows and no slower up to 256.
+OUR_ROWS = range(1, 33)
+MKL_ROWS = range(33, 129)
+MKL_PACKED_FOR = 64
+
+
+class PackedLinear(nn.Linear):
+    """An `nn.Linear` that also holds its weight packed for our kernel and for MKL's (`packed_weight`,
+    `mkl_weight`; not in the state dict)."""
+
+    packed_weight: torch.Tensor
+    mkl_weight: torch.Tensor
+    packed_from: tuple[int, int]  # the weight's (data_ptr, version) when packed
+
+    def pack(self):
+        weight = self.weight.detach()
+        self.packed_weight = ops.pack_linear(weight)
+        self.mkl_weight = torch.ops.mkl._mkl_reorder_linear_weight(weight, MKL_PACKED_FOR)
+        self.packed_from = (weight.data_ptr(), self.weight._version)
+
+    def current_pack(self) -> torch.Tensor:
+        """The packed weight for our kernel, packed again (both copies) if the weight changed since."""
+        if self.packed_from != (self.weight.data_ptr(), self.weight._version):
+            self.pack()
+        return self.packed_weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // self.in_features
+        recording = torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
+        if recording or not OUR_ROWS.start <= rows < MKL_ROWS.stop:
+            return F.linear(x, self.weight, self.bias)
+        if rows in OUR_ROWS:
+            return ops.linear(x, self.current_pack(), self.out_features, self.bias)
+        self.current_pack()
+        # The op's last argument must equal the input's rows, or it runs F.linear on the unpacked weight.
+        return torch.ops.mkl._mkl_linear(x, self.mkl_weight, self.weight, self.bias, rows)
+
+
+def one_op_layers(kernel_attention: bool, positions: int) -> bool:
+    """Whether a decode step's layers may each run as our `decode_layer` op: attention by our CPU kernel
+    (`KVBuffers.kernel`: fp32 on CPU, key limits), `positions` (rows x queries) our linear kernel takes (`OUR_ROWS`),
+    and nothing for autograd to record (the op has no backward). The target's layers and the draft block's ask it."""
+    return kernel_attention and positions in OUR_ROWS and not torch.is_grad_enabled()
+
+
+def packed_states(linears) -> tuple | None:
+    """Each of `linears`' weight state (data_ptr, version), to key what is built from their packed weights (rebuilt
+    when a weight changed, as `current_pack` packs it again); None unless all are `PackedLinear`s. Runs for every layer
+    of every step: `_parameters` directly (`m.weight` goes through `Module.__getattr__`, ~1 us a lookup; this way the
+    check over a layer's four linears takes ~1.5 us instead of ~8)."""
+    states = []
+    for m in linears:
+        if not isinstance(m, PackedLinear):
+            return None
+        weight = m._parameters["weight"]
+        states.append((weight.data_ptr(), weight._version))
+    return tuple(states)
+
+
+def can_pack(model: nn.Module) -> bool:
+    """fp32 weights on CPU, our kernels built and a torch built with MKL's packed GEMM."""
+    weight = next(model.parameters(), None)
+    return (weight is not None and weight.device.type == "cpu" and weight.dtype == torch.float32
+            and torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
+            and kernels_loaded())
+
+
+def pack_linears(*models: nn.Module | None, budget_share: float = 0.25) -> int:
+    """Turn every `nn.Linear` of `models` (those `can_pack`; None is skipped) into a `PackedLinear`, in place
+    (the same module objects: references held elsewhere see the packed path too). Only when the two copies fit in
+    `budget_share` of the available host memory; otherwise nothing is packed and the reason is logged. Returns
+    the bytes the packed copies take (0: nothing packed)."""
+    linears = {id(m): m for model in models if model is not None and can_pack(model)
+               for m in model.modules() if type(m) is nn.Linear}
+    if not linears:
+        return 0
+    need = 2 * sum(m.weight.numel() * m.weight.element_size() for m in linears.values())  # ours and MKL's
+    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if need > budget_share * available:
+        log.info("not packing the linear layers: the copies (%.2f GiB) would take more than %.0f%% of "
+                 "the %.1f GiB of host memory available", need / 2**30, 100 * budget_share, available / 2**30)
+        return 0
+    for m in linears.values():
+        m.__class__ = PackedLinear
+        m.pack()
+    log.info("packed %d linear layers for our kernel and MKL's (%.2f GiB)", len(linears), need / 2**30)
+    return need

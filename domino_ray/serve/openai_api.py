@@ -1,0 +1,298 @@
+"""The OpenAI-compatible API, Ray-free: request parsing and response bodies (one request's text
+stream, between the two, is text_stream.py).
+
+- `parse_request` turns the JSON body of `POST /v1/completions` or `/v1/chat/completions` into token
+  ids, `SamplingParams` and stop strings, or raises `APIError` (a 4xx with an OpenAI-style body whose
+  `param` names the field). Fields we do not implement are refused unless they hold their neutral
+  value, so nothing a client asks for is silently ignored.
+- `response_body` / `chunk_body` build responses and stream chunks; both carry `usage` and the
+  request's acceptance statistics in `speculative_decoding_stats` (DESIGN.md §5 names).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from domino_ray.engine.request import Completion
+from domino_ray.model.target import encode_prompt
+from domino_ray.spec.sampling_params import SAMPLING_CHECKS, SamplingParams, invalid_value, is_int
+
+MAX_STOP_STRINGS = 16
+SSE_DONE = "data: [DONE]\n\n"
+
+# Fields we accept only at a neutral value (OpenAI features this server does not implement).
+NEUTRAL = {
+    "presence_penalty": (0, None), "frequency_penalty": (0, None), "logit_bias": (None, {}),
+    "logprobs": (None, False), "top_logprobs": (None, 0), "echo": (None, False), "suffix": (None,),
+    "best_of": (None, 1), "tools": (None, []), "tool_choice": (None, "none"), "parallel_tool_calls": (None, True, False),
+    "response_format": (None, {"type": "text"}), "user": None, "metadata": None, "store": (None, False),
+}
+COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n", "stream", "stream_options",
+          "ignore_eos", "stop_token_ids"}
+FIELDS = {"completion": COMMON | {"prompt"},
+          "chat": COMMON | {"messages", "max_completion_tokens", "chat_template_kwargs"}}
+
+
+class APIError(Exception):
+    """A request the server refuses; `body()` is the OpenAI error object."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, type: str = "invalid_request_error",
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.type, self.code = status, message, param, type, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What request parsing needs to know about the served model."""
+    name: str                  # the id clients send as `model`
+    tokenizer: Any
+    vocab_size: int            # token ids in prompts must be below this
+    max_model_len: int         # prompt + generated tokens
+    defaults: SamplingParams = SamplingParams()  # for fields a request leaves out (config `generation:`)
+    enable_thinking: bool = False  # chat template default (Qwen3 thinking off)
+    parse_special_tokens: bool = False  # special-token strings in prompt/content text become control ids
+
+
+@dataclass
+class ParsedRequest:
+    kind: str                  # "completion" | "chat"
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    stop: tuple[str, ...]      # stop strings, matched on the generated text
+    stream: bool
+    include_usage: bool = False  # stream_options.include_usage: usage in a last chunk with no choices
+
+
+# ---- parsing ---------------------------------------------------------------------------------------
+
+def parse_request(kind: str, raw: bytes, model: ModelSpec) -> ParsedRequest:
+    """Validate a request body; raises APIError naming the field."""
+    try:
+        body = json.loads(raw)
+        # JSON may escape lone UTF-16 surrogates ("\\ud800"); they are not text a tokenizer can encode.
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise APIError(400, f"request body is not valid JSON: {exc}") from None
+    except UnicodeEncodeError:
+        raise APIError(400, "request body holds a lone UTF-16 surrogate escape (e.g. \\ud800): strings must "
+                            "be valid Unicode") from None
+    except RecursionError:
+        raise APIError(400, "request body is nested too deeply") from None
+    if not isinstance(body, dict):
+        raise APIError(400, f"request body must be a JSON object, got {type(body).__name__}")
+    for name, value in body.items():
+        if name in FIELDS[kind]:
+            continue
+        if name not in NEUTRAL:
+            raise APIError(400, f"unrecognized request argument: {name}", name)
+        if NEUTRAL[name] is not None and value not in NEUTRAL[name]:
+            raise APIError(400, f"{name}={value!r} is not supported by this server", name)
+    requested = body.get("model")
+    if requested is not None and not isinstance(requested, str):
+        raise APIError(400, f"model must be a string, got {requested!r}", "model")
+    if requested is not None and requested != model.name:
+        raise APIError(404, f"model {requested!r} does not exist; this server serves {model.name!r}", "model",
+                       code="model_not_found")
+    if body.get("n") not in (None, 1):
+        raise APIError(400, f"n={body['n']!r}: only n=1 is supported", "n")
+    if kind == "completion":
+        ids, prompt_field = _completion_prompt(body, model), "prompt"
+    else:
+        ids, prompt_field = _chat_prompt(body, model), "messages"
+    max_tokens_field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict) or set(options) - {"include_usage", "continuous_usage_stats"} or not all(
+            isinstance(v, bool) for v in options.values()):
+        raise APIError(400, "stream_options may hold include_usage and continuous_usage_stats (true or false); "
+                            "usage and statistics come in the last chunk (include_usage: a chunk of its own)", "stream_options")
+    stream = _bool(body, "stream", False)
+    return ParsedRequest(kind=kind, prompt_token_ids=ids,
+                         params=_sampling(body, model, len(ids), prompt_field, max_tokens_field),
+                         stop=_stop_strings(body), stream=stream,
+                         include_usage=stream and options.get("include_usage", False))
+
+
+def _completion_prompt(body: dict, model: ModelSpec) -> list[int]:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        if len(prompt) != 1:
+            raise APIError(400, f"prompt holds {len(prompt)} prompts; send one prompt per request", "prompt")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if not prompt.strip():
+            raise APIError(400, "prompt is empty", "prompt")
+        # The completions API continues the text as it is: no chat template.
+        return _encode(model, "prompt", prompt=prompt, chat_template=False,
+                       parse_special_tokens=model.parse_special_tokens)
+    if isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt):
+        if not all(0 <= t < model.vocab_size for t in prompt):
+            raise APIError(400, f"prompt token ids must be in [0, {model.vocab_size})", "prompt")
+        return list(prompt)
+    if prompt is None or prompt == [] or prompt == [[]]:
+        raise APIError(400, "prompt is required and must not be empty", "prompt")
+    raise APIError(400, "prompt must be a string or a list of token ids", "prompt")
+
+
+def _chat_prompt(body: dict, model: ModelSpec) -> list[int]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise APIError(400, "messages is required: a non-empty list of {role, content}", "messages")
+    messages = [_flatten_content(m, i) for i, m in enumerate(messages)]
+    options = body.get("chat_template_kwargs") or {}
+    if not isinstance(options, dict) or set(options) - {"enable_thinking"}:
+        raise APIError(400, "chat_template_kwargs may only hold enable_thinking", "chat_template_kwargs")
+    thinking = _bool(options, "enable_thinking", model.enable_thinking, "chat_template_kwargs.enable_thinking")
+    return _encode(model, "messages", messages=messages, enable_thinking=thinking,
+                   parse_special_tokens=model.parse_special_tokens)
+
+
+def _flatten_content(message, index: int):
+    """OpenAI content parts `[{type: text, text}]` -> one string; other part types are refused."""
+    if not isinstance(message, dict) or not isinstance(message.get("content"), list):
+        return message
+    parts = message["content"]
+    if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in parts):
+        raise APIError(400, f"messages[{index}].content: only text parts are supported", "messages")
+    return {**message, "content": "".join(p["text"] for p in parts)}
+
+
+def _encode(model: ModelSpec, field: str, **kwargs) -> list[int]:
+    try:
+        return encode_prompt(model.tokenizer, **kwargs)
+    except ValueError as exc:
+        raise APIError(400, f"{field}: {exc}", field) from None
+
+
+def _sampling(body: dict, model: ModelSpec, prompt_len: int, prompt_field: str, max_tokens_field: str
+              ) -> SamplingParams:
+    room = model.max_model_len - prompt_len
+    if room < 1:
+        raise APIError(400, f"{prompt_field} has {prompt_len} tokens; this model's limit is {model.max_model_len} "
+                            f"tokens for prompt and completion together, so at most {model.max_model_len - 1} "
+                            "prompt tokens fit", prompt_field, code="context_length_exceeded")
+    max_tokens = _int(body, max_tokens_field, None, lo=1)
+    if max_tokens is not None and max_tokens > room:
+        raise APIError(400, f"{prompt_field} ({prompt_len} tokens) + {max_tokens_field} ({max_tokens}) exceeds this "
+                            f"model's limit of {model.max_model_len} tokens: at most {room} completion tokens fit "
+                            "after this prompt", max_tokens_field, code="context_length_exceeded")
+    d = model.defaults
+    stop_ids = body.get("stop_token_ids") or []
+    if not isinstance(stop_ids, list) or not all(is_int(t) and 0 <= t < model.vocab_size for t in stop_ids):
+        raise APIError(400, f"stop_token_ids must be a list of token ids in [0, {model.vocab_size})", "stop_token_ids")
+    try:
+        return SamplingParams(
+            max_new_tokens=max_tokens if max_tokens is not None else min(d.max_new_tokens, room),
+            temperature=float(_sampling_field(body, "temperature", d.temperature)),
+            top_p=float(_sampling_field(body, "top_p", d.top_p)),
+            top_k=max(_int(body, "top_k", d.top_k, lo=-1), 0),  # -1 (vLLM's "off") == 0
+            seed=_sampling_field(body, "seed", None),
+            stop_token_ids=tuple(dict.fromkeys([*d.stop_token_ids, *stop_ids])),
+            ignore_eos=_bool(body, "ignore_eos", d.ignore_eos))
+    except ValueError as exc:  # SamplingParams.validate: a backstop, the checks above come first
+        raise APIError(400, str(exc)) from None
+
+
+def _stop_strings(body: dict) -> tuple[str, ...]:
+    stop = body.get("stop")
+    stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+        raise APIError(400, "stop must be a non-empty string or a list of non-empty strings", "stop")
+    if len(stop) > MAX_STOP_STRINGS:
+        raise APIError(400, f"stop holds {len(stop)} strings; at most {MAX_STOP_STRINGS} are allowed", "stop")
+    return tuple(stop)
+
+
+def _int(body: dict, name: str, default, *, lo: int):
+    x = body.get(name)
+    if x is None:
+        return default
+    if not is_int(x) or x < lo:
+        raise APIError(400, f"{name} must be an integer >= {lo}, got {x!r}", name)
+    return x
+
+
+def _sampling_field(body: dict, name: str, default):
+    """A field whose rule is SamplingParams' own (sampling_params.SAMPLING_CHECKS), as in the config."""
+    x = body.get(name)
+    if x is None:
+        return default
+    ok, expected = SAMPLING_CHECKS[name]
+    if not ok(x):
+        raise APIError(400, invalid_value(name, x, expected), name)
+    return x
+
+
+def _bool(body: dict, name: str, default: bool, param: str | None = None) -> bool:
+    x = body.get(name)
+    if x is None:
+        return default
+    if not isinstance(x, bool):
+        raise APIError(400, f"{param or name} must be true or false, got {x!r}", param or name)
+    return x
+
+
+# ---- responses -------------------------------------------------------------------------------------
+
+def usage(completion: Completion) -> dict:
+    prompt, generated = len(completion.prompt_token_ids), len(completion.token_ids)
+    return {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated}
+
+
+def spec_stats(completion: Completion) -> dict:
+    """The request's acceptance statistics and timings (DESIGN.md §5 names)."""
+    return {**completion.stats.to_columns(), "time_to_first_token_s": completion.time_to_first_token_s,
+            "time_taken_llm_s": completion.time_taken_s}
+
+
+def response_body(parsed: ParsedRequest, response_id: str, created: int, model: str, text: str,
+                  finish_reason: str, completion: Completion) -> dict:
+    if parsed.kind == "completion":
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        obj = "text_completion"
+    else:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                  "finish_reason": finish_reason}
+        obj = "chat.completion"
+    return {"id": response_id, "object": obj, "created": created, "model": model, "choices": [choice],
+            "usage": usage(completion), "speculative_decoding_stats": spec_stats(completion)}
+
+
+def chunk_body(parsed: ParsedRequest, response_id: str, created: int, model: str, text: str, *,
+               first: bool = False, finish_reason: str | None = None, completion: Completion | None = None) -> dict:
+    """One stream chunk; given `completion` (the finishing chunk, unless include_usage) it also carries usage
+    and statistics."""
+    if parsed.kind == "completion":
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        obj = "text_completion"
+    else:
+        delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        obj = "chat.completion.chunk"
+    chunk = {"id": response_id, "object": obj, "created": created, "model": model, "choices": [choice]}
+    if completion is not None:
+        chunk["usage"] = usage(completion)
+        chunk["speculative_decoding_stats"] = spec_stats(completion)
+    return chunk
+
+
+def usage_chunk_body(parsed: ParsedRequest, response_id: str, created: int, model: str,
+                     completion: Completion) -> dict:
+    """The extra last chunk of `stream_options.include_usage`: no choices, usage and statistics (as OpenAI)."""
+    obj = "text_completion" if parsed.kind == "completion" else "chat.completion.chunk"
+    return {"id": response_id, "object": obj, "created": created, "model": model, "choices": [],
+            "usage": usage(completion), "speculative_decoding_stats": spec_stats(completion)}
+
+
+def sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+def models_body(model: ModelSpec, created: int) -> dict:
+    return {"object": "list", "data": [{"id": model.name, "object": "model", "created": created,
+                                        "owned_by": "domino-ray", "max_model_len": model.max_model_len}]}

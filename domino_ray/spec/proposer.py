@@ -1,0 +1,174 @@
+"""Proposers: what the engine asks for draft tokens each step.
+
+A proposer is any object with these members (duck-typed; the engine needs nothing else):
+- `num_spec_tokens`: K, drafts per step at most (the engine may verify fewer: `width_policy.py`);
+  `block_size`: positions its block writes past a row's context.
+- `target_layer_ids`: target layers whose outputs it needs as context (empty: none).
+- `graph_safe`: its `propose` is device work on fixed shapes (CUDA-graph capturable).
+- `allocate(max_rows, max_len)`: reserve per-row state once.
+- `append_context(rows, target_hidden, offsets)`: new target hidden states `[b, q, L*C]` of positions
+  `offsets[b] + arange(q)` of slots `rows`; entries past a row's committed length are junk it must
+  tolerate (they are overwritten later).
+- `propose(r, anchor, offsets, key_groups, width, committed, request_ids) -> [r, width]`: `width <= K`
+  drafts after `anchor [r]` at positions `offsets [r]` for slots `0..r` (padding slots included), each slot
+  range of `key_groups` (`((stop, t), ...)`, `model/key_groups.py`) attending over its first `t` buffer positions;
+  `committed`/`request_ids` are the host's view of the real rows (test proposers use them).
+- `move_row(src, dst, length)`: slot `src` -> `dst` (ints: compaction), or slots `src[i]` -> `dst[i]`
+  (index tensors `[m]`: regrouping; the pairs may form cycles).
+- optionally `draft`: its model (an `nn.Module`), whose linear layers the engine packs like the target's on
+  CPU (`model/packed_linear.py`).
+
+`DominoProposer` runs a Domino/DFlash draft. (The tests' `OracleProposer` knows the target's continuation.)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from domino_ray.backend import ops
+from domino_ray.model.kv_cache import KVBuffers, decode_layer_groups, group_visibility, grouped_attention
+from domino_ray.model.packed_linear import one_op_layers, packed_states
+from domino_ray.model.target_forward import decode_layers_args
+from domino_ray.spec.checkpoint import check_against_target
+from domino_ray.spec.draft import DominoDraft, context_key_value_weights, context_keys_values, resolve_num_spec_tokens
+
+
+class DominoProposer:
+    graph_safe = True
+
+    def __init__(self, draft: DominoDraft, target, num_spec_tokens: int | None = None):
+        """`num_spec_tokens`: K, drafts per step at most; None = the most the checkpoint proposes."""
+        cfg = draft.config
+        if isinstance(num_spec_tokens, str):
+            raise TypeError("num_spec_tokens is an int; resolve 'auto' with draft.resolve_num_spec_tokens and pass "
+                            "adaptive=True to the engine")
+        k, _ = resolve_num_spec_tokens(num_spec_tokens, cfg)
+        self.draft, self.config, self.num_spec_tokens = draft, cfg, k
+        self.block_size = cfg.block_size
+        self.target_layer_ids = cfg.target_layer_ids
+        check_against_target(cfg, target.config)  # a draft built in code meets the loader's checks too
+        self.embed = target.get_input_embeddings()
+        self.lm_head = target.get_output_embeddings()
+        weight = next(draft.parameters())
+        self.device, self.dtype = weight.device, weight.dtype
+        with torch.inference_mode():
+            mask_id = torch.tensor([cfg.mask_token_id], device=self.embed.weight.device)
+            self.mask_embedding = self.embed(mask_id).to(self.device, self.dtype)  # [1, C]
+        self.block_offsets = torch.arange(cfg.block_size, device=self.device)   # [B]
+        # All layers' context k/v projections fused (a copy: build the proposer after the draft's last update).
+        self.context_weights = context_key_value_weights(draft.layers)
+        self.groups = cfg.num_attention_heads // cfg.num_key_value_heads
+        self.kv: KVBuffers | None = None
+        self.key_positions: torch.Tensor | None = None
+        self._native: tuple | None = None  # (the draft linears' weight states, `decode_layers`' arguments from them)
+        self._linears: list | None = None  # the draft layers' 14 linears (`_native_layers`), listed at first use
+        self._context_native: tuple | None = None  # (fc's weight state, `context_update`'s arguments from it)
+
+    def allocate(self, max_rows: int, max_len: int):
+        cfg = self.config
+        self.kv = KVBuffers(cfg.num_hidden_layers, max_rows, max_len, cfg.num_key_value_heads, cfg.head_dim,
+                            self.dtype, self.device)
+        self.key_positions = torch.arange(max_len, device=self.device)  # [T]
+        # Every position's rotary cos/sin, looked up by each call (computed per call they were ~10 ops: ~45 us of a
+        # demo draft's one-row step on CPU, twice a drafting step)
+        cos, sin = self.draft.rope(self.key_positions[None], self.dtype)
+        self.rope_cos, self.rope_sin = cos[0], sin[0]  # [T, D]
+
+    def append_context(self, rows: slice, target_hidden: torch.Tensor, offsets: torch.Tensor):
+        taps = target_hidden.to(self.device)  # [b, q, F]
+        positions = offsets[:, None] + self.key_positions[:taps.shape[1]]  # [b, q]
+        cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # [b, q, D]
+        ours = one_op_layers(self.kv.kernel, taps.shape[0] * taps.shape[1]) and taps.dtype == torch.float32
+        native = self._native_context() if ours else None
+        if native is not None:  # one op of ours for ~25 torch ops (`decode_layer.cpp`; demo pair, 1 row: 356 -> 200 us)
+            ops.context_update(taps, *native, self.kv.keys, self.kv.values, self.kv.flat_index(rows, positions), cos,
+                               sin)
+            return
+        context = self.draft.project_context(taps)  # [b, q, C]
+        k, v = context_keys_values(context, self.context_weights, self.config.rms_norm_eps, self.config.head_dim, cos, sin)
+        self.kv.write_all_layers(rows, positions, k, v)
+
+    def _native_context(self) -> tuple[list, list[int], list[float]] | None:
+        """`context_update`'s weights, shape and scalars: `fc` packed, and every layer's k/v projections packed from
+        `context_weights` (a copy, as those are), made once and again when `fc`'s weight changed; None where the engine
+        left `fc` unpacked."""
+        fc, norm, cfg = self.draft.fc, self.draft.hidden_norm, self.config
+        state = packed_states([fc])
+        if state is None:
+            return None
+        if self._context_native is None or self._context_native[0] != state:
+            weight, bias, k_norm = self.context_weights
+            weights = [fc.current_pack(), fc.bias, norm.weight, ops.pack_linear(weight), bias, k_norm]
+            self._context_native = (state, (weights, [cfg.hidden_size, cfg.num_key_value_heads, cfg.head_dim],
+                                            [norm.eps, cfg.rms_norm_eps]))
+        return self._context_native[1]
+
+    def propose(self, r: int, anchor: torch.Tensor, offsets: torch.Tensor, key_groups: tuple, width: int,
+                committed=None, request_ids=None) -> torch.Tensor:
+        slots, rows = block_slots(self.block_size, width, self.config.shift_label), slice(0, r)
+        block = torch.cat([self.embed(anchor)[:, None].to(self.dtype),
+                           self.mask_embedding.expand(r, slots - 1, -1)], 1)  # [r, S, C]
+        positions = offsets[:, None] + self.block_offsets[:slots]  # [r, S]
+        # Non-causal: every slot sees the whole context and every slot of the step.
+        key_limit = (offsets + slots)[:, None].expand(r, slots)  # [r, S]
+        visible = group_visibility(key_limit, self.groups, self.key_positions, key_groups, self.kv)
+        cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # [r, S, D]
+        write_at = self.kv.flat_index(rows, positions)
+
+        def attend_layer(i, layer, x, cos, sin):
+            attn = layer.self_attn
+            q = attn.query(x, cos, sin)
+            k, v = attn.key_value(x, cos, sin)
+            self.kv.write(i, write_at, k, v)
+            return attn.output(grouped_attention(q, self.kv, i, key_groups, visible, attn.head_dim ** -0.5))
+
+        native = self._native_layers() if one_op_layers(self.kv.kernel, r * slots) else None
+        if native is None:
+            hidden = self.draft.run_layers(block, cos, sin, attend_layer)  # [r, S, C]
+        else:  # the layers as our one op, all in one call (`csrc/decode_layer.cpp`): the draft's layers are Qwen3's
+            hidden, = ops.decode_layers(block, *native, self.kv.keys, self.kv.values, write_at, cos, sin,
+                                        *decode_layer_groups(key_groups, visible), [])
+            hidden = self.draft.norm(hidden)
+        return self.draft.draft_tokens(hidden, anchor, width, self.embed, self.lm_head)  # the GRU loop stops at W
+
+    def _native_layers(self) -> tuple[list, list[int], list[float]] | None:
+        """`decode_layers`' weights, shapes and scalars of the draft's layers, each layer's as `decode_layer` takes them:
+        q/k/v and gate/up fused (copies, packed for our kernel: one op call instead of ~40 a layer; the demo draft's
+        block at one row 0.9 ms instead of 1.5), built once and again when a weight changed; None where the engine left
+        the linears unpacked."""
+        layers = self.draft.layers
+        if self._linears is None:  # the same module objects for the proposer's life (packing changes their class)
+            self._linears = [m for layer in layers for attn, mlp in [(layer.self_attn, layer.mlp)]
+                             for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj,
+                                       mlp.down_proj)]
+        state = packed_states(self._linears)
+        if state is None:
+            return None
+        if self._native is None or self._native[0] != state:
+            self._native = (state, decode_layers_args([_decode_layer_args(layer) for layer in layers]))
+        return self._native[1]
+
+    def move_row(self, src: int | torch.Tensor, dst: int | torch.Tensor, length: int):
+        self.kv.move_row(src, dst, length)
+
+
+def _decode_layer_args(layer) -> tuple[list, list[int], list[float]]:
+    """A draft layer (`draft.DraftLayer`: Qwen3's, SiLU MLP) as `decode_layer` takes it."""
+    attn, mlp = layer.self_attn, layer.mlp
+    fused = [(attn.q_proj, attn.k_proj, attn.v_proj), (mlp.gate_proj, mlp.up_proj)]
+    (qkv, qkv_bias), (gate_up, _) = [
+        (ops.pack_linear(torch.cat([m.weight.detach() for m in ms])),
+         torch.cat([m.bias.detach() for m in ms]) if ms[0].bias is not None else None) for ms in fused]
+    weights = [layer.input_layernorm.weight, qkv, qkv_bias, attn.o_proj.current_pack(), attn.o_proj.bias,
+               layer.post_attention_layernorm.weight, gate_up, None, mlp.down_proj.current_pack(), None,
+               attn.q_norm.weight, attn.k_norm.weight]
+    scalars = [layer.input_layernorm.eps, layer.post_attention_layernorm.eps, attn.q_norm.eps, attn.k_norm.eps,
+               attn.head_dim ** -0.5]
+    return weights, [attn.num_heads, attn.num_kv_heads, attn.head_dim, mlp.gate_proj.out_features], scalars
+
+
+def block_slots(block_size: int, width: int, shift_label: bool) -> int:
+    """Slots of the draft block a step of `width` drafts runs: `width` more past the last slot that drafts, not the
+    whole block. The slots past a step's drafts only shape the earlier slots' attention, and the draft's work grows
+    with its slots (at W = 1, two slots accept about as many drafts as all eight, at a higher rate of tokens)."""
+    return min(block_size, 2 * width + (0 if shift_label else 1))

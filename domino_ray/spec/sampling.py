@@ -1,0 +1,87 @@
+"""Sampling on the device (torch): the target distribution that sampling parameters define, the per-slot
+sampling settings and the one acceptance call every step makes. The parameters themselves and their checks
+are in sampling_params.py (torch-free)."""
+
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+import torch
+
+from domino_ray.spec.rng import counter_uniforms
+from domino_ray.spec.sampling_params import SamplingParams
+from domino_ray.spec.verify import greedy_accept, rejection_accept
+
+
+def sampling_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                   filtered: bool) -> torch.Tensor:
+    """Target distribution `[n, q, V]` from logits `[n, q, V]` and per-row temperature/top_k/top_p `[n]`.
+
+    Rows with temperature 0 get a finite distribution too (their result is not used). `filtered=False`
+    skips the sort when no row uses top-k or top-p (host knows this without a sync).
+    """
+    t = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
+    scaled = logits.float() / t[:, None, None]
+    if filtered:
+        v = scaled.shape[-1]
+        sorted_logits, order = scaled.sort(-1, descending=True)  # [n, q, V]
+        rank = torch.arange(v, device=logits.device)
+        k = torch.where(top_k > 0, top_k, torch.full_like(top_k, v))
+        keep = rank[None, None, :] < k[:, None, None]
+        probs_sorted = sorted_logits.masked_fill(~keep, float("-inf")).softmax(-1)
+        mass_before = probs_sorted.cumsum(-1) - probs_sorted  # mass of strictly more likely tokens
+        keep = keep & (mass_before < top_p[:, None, None])
+        sorted_logits = sorted_logits.masked_fill(~keep, float("-inf"))
+        scaled = torch.empty_like(scaled).scatter_(-1, order, sorted_logits)
+    return scaled.softmax(-1)
+
+
+def sampling_mode(params: Iterable[SamplingParams]) -> tuple[bool, bool]:
+    """(sampled, filtered) for a set of rows, known on the host: whether any row samples, and whether any
+    sampled row filters (top-k/top-p, which needs a sort over the vocabulary). Part of a step's graph key."""
+    params = list(params)
+    sampled = any(not p.greedy for p in params)
+    return sampled, sampled and any(p.top_k > 0 or p.top_p < 1.0 for p in params)
+
+
+class RowSampling:
+    """Per-slot sampling settings on the device and the one acceptance call every step uses.
+
+    Slots hold temperature, top-p, top-k and seed `[R]`; `accept` turns the target's logits at the verified
+    positions into (accepted, tokens), greedy rows by argmax, sampled rows by the coupled rejection sampling
+    of `verify.rejection_accept`. A prefill's first token is the same call with zero drafts.
+    """
+
+    def __init__(self, max_rows: int, device):
+        self.temperature = torch.zeros(max_rows, device=device)                 # [R]
+        self.top_p = torch.ones(max_rows, device=device)                        # [R]
+        self.top_k = torch.zeros(max_rows, dtype=torch.long, device=device)     # [R]
+        self.seeds = torch.zeros(max_rows, dtype=torch.long, device=device)     # [R] sampled rows' seeds
+        self.device = device
+
+    def load(self, rows: slice, params: Sequence[SamplingParams], seeds: Sequence[int]):
+        """Settings of newly admitted rows into slots `rows`: two host->device copies."""
+        ints = torch.tensor([[p.top_k, s] for p, s in zip(params, seeds)], dtype=torch.long).to(self.device)
+        floats = torch.tensor([[p.temperature, p.top_p] for p in params]).to(self.device, self.temperature.dtype)
+        self.top_k[rows], self.seeds[rows] = ints[:, 0], ints[:, 1]
+        self.temperature[rows], self.top_p[rows] = floats[:, 0], floats[:, 1]
+
+    def move(self, src: int | torch.Tensor, dst: int | torch.Tensor):
+        for t in (self.temperature, self.top_p, self.top_k, self.seeds):
+            t[dst] = t[src]
+
+    def accept(self, rows: slice, logits: torch.Tensor, drafts: torch.Tensor, limit: torch.Tensor,
+               positions: torch.Tensor, sampled: bool, filtered: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """logits `[n, W+1, V]` at `positions [n, W+1]` after drafts `[n, W]`, limit `[n]` for slots `rows` ->
+        (accepted `[n]`, tokens `[n, W+1]`). `sampled`/`filtered` as `sampling_mode` says (host-known)."""
+        accepted, tokens = greedy_accept(target_logits=logits, drafts=drafts, limit=limit)
+        if sampled:
+            temperature = self.temperature[rows]
+            probs = sampling_probs(logits, temperature, self.top_k[rows], self.top_p[rows], filtered=filtered)
+            # One uniform per token position (the position the token is written at): see rejection_accept.
+            uniforms = counter_uniforms(self.seeds[rows], positions + 1)
+            s_accepted, s_tokens = rejection_accept(target_probs=probs, drafts=drafts, limit=limit, uniforms=uniforms)
+            is_sampled = temperature > 0
+            accepted = torch.where(is_sampled, s_accepted, accepted)
+            tokens = torch.where(is_sampled[:, None], s_tokens, tokens)
+        return accepted, tokens
