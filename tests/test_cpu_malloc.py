@@ -39,12 +39,13 @@ def late_round_faults(mode: str) -> int:
 
 
 def test_kept_freed_memory_ends_the_page_faults_of_repeated_forwards():
-    # Alone, quiet: 16,672 faults with glibc's defaults, 0 with the setting. On a busy machine the setting leaves
-    # some (full suite runs: 4,200 against 16,672, twice; beside two busy processes 0-1,400 against 2,800; cause
-    # not found), so the fewest of two runs each, and a margin; a setting that stopped working faults as much as
-    # the defaults in every run.
-    default = min(late_round_faults("glibc-defaults") for _ in range(2))
-    kept = min(late_round_faults("keep") for _ in range(2))
+    """Alone, quiet: 16,672-24,944 faults with glibc's defaults, 0 with the setting. glibc's own threshold moves
+    with what was freed, so a defaults run now and then faults 0 times too (3 of 9 runs here): the defaults are
+    judged by their worst run, the setting by its worst run. On a busy machine the setting has left some faults
+    (4,200 against 16,672 in full suite runs). Fails if the setting stops working: checked by making
+    `keep_freed_memory` return True without calling mallopt (the setting's runs then fault as the defaults')."""
+    default = max(late_round_faults("glibc-defaults") for _ in range(3))
+    kept = max(late_round_faults("keep") for _ in range(3))
     assert default > 1000, default  # the workload does fault with glibc's defaults: the comparison means something
     assert kept < default / 3, (kept, default)
 
