@@ -22,6 +22,7 @@ from batch_fixtures import (agreeing_pair, check_output_invariants, job_config, 
                             ray_cluster, tiny_pair, write_shards)
 from domino_ray.batch.job import init_ray, read_inputs, run_job
 from domino_ray.batch.preflight import check_input
+from domino_ray.batch.summary import human_summary
 from domino_ray.config import ConfigError, load_config
 from domino_ray.model.target import encode_prompt, load_target, load_tokenizer, stop_token_ids
 from faulty_predictor import faulty_predictor
@@ -167,10 +168,29 @@ def test_the_job_speculated(job):
 
 
 def test_baseline_comparison(job):
-    base = job["summary"]["run"]["baseline"]
+    summary = job["summary"]
+    base = summary["run"]["baseline"]
     # Sampled rows too: acceptance is coupled to the target's own per-position samples (same seed, same text).
     assert base["compared"] == job["good"] and base["identical"] == job["good"]
     assert base["tokens_per_s"] > 0 and base["speedup"] > 0
+    assert set(base["cpu_s_per_busy_s"]) == {"speculative", "target_only"}  # each run's share of the machine
+    # The pair measured in one process on the job's first rows (as many as an engine's slots): the draft at its K,
+    # its outputs equal target-only's, Domino against target-only at one row and at those rows.
+    probe, slots = base["probe"], job["cfg"].generation.max_batch_size
+    assert probe["num_spec_tokens"] == summary["num_spec_tokens"] and probe["rows"] == slots
+    assert probe["identical"] == slots
+    assert probe["mean_acceptance_length"] == pytest.approx(1 + sum(probe["per_position_acceptance"]))
+    assert [c["rows"] for c in probe["speedups"]] == [1, slots] and all(c["speedup"] > 0 for c in probe["speedups"])
+    # the adaptive width's cost table, from the engine actors, at their fewest and most rows
+    tables = [a["width_costs"] for a in summary["run"]["actors"] if "width_costs" in a]
+    assert tables and all([t["rows"] for t in table["by_rows"]] == [1, slots] for table in tables)
+    text = human_summary(summary)
+    assert f"greedy outputs identical: {job['good']}/{job['good']}" in text
+    assert f"the draft at K=4 (every step verifying 4 drafts; the first {slots} rows, run together)" in text
+    cells = re.findall(r"(\d+) rows? ([\d.]+)x \((speculation pays|it does not pay)\)", text)
+    assert [int(n) for n, _, _ in cells] == [1, slots]
+    assert all((float(x) >= 1.0) == (verdict == "speculation pays") for _, x, verdict in cells)
+    assert f"why these widths: at {slots} rows the width policy's cost table" in text
 
 
 def test_read_back_with_pandas_and_duckdb(job):

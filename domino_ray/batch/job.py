@@ -25,13 +25,16 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from domino_ray.batch.io import (SETTINGS_NAME, SUMMARY_NAME, Location, delete_if_exists, list_parquet_files, read_json,
                                  rows_in_complete_parts, scan_output, write_json_atomic)
+from domino_ray.batch.pair_probe import probe_pair
 from domino_ray.batch.predictor import DominoPredictor, RowCrashesEngine, RunStats, key_name
 from domino_ray.batch.preflight import (InputPlan, check_input, check_models, check_output, check_settings,
                                         output_settings)
-from domino_ray.batch.processor import LIGHT_CPUS, Processor
-from domino_ray.batch.schema import generated_ids, output_schema
-from domino_ray.batch.summary import STATS_COLUMNS, human_summary, run_stats, summarize
-from domino_ray.config import ConfigError, JobConfig, to_dict
+from domino_ray.batch.processor import LIGHT_CPUS, Processor, engine_resources
+from domino_ray.batch.schema import generated_ids, output_schema, row_params
+from domino_ray.batch.summary import (STATS_COLUMNS, busy_throughput, human_summary, run_stats, summarize,
+                                      throughput_ratio)
+from domino_ray.batch.text_stages import tokenize_batch
+from domino_ray.config import ConfigError, JobConfig, generation_defaults, to_dict
 
 
 def _prepare(table: pa.Table, done_ids, id_column: str, generated_id: bool) -> pa.Table:
@@ -224,7 +227,8 @@ def _run_stats_actor():
 
 def compare_baseline(cfg: JobConfig, plan: InputPlan, schema: pa.Schema, done_ref, out: Location,
                      new_files: list[str], run: dict, predictor: type = DominoPredictor) -> dict:
-    """The same rows through the same engine without the draft: throughput ratio and greedy equality."""
+    """The same rows through the same engine without the draft: throughput ratio (`summary.throughput_ratio`) and
+    greedy equality; with a draft also `run_probe`, the pair measured in one process on a few of the rows."""
     id_column = cfg.input.id_column
     sink = _run_stats_actor()
     start = time.perf_counter()
@@ -237,12 +241,32 @@ def compare_baseline(cfg: JobConfig, plan: InputPlan, schema: pa.Schema, done_re
     ours = dict(zip(ours[id_column], ours["generated_tokens"]))
     compared = [(i, tokens) for i, tokens, reason in zip(base[id_column], base["generated_tokens"],
                                                          base["finish_reason"]) if reason != "error"]
-    spec_tps, base_tps = _busy_throughput(run["actors"]), _busy_throughput(ray.get(sink.snapshot.remote()))
-    return {"wall_time_s": wall, "tokens_per_s": base_tps, "speedup": spec_tps / base_tps if base_tps else 0.0,
-            "wall_time_ratio": wall / run["wall_time_s"], "compared": len(compared),
-            "identical": sum(ours.get(i) == tokens for i, tokens in compared)}
+    base_actors = ray.get(sink.snapshot.remote())
+    result = {"wall_time_s": wall, "tokens_per_s": busy_throughput(base_actors),
+              **throughput_ratio(run["actors"], base_actors), "wall_time_ratio": wall / run["wall_time_s"],
+              "compared": len(compared), "identical": sum(ours.get(i) == tokens for i, tokens in compared)}
+    if cfg.draft.source:
+        result["probe"] = run_probe(cfg, plan, max(a.get("max_rows", 1) for a in run["actors"]))
+    return result
 
 
-def _busy_throughput(actors: list[dict]) -> float:
-    busy = sum(a["busy_s"] for a in actors)
-    return sum(a["generated_tokens"] for a in actors) / busy if busy else 0.0
+def run_probe(cfg: JobConfig, plan: InputPlan, rows: int) -> dict:
+    """`pair_probe.probe_pair` on the first input rows (up to `rows` that run), as a Ray task with an engine actor's
+    resources, after the job and its target-only run have let theirs go. A failure is reported, not raised: the job's
+    rows are written by then, and only this extra measurement is missing (`{"error": ...}`)."""
+    try:
+        with plan.location.fs.open_input_file(plan.files[0]) as f:
+            first = next(pq.ParquetFile(f).iter_batches(batch_size=2 * rows))  # spare rows for any that fail
+        return ray.get(_probe_task.options(**engine_resources(cfg.runtime)).remote(cfg, pa.Table.from_batches([first]),
+                                                                                   rows))
+    except Exception as exc:  # noqa: BLE001 (see the docstring)
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+@ray.remote
+def _probe_task(cfg: JobConfig, first_rows: pa.Table, rows: int) -> dict:
+    ic, base = cfg.input, generation_defaults(cfg.generation)
+    prompts = [(row["prompt_token_ids"], row_params(row.get(ic.sampling_column), base, cfg.generation.seed,
+                                                    row.get(ic.id_column)))
+               for row in tokenize_batch(first_rows, cfg).to_pylist() if row["error"] is None]
+    return probe_pair(cfg.model, cfg.draft, cfg.generation, cfg.runtime, prompts, rows)

@@ -17,6 +17,7 @@ import time
 import pyarrow as pa
 import ray
 
+from domino_ray.batch.pair_probe import cost_tables
 from domino_ray.batch.schema import RowError, engine_columns, error_row, ok_row, row_params, with_columns
 from domino_ray.config import JobConfig, generation_defaults
 from domino_ray.engine.loop import EngineDead
@@ -67,6 +68,10 @@ class DominoPredictor:
         self._lock = threading.Lock()
         self._admission: asyncio.Semaphore | None = None
         self._in_flight, self._busy_since, self._busy_s, self._rows, self._tokens = 0, 0.0, 0.0, 0, 0
+        # The process's CPU time while busy too: what share of the machine the engine got (the target-only comparison's
+        # two runs come one after the other, and a machine busy with other work gives each a different share)
+        self._cpu_since, self._cpu_s = 0.0, 0.0
+        self._key_positions, self._ok_rows = 0.0, 0  # for the mean key length the width's cost table is read at
         self._peak_in_flight = 0  # > 1 means batches overlapped in the engine (continuous batching across them)
         self._times = {"started_at": started, "load_s": time.time() - started, "first_batch_at": None,
                        "last_batch_done_at": None}
@@ -111,7 +116,9 @@ class DominoPredictor:
                 generated[i] = error_row(str(result), num_spec_tokens=self.num_spec_tokens)
             else:
                 generated[i] = ok_row(result)
-        self._busy(-1, rows=len(rows), tokens=sum(r["num_generated_tokens"] for r in generated))
+        ok = [r for r in generated if r["finish_reason"] != "error"]
+        self._busy(-1, rows=len(rows), tokens=sum(r["num_generated_tokens"] for r in generated), ok_rows=len(ok),
+                   key_positions=sum(r["num_input_tokens"] + r["num_generated_tokens"] / 2 for r in ok))
         return with_columns(batch, engine_columns(generated))
 
     async def _complete(self, key, ids: list[int], params) -> object:
@@ -148,12 +155,12 @@ class DominoPredictor:
                 pass
         os._exit(1)
 
-    def _busy(self, delta: int, rows: int = 0, tokens: int = 0):
+    def _busy(self, delta: int, rows: int = 0, tokens: int = 0, key_positions: float = 0.0, ok_rows: int = 0):
         """Track the union of intervals with a batch in flight (throughput while busy)."""
-        now = time.perf_counter()
+        now, cpu = time.perf_counter(), time.process_time()
         with self._lock:
             if self._in_flight == 0 and delta > 0:
-                self._busy_since = now
+                self._busy_since, self._cpu_since = now, cpu
             if delta > 0 and self._times["first_batch_at"] is None:
                 self._times["first_batch_at"] = time.time()
             if delta < 0:
@@ -162,13 +169,21 @@ class DominoPredictor:
             self._peak_in_flight = max(self._peak_in_flight, self._in_flight)
             if self._in_flight == 0:
                 self._busy_s += now - self._busy_since
-                self._busy_since = now
+                self._cpu_s += cpu - self._cpu_since
+                self._busy_since, self._cpu_since = now, cpu
             busy = self._busy_s + (now - self._busy_since if self._in_flight else 0.0)
+            cpu_s = self._cpu_s + (cpu - self._cpu_since if self._in_flight else 0.0)
             self._rows += rows
             self._tokens += tokens
+            self._key_positions += key_positions
+            self._ok_rows += ok_rows
             snapshot = {"actor": self.name, "node_id": self.node_id, "rows": self._rows, "generated_tokens": self._tokens,
-                        "busy_s": busy, "peak_batches_in_flight": self._peak_in_flight, **self._times}
+                        "busy_s": busy, "cpu_s": cpu_s, "max_rows": self.loop.engine.max_rows,
+                        "peak_batches_in_flight": self._peak_in_flight, **self._times}
         if self.stats_sink is not None and delta < 0:
+            width = self.loop.engine.width
+            if width is not None and self._ok_rows:  # what the adaptive width weighs its choices by
+                snapshot["width_costs"] = cost_tables(width.costs, self._key_positions / self._ok_rows)
             self.stats_sink.record.remote(snapshot)
 
 

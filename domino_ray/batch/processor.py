@@ -37,7 +37,7 @@ import ray
 
 from domino_ray.batch.predictor import DominoPredictor
 from domino_ray.batch.text_stages import detokenize_batch, tokenize_batch
-from domino_ray.config import ConfigError, JobConfig, load_config
+from domino_ray.config import ConfigError, JobConfig, RuntimeConfig, load_config
 
 # engine_kwargs may set keys of these config sections, as `section.key` or a bare `key` that names one.
 ENGINE_SECTIONS = ("model", "draft", "generation", "runtime", "input")
@@ -145,17 +145,12 @@ class Processor:
         if self.preprocess is not None:
             ds = ds.map(self.preprocess, **{"num_cpus": LIGHT_CPUS, **self.preprocess_map_kwargs})
         ds = ds.map_batches(tokenize_batch, fn_args=(cfg,), **self._cpu_stage(self.tokenize))
-        gpus = r.gpus_per_actor if r.gpus_per_actor is not None else (1 if ray.cluster_resources().get("GPU") else 0)
-        extra = {"accelerator_type": r.accelerator_type} if r.accelerator_type else {}
-        if r.accelerator_resource:  # engine actors only on nodes that offer it (custom resource per engine)
-            extra["resources"] = {r.accelerator_resource: 1}
         ds = ds.map_batches(
             self.predictor, batch_size=r.batch_size, batch_format="pyarrow",
             compute=ray.data.ActorPoolStrategy(min_size=r.min_actors, max_size=r.max_actors,
                                                max_concurrent_calls_per_actor=r.max_concurrent_batches),
-            num_cpus=r.cpus_per_actor, num_gpus=gpus or None, runtime_env=self.runtime_env,
-            fn_constructor_args=(cfg,), fn_constructor_kwargs={"use_draft": self.use_draft,
-                                                               "stats_sink": self.stats_sink}, **extra)
+            runtime_env=self.runtime_env, fn_constructor_args=(cfg,),
+            fn_constructor_kwargs={"use_draft": self.use_draft, "stats_sink": self.stats_sink}, **engine_resources(r))
         ds = ds.map_batches(detokenize_batch, fn_args=(cfg,),
                             fn_kwargs={"detokenize": self.detokenize is not None,
                                        "continue_on_error": self.continue_on_error,
@@ -168,6 +163,18 @@ class Processor:
     def _cpu_stage(self, stage: StageResources) -> dict:
         return {"batch_size": stage.batch_size or self.cfg.runtime.batch_size, "batch_format": "pyarrow",
                 "num_cpus": stage.num_cpus, "concurrency": stage.concurrency}
+
+
+def engine_resources(r: RuntimeConfig) -> dict:
+    """Ray resource options of one engine (an actor of the engine stage, or a task that runs one): its CPUs, a GPU when
+    the cluster has GPUs (unless `gpus_per_actor` says), the accelerator type and the custom resource when set."""
+    gpus = r.gpus_per_actor if r.gpus_per_actor is not None else (1 if ray.cluster_resources().get("GPU") else 0)
+    options = {"num_cpus": r.cpus_per_actor, "num_gpus": gpus or None}
+    if r.accelerator_type:
+        options["accelerator_type"] = r.accelerator_type
+    if r.accelerator_resource:  # engines only on nodes that offer it (custom resource per engine)
+        options["resources"] = {r.accelerator_resource: 1}
+    return options
 
 
 def _pool(name: str, concurrency) -> tuple[int, int]:

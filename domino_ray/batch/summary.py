@@ -12,6 +12,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from domino_ray.spec.stats import RowStats, merge_histograms, per_position_acceptance
+from domino_ray.spec.width_policy import DRAFTING_MARGIN, best_width
 
 STATS_COLUMNS = ["finish_reason", "error", "num_input_tokens", "num_generated_tokens", "num_spec_tokens",
                  "num_spec_steps", "num_draft_tokens", "num_accepted_draft_tokens", "acceptance_histogram",
@@ -83,16 +84,17 @@ def human_summary(s: dict) -> str:
     for a in run["actors"]:
         lines.append(f"    actor {a['actor']}: {a['rows']} rows, {a['tokens_per_s']:.1f} tokens/s while busy")
     if s["totals"]["num_spec_steps"]:
+        adaptive = s.get("config", {}).get("draft", {}).get("num_draft_tokens") == "auto"
         lines.append(f"  mean acceptance length {s['mean_acceptance_length']:.2f} (K={s['num_spec_tokens']}), "
-                     f"draft acceptance rate {s['draft_acceptance_rate']:.3f}")
+                     f"draft acceptance rate {s['draft_acceptance_rate']:.3f}"
+                     + (" over the job's steps, W = 0 ones included (they verify no draft)" if adaptive else ""))
         if s["per_position_acceptance"]:
             lines.append("  per-position acceptance: " + " ".join(f"{p:.2f}" for p in s["per_position_acceptance"]))
         if s.get("verify_width_histogram"):
             lines.append("  steps by verify width W=0..K: " + " ".join(str(n) for n in s["verify_width_histogram"]))
     base = run.get("baseline")
     if base:
-        lines.append(f"  target only: {base['tokens_per_s']:.1f} tokens/s while busy -> speed-up "
-                     f"{base['speedup']:.2f}x; greedy outputs identical: {base['identical']}/{base['compared']}")
+        lines += baseline_lines(s, base)
     shown = list(s["errors"].items())[:5]
     for reason, count in shown:
         lines.append(f"  error x{count}: {reason}")
@@ -102,3 +104,94 @@ def human_summary(s: dict) -> str:
         lines.append(f"  ... and {more_reasons} more error reasons ({more_rows} rows): see `errors` in "
                      f"_summary.json and the `error` column")
     return "\n".join(lines)
+
+
+def busy_throughput(actors: list[dict]) -> float:
+    """Generated tokens per second while a batch was in flight, over the actors (`run_stats`' `actors`)."""
+    busy = sum(a["busy_s"] for a in actors)
+    return sum(a["generated_tokens"] for a in actors) / busy if busy else 0.0
+
+
+def throughput_ratio(spec_actors: list[dict], base_actors: list[dict]) -> dict:
+    """Speculative over target-only tokens per busy second of the two runs' engine actors (`speedup`), and how much
+    CPU each run's actors got per busy second (`cpu_s_per_busy_s`, where they report it): the runs come one after
+    the other, so a machine whose other load changed in between moves the ratio, and this shows it."""
+    out = {"speedup": _ratio(busy_throughput(spec_actors), busy_throughput(base_actors))}
+    sides = {"speculative": spec_actors, "target_only": base_actors}
+    if all(side and all("cpu_s" in a for a in side) for side in sides.values()):
+        out["cpu_s_per_busy_s"] = {name: _ratio(sum(a["cpu_s"] for a in side), sum(a["busy_s"] for a in side))
+                                   for name, side in sides.items()}
+    return out
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b else 0.0
+
+
+def baseline_lines(s: dict, base: dict) -> list[str]:
+    """The target-only comparison, then (with a probe) the draft at full K, Domino against target-only at one row and
+    at the job's rows measured in one process, and why the adaptive width chose as it did."""
+    line = (f"  target only on the same rows: {base['tokens_per_s']:.1f} tokens/s while busy -> this job's speed-up "
+            f"{base['speedup']:.2f}x; greedy outputs identical: {base['identical']}/{base['compared']}")
+    share = base.get("cpu_s_per_busy_s")
+    if share and abs(share["speculative"] - share["target_only"]) > 0.1 * max(share.values()):
+        line += (f" (the engine actors got {share['speculative']:.2f} and {share['target_only']:.2f} CPU seconds "
+                 "per busy second in the two runs: other work took a different share of the machine each time, and this ratio "
+                 "carries that)")
+    lines = [line]
+    probe = base.get("probe")
+    if not probe:
+        return lines
+    if "error" in probe:
+        return lines + [f"  the in-process measurement of the pair failed: {probe['error']}"]
+    k, rows = probe["num_spec_tokens"], probe["rows"]
+    lines.append(f"  the draft at K={k} (every step verifying {k} drafts; the first {rows} rows, run together): mean "
+                 f"acceptance length {probe['mean_acceptance_length']:.2f}, per position "
+                 + " ".join(f"{p:.2f}" for p in probe["per_position_acceptance"]))
+    cells = [f"{c['rows']} row{'s' if c['rows'] > 1 else ''} {c['speedup']:.2f}x ("
+             + ("speculation pays" if c["speedup"] >= 1.0 else "it does not pay") + ")" for c in probe["speedups"]]
+    lines.append(f"  Domino at K={k} over target only, measured here (one process, the same prompts, {probe['passes']} "
+                 "interleaved passes): " + "; ".join(cells))
+    why = width_line(s, probe)
+    return lines + ([why] if why else [])
+
+
+def width_line(s: dict, probe: dict) -> str | None:
+    """Why the adaptive width chose as it did at the job's most rows: its cost table (the engine actor's at the end of
+    the run, at the rows' mean key length) against the tokens a step commits at each width, from the draft's
+    acceptance at full K; then what a step at K cost against a plain one in the probe, a check of that table."""
+    tables = [a["width_costs"] for a in s["run"]["actors"] if a.get("width_costs")]
+    widths = s.get("verify_width_histogram")
+    if not tables or not widths or not sum(widths):
+        return None
+    rows = tables[0]["by_rows"][-1]
+    costs = dict(zip(tables[0]["widths"], rows["seconds"]))
+    drafting = sorted(w for w in costs if w)
+    if 0 not in costs or not drafting:
+        return None
+    plain, per_position = costs[0], probe["per_position_acceptance"]
+    tokens = {w: 1 + sum(per_position[:w]) for w in costs}  # committed tokens a row in a step at width W
+    rate = {w: tokens[w] * plain / costs[w] for w in costs}  # ... per second, over a plain step's
+    best = best_width(rate)
+    lo, hi = drafting[0], drafting[-1]
+    need = {w: costs[w] / plain * (1 + DRAFTING_MARGIN) for w in (lo, hi)}
+    top = max(drafting, key=rate.get)
+    verdict = (f"W={best} pays best ({rate[best]:.2f}x a plain step's tokens per second)" if best else
+               f"no width pays enough (best W={top}: {rate[top]:.2f}x a plain step's tokens per second), so W=0")
+    line = (f"  why these widths: at {rows['rows']} rows the width policy's cost table puts a plain step at "
+            f"{plain * 1e3:.1f} ms and one verifying W drafts at {costs[lo] * 1e3:.1f} ms (W={lo}) to "
+            f"{costs[hi] * 1e3:.1f} ms (W={hi}): drafting pays only where a step commits over {need[lo]:.2f} to "
+            f"{need[hi]:.2f} tokens a row (with the policy's {DRAFTING_MARGIN:.0%} margin), and this draft commits "
+            f"{tokens[lo]:.2f} to {tokens[hi]:.2f}: {verdict}; the job ran W={best} in "
+            f"{widths[best] / sum(widths):.0%} of its row-steps")
+    speedup = s["run"].get("baseline", {}).get("speedup")
+    if widths[0] >= 0.99 * sum(widths) and speedup:  # no drafting: the job did target-only's work
+        line += (f" (target-only's work, so its {speedup:.2f}x against the target-only run is mostly how much two runs "
+                 "differ on this machine)")
+    measured = next((c["speedup"] for c in probe["speedups"] if c["rows"] == rows["rows"]), None)
+    if measured and hi == probe["num_spec_tokens"]:  # a probe step at K costs tau / speed-up plain steps
+        actual, table = probe["mean_acceptance_length"] / measured, costs[hi] / plain
+        line += f". Measured in the probe a step at W={hi} cost {actual:.1f}x a plain one, the table says {table:.1f}x"
+        if abs(actual - table) > 0.2 * actual:
+            line += f": the policy took drafting for {'cheaper' if table < actual else 'dearer'} than it is"
+    return line
