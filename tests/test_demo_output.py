@@ -12,10 +12,10 @@ import pytest
 from domino_ray.batch.pair_probe import measure_pair
 from domino_ray.batch.summary import baseline_lines, throughput_ratio, width_line
 from domino_ray.config import DEMO_ASSETS
-from domino_ray.model.target import encode_prompt, load_target, load_tokenizer
-from domino_ray.spec.checkpoint import load_draft
+from domino_ray.model.target import encode_prompt
 from domino_ray.spec.sampling_params import SamplingParams
 from domino_ray.spec.width_policy import DRAFTING_MARGIN
+from tiny_models import load_demo_pair
 
 CELL = re.compile(r"(\d+) rows? ([\d.]+)x \((speculation pays|it does not pay)\)")
 
@@ -92,10 +92,7 @@ def test_probe_lines_say_where_speculation_pays_and_where_it_does_not():
 
 @pytest.fixture(scope="module")
 def demo_pair():
-    target = load_target(str(DEMO_ASSETS / "target"), dtype="auto", device="cpu")
-    tokenizer = load_tokenizer(str(DEMO_ASSETS / "target"))
-    draft = load_draft(DEMO_ASSETS / "draft", target_config=target.config, dtype=target.dtype)
-    return target, tokenizer, draft
+    return load_demo_pair()
 
 
 def test_measure_pair_runs_the_draft_at_k_beside_target_only(demo_pair):

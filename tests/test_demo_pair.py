@@ -11,22 +11,19 @@ import torch
 from domino_ray.config import DEMO_ASSETS, load_config
 from domino_ray.engine.request import Request
 from domino_ray.engine.spec_engine import SpecEngine
-from domino_ray.model.target import decode, encode_prompt, load_target, load_tokenizer, stop_token_ids
-from domino_ray.spec.checkpoint import load_draft
+from domino_ray.model.target import decode, encode_prompt, stop_token_ids
 from domino_ray.spec.proposer import DominoProposer
 from domino_ray.spec.sampling_params import SamplingParams
 from domino_ray.spec.stats import total_stats
 from oracles import corrected_logits_full_prefix
+from tiny_models import load_demo_pair
 
 MAX_ASSET_BYTES = 30 * 2**20
 
 
 @pytest.fixture(scope="module")
 def pair():
-    target = load_target(str(DEMO_ASSETS / "target"), dtype="auto", device="cpu")
-    tokenizer = load_tokenizer(str(DEMO_ASSETS / "target"))
-    draft = load_draft(DEMO_ASSETS / "draft", target_config=target.config, dtype=target.dtype)
-    return target, tokenizer, draft
+    return load_demo_pair()
 
 
 @pytest.fixture(scope="module")

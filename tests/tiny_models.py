@@ -255,3 +255,14 @@ def successor_draft(target, vectors, predecessor, *, block_size: int, shift_labe
     state["embed_proj.2.weight"][:v - 1, g:] = -10 * vectors[predecessor]
     draft.load_state_dict(state)
     return draft.to(next(target.parameters()).dtype).eval()
+
+
+def load_demo_pair():
+    """The shipped demo pair (domino_ray/assets/demo) through the real loaders: (target, tokenizer, draft)."""
+    from domino_ray.config import DEMO_ASSETS
+    from domino_ray.model.target import load_target, load_tokenizer
+    from domino_ray.spec.checkpoint import load_draft
+
+    target = load_target(str(DEMO_ASSETS / "target"), dtype="auto", device="cpu")
+    tokenizer = load_tokenizer(str(DEMO_ASSETS / "target"))
+    return target, tokenizer, load_draft(DEMO_ASSETS / "draft", target_config=target.config, dtype=target.dtype)
