@@ -17,6 +17,7 @@ from __future__ import annotations
 import time
 from typing import Sequence
 
+from domino_ray.batch.summary import ratio
 from domino_ray.engine.request import Request
 from domino_ray.llm import build_engine, engine_settings, load_draft_for
 from domino_ray.model.target import load_target, load_tokenizer
@@ -66,17 +67,13 @@ def measure_pair(target, draft, tokenizer, prompts: Sequence[tuple[list[int], Sa
         "per_position_acceptance": per_position_acceptance(stats.acceptance_histogram),
         "identical": same,
         "speedups": [{"rows": n, "prompts": sum(len(g) for g in groups),
-                      "speedup": _ratio(seconds["target_only", n], seconds["domino", n])}
+                      "speedup": ratio(seconds["target_only", n], seconds["domino", n])}
                      for n, groups in workloads.items()],
     }
 
 
 def _run(engine, prompts):
     return engine.generate([Request(i, list(ids), params) for i, (ids, params) in enumerate(prompts)])
-
-
-def _ratio(baseline_s: float, spec_s: float) -> float:
-    return baseline_s / spec_s if spec_s > 0 else 0.0
 
 
 def cost_tables(costs, key_length: float) -> dict:

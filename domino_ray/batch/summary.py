@@ -116,15 +116,16 @@ def throughput_ratio(spec_actors: list[dict], base_actors: list[dict]) -> dict:
     """Speculative over target-only tokens per busy second of the two runs' engine actors (`speedup`), and how much
     CPU each run's actors got per busy second (`cpu_s_per_busy_s`, where they report it): the runs come one after
     the other, so a machine whose other load changed in between moves the ratio, and this shows it."""
-    out = {"speedup": _ratio(busy_throughput(spec_actors), busy_throughput(base_actors))}
+    out = {"speedup": ratio(busy_throughput(spec_actors), busy_throughput(base_actors))}
     sides = {"speculative": spec_actors, "target_only": base_actors}
     if all(side and all("cpu_s" in a for a in side) for side in sides.values()):
-        out["cpu_s_per_busy_s"] = {name: _ratio(sum(a["cpu_s"] for a in side), sum(a["busy_s"] for a in side))
+        out["cpu_s_per_busy_s"] = {name: ratio(sum(a["cpu_s"] for a in side), sum(a["busy_s"] for a in side))
                                    for name, side in sides.items()}
     return out
 
 
-def _ratio(a: float, b: float) -> float:
+def ratio(a: float, b: float) -> float:
+    """a / b, 0.0 where b is 0 (a run that measured nothing)."""
     return a / b if b else 0.0
 
 
