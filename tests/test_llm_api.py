@@ -10,7 +10,7 @@ from domino_ray.llm import DominoLLM, load_engine
 from domino_ray.model.target import decode, encode_prompt, load_target, load_tokenizer, stop_token_ids
 from domino_ray.spec.checkpoint import save_draft
 from domino_ray.spec.sampling_params import SamplingParams
-from speculation import check_speculated, speculate_in_process
+from speculation import FixedCosts, check_speculated, speculate_in_process
 from tiny_models import hf_greedy, save_agreeing_pair, save_tiny_pair, tiny_draft, tiny_target
 
 
@@ -64,8 +64,11 @@ def test_generate_text_tokens_and_stats(agreeing, num_draft_tokens):
     """Plain, chat and token-id prompts, greedy and sampled (with a seed), through a draft the target mostly
     accepts: tokens and text equal the target alone's. At a fixed K each row ran the very steps it runs
     alone in the engine, one of which stopped inside an accepted run (`speculation.py`)."""
+    # The adaptive width on a fixed cost table (drafting cheap): its choices follow the acceptance, not the load.
+    costs = {"width_costs": FixedCosts({r: {w: 1.0 + 0.1 * w for w in range(5)} for r in (1, 5)})} \
+        if num_draft_tokens == "auto" else {}
     spec = DominoLLM.from_pretrained(agreeing[0], draft=agreeing[1], chat_template=False, max_batch_size=5,
-                                     num_draft_tokens=num_draft_tokens)
+                                     num_draft_tokens=num_draft_tokens, **costs)
     base = DominoLLM.from_pretrained(agreeing[0], chat_template=False, max_batch_size=3)
     words = make_prompts(16, seed=3)
     prompts = words[:10] + [[{"role": "user", "content": w}] for w in words[10:13]] + [[5, 6, 7, 8], [40, 41], [60]]

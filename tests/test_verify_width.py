@@ -18,6 +18,7 @@ from domino_ray.spec.width_costs import candidate_widths, smooth_costs, StepCost
 from domino_ray.spec.width_policy import (CONTEXT_FLOOR, DRAFTING_MARGIN, HOLD_STEPS, TRIAL_TRIES, AcceptanceEstimates,
                                           best_width, choose_width, expected_tokens, WidthController, width_rates)
 from oracles import OracleProposer
+from speculation import FixedCosts
 from tiny_models import hf_greedy, ragged_prompts, tiny_draft, tiny_target
 
 K = 4
@@ -372,14 +373,6 @@ def test_start_up_costs_time_rows_that_fill_the_keys_timed(target):
     assert {t for t, _ in seen} == {engine._key_bucket(engine.span), engine.capacity}
     assert all(lens == [t - engine.span] * len(lens) for t, lens in seen), seen
     assert engine.runner.lens.tolist() == [0, 0]
-
-
-class FixedCosts(StepCosts):
-    """A cost table real steps leave as it is: the widths a test expects then follow from the policy and the
-    acceptance alone, not from how busy this machine was while the engine timed its steps."""
-
-    def observe(self, r, w, t, seconds):
-        pass
 
 
 def full_acceptance_run(target, width_costs):
