@@ -55,6 +55,14 @@ class GenerationConfig:
                                       # from (seed, id) (independent of batching), the engine's generator this
     stop_token_ids: list[int] = field(default_factory=list)  # besides the model's EOS ids
     ignore_eos: bool = False
+    stop: list[str] = field(default_factory=list)  # stop strings: the text ends before the first (vLLM's rule)
+    include_stop_str_in_output: bool = False
+    n: int = 1                        # output rows per input row (sample_index 0..n-1)
+    logprobs: Any = None              # null, or N in [0, 20]: each generated token's logprob and the top N
+    presence_penalty: float = 0.0     # [-2, 2], OpenAI's definition, over generated tokens
+    frequency_penalty: float = 0.0    # [-2, 2], OpenAI's definition, over generated tokens
+    repetition_penalty: float = 1.0   # (0, 2], HF/vLLM's definition, over prompt and generated tokens
+    min_tokens: int = 0               # EOS and stop ids suppressed until this many tokens
     max_batch_size: Any = 16          # engine slots: rows decoded together (continuous batching); "auto" = as
                                       # many as runtime.gpu_memory_utilization of the free memory holds
     max_prefill_tokens: int = 8192    # prompt tokens per prefill forward
@@ -214,6 +222,8 @@ def validate(cfg: JobConfig):
     seed_ok = SAMPLING_CHECKS["seed"][0](g.seed) and g.seed is not None  # the job's seed cannot be null
     rules += [
         ("generation.seed", g.seed, seed_ok, "an int in [0, 2**63)"),
+        ("generation.min_tokens", g.min_tokens, not is_int(g.min_tokens) or g.min_tokens <= g.max_new_tokens,
+         "an int <= generation.max_new_tokens"),
         ("model.dtype", cfg.model.dtype, cfg.model.dtype in ("auto", "float32", "bfloat16", "float16", "float64"),
          "auto, float32, bfloat16, float16 or float64"),
         ("model.max_model_len", cfg.model.max_model_len,
@@ -291,4 +301,8 @@ def generation_defaults(g: GenerationConfig) -> SamplingParams:
     `generation` section. No seed: a sampled batch row derives its own from `generation.seed` and its
     id (schema.row_params), a request brings one or takes the engine's generator."""
     return SamplingParams(max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p,
-                          top_k=g.top_k, stop_token_ids=tuple(g.stop_token_ids), ignore_eos=g.ignore_eos)
+                          top_k=g.top_k, stop_token_ids=tuple(g.stop_token_ids), ignore_eos=g.ignore_eos,
+                          stop=tuple(g.stop), include_stop_str_in_output=g.include_stop_str_in_output, n=g.n,
+                          logprobs=g.logprobs, presence_penalty=g.presence_penalty,
+                          frequency_penalty=g.frequency_penalty, repetition_penalty=g.repetition_penalty,
+                          min_tokens=g.min_tokens)

@@ -12,7 +12,8 @@ from domino_ray.engine.loop import EngineLoop
 from domino_ray.engine.spec_engine import SpecEngine
 from domino_ray.model.target import decode, encode_prompt
 from domino_ray.serve.openai_api import APIError, ModelSpec, chunk_body, parse_request, response_body
-from domino_ray.serve.text_stream import TextStream, generate
+from domino_ray.model.text_stream import TextStream
+from domino_ray.serve.text_stream import generate
 from domino_ray.spec.sampling_params import SamplingParams
 from tiny_models import tiny_target, tiny_tokenizer
 

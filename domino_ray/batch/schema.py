@@ -12,7 +12,6 @@ the engine refused); the detokenize stage `generated_text`.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass, fields, replace
 
@@ -20,7 +19,7 @@ import pyarrow as pa
 
 from domino_ray.config import InputConfig
 from domino_ray.model.target import check_messages
-from domino_ray.spec.sampling_params import SamplingParams
+from domino_ray.spec.sampling_params import SamplingParams, derive_seed
 
 GENERATED_FIELDS = [
     pa.field("prompt", pa.string()),
@@ -153,8 +152,7 @@ def row_params(overrides, base: SamplingParams, base_seed: int | None, row_id) -
     if "stop_token_ids" in overrides and isinstance(overrides["stop_token_ids"], list):
         overrides["stop_token_ids"] = tuple(overrides["stop_token_ids"])
     if overrides.get("seed") is None and base_seed is not None and row_id is not None:
-        digest = hashlib.sha256(f"{base_seed}:{row_id}".encode()).digest()
-        overrides["seed"] = int.from_bytes(digest[:8], "little") >> 1
+        overrides["seed"] = derive_seed(base_seed, row_id)
     try:
         return replace(base, **overrides)
     except (TypeError, ValueError) as exc:

@@ -4,17 +4,30 @@ the engine's host-side state of a request while it runs (`Row`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Hashable
+from typing import Hashable, Protocol
 
 from domino_ray.spec.sampling_params import SamplingParams
 from domino_ray.spec.stats import RowStats
+
+
+class StopMatcher(Protocol):
+    """Stop strings as the engine sees them (text is the edge's: `model/text_stream.StopStrings`)."""
+
+    def push(self, new_ids: list[int]) -> int | None:
+        """A step's committed ids -> None, or the count of generated ids to keep once a stop string completed."""
+
+
+# One generated token's log-probabilities: (its id, its logprob), then the `logprobs` most likely (id, logprob)
+# by descending logprob; the log-softmax of the target's raw logits at its position.
+TokenLogprobs = list[tuple[int, float]]
 
 
 @dataclass
 class Request:
     request_id: Hashable
     prompt_token_ids: list[int]
-    params: SamplingParams = field(default_factory=SamplingParams)
+    params: SamplingParams = field(default_factory=SamplingParams)  # n == 1 here: the edges expand n
+    stop_strings: StopMatcher | None = None  # for params.stop; the row ends on the step its string completes
 
 
 @dataclass
@@ -26,6 +39,7 @@ class Completion:
     stats: RowStats
     time_to_first_token_s: float     # from add_request to the first token on the host
     time_taken_s: float              # from add_request to the last token
+    logprobs: list[TokenLogprobs] | None = None  # one per token of token_ids when params.logprobs is set
 
 
 @dataclass
@@ -33,6 +47,7 @@ class StepEvent:
     request_id: Hashable
     new_token_ids: list[int]         # tokens committed for this request in this step (for streaming)
     completion: Completion | None    # set when the request finished in this step
+    new_logprobs: list[TokenLogprobs] | None = None  # for new_token_ids, when params.logprobs is set
 
 
 def check_prompt(ids, vocab_size: int, max_model_len: int):

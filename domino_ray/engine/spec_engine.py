@@ -173,6 +173,9 @@ class SpecEngine:
         if request.request_id in self._running_ids:
             raise ValueError(f"request_id {request.request_id!r} is already running")
         params.validate()
+        if params.n != 1:
+            raise ValueError(f"n={params.n}: the engine runs one sample per request; expand n at the edge "
+                             "(SamplingParams.for_sample)")
         seed = 0
         if not params.greedy:
             seed = params.seed if params.seed is not None else int(torch.randint(2**62, (1,), generator=self.rng))

@@ -12,6 +12,7 @@ from typing import AsyncIterator
 
 from domino_ray.engine.loop import EngineDead, EngineLoop, QueueFull
 from domino_ray.engine.request import Completion, Request
+from domino_ray.model.text_stream import TextStream
 from domino_ray.serve.openai_api import APIError, ParsedRequest
 from domino_ray.spec.stats import RowStats
 
@@ -23,73 +24,6 @@ class Piece:
     completion: Completion | None  # set on the last piece; cut after a stop string (tokens and stats)
     num_tokens: int            # completion tokens so far, as usage counts them (the returned text's tokens)
     stats: RowStats            # the request's statistics for those tokens
-
-
-class TextStream:
-    """Incremental detokenization with stop strings.
-
-    The concatenated output equals `tokenizer.decode(all_ids, skip_special_tokens=True)` cut before the
-    first stop string. Each push decodes only a short window (vLLM's prefix/read offsets), so the cost
-    per step does not grow with the output. Text that could be the start of a stop string is held back
-    until it cannot be.
-    """
-
-    def __init__(self, tokenizer, stop: tuple[str, ...] = ()):
-        self.tokenizer, self.stop = tokenizer, stop
-        self.ids: list[int] = []
-        self.prefix_offset = self.read_offset = 0  # ids[prefix:read] decoded last time; ids[read:] are new
-        self.text = ""
-        self.sent = 0              # chars of `text` already returned
-        self.stopped = False       # a stop string matched; `text` ends before it
-        self.num_kept_ids = 0      # once stopped: the ids up to the one that completed the stop string
-
-    def push(self, token_ids: list[int], final: bool = False) -> str:
-        """Add tokens; return the text that can now be released (all of it when `final`)."""
-        if self.stopped:
-            return ""
-        decoded_before = self.prefix_offset  # ids before this one are already part of `text`
-        self.ids.extend(token_ids)
-        new = self._decode_new(final)
-        if new:
-            start = max(0, len(self.text) - max(map(len, self.stop), default=0) + 1)
-            self.text += new
-            hits = [(i, s) for i, s in ((self.text.find(s, start), s) for s in self.stop) if i >= 0]
-            if hits:
-                at, stop = min(hits)
-                self.num_kept_ids = self._ids_through(self.text[:at + len(stop)], decoded_before)
-                self.text, self.stopped = self.text[:at], True
-                return self._release(len(self.text))
-        return self._release(len(self.text) - (0 if final else self._held()))
-
-    def finish(self) -> str:
-        """No more tokens: release what was held back (a trailing partial character included)."""
-        return self.push([], final=True)
-
-    def _decode_new(self, final: bool) -> str:
-        decode = self.tokenizer.decode
-        before = decode(self.ids[self.prefix_offset:self.read_offset], skip_special_tokens=True)
-        after = decode(self.ids[self.prefix_offset:], skip_special_tokens=True)
-        if len(after) <= len(before) or (after.endswith("\ufffd") and not final):  # maybe a partial UTF-8 char
-            return ""
-        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-        return after[len(before):]
-
-    def _ids_through(self, text: str, lo: int) -> int:
-        """The fewest ids whose decode starts with `text` (at least `lo + 1`): the stop string's last token."""
-        for n in range(lo + 1, len(self.ids) + 1):
-            if self.tokenizer.decode(self.ids[:n], skip_special_tokens=True).startswith(text):
-                return n
-        return len(self.ids)
-
-    def _held(self) -> int:
-        """Length of the longest end of `text` that is a proper prefix of a stop string."""
-        return max((h for s in self.stop for h in range(min(len(s) - 1, len(self.text)), 0, -1)
-                    if self.text.endswith(s[:h])), default=0)
-
-    def _release(self, upto: int) -> str:
-        upto = max(upto, self.sent)
-        out, self.sent = self.text[self.sent:upto], upto
-        return out
 
 
 async def generate(loop: EngineLoop, request_id: str, parsed: ParsedRequest, tokenizer) -> AsyncIterator[Piece]:

@@ -12,10 +12,13 @@ text is mostly noise: no use worth a second limit.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import hashlib
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 MAX_TEMPERATURE = 2.0
+MAX_LOGPROBS = 20        # vLLM's default `max_logprobs`: top alternatives per generated token
+MAX_STOP_STRINGS = 16
 
 
 def is_int(x) -> bool:
@@ -38,6 +41,15 @@ SAMPLING_CHECKS: dict[str, tuple[Any, str]] = {
     "stop_token_ids": (lambda v: isinstance(v, (list, tuple)) and all(is_int(t) and t >= 0 for t in v),
                        "a list of ints >= 0"),
     "ignore_eos": (lambda v: isinstance(v, bool), "true or false"),
+    "stop": (lambda v: isinstance(v, (list, tuple)) and len(v) <= MAX_STOP_STRINGS
+             and all(isinstance(s, str) and s for s in v), f"a list of at most {MAX_STOP_STRINGS} non-empty strings"),
+    "include_stop_str_in_output": (lambda v: isinstance(v, bool), "true or false"),
+    "n": (lambda v: is_int(v) and v >= 1, "an int >= 1"),
+    "logprobs": (lambda v: v is None or (is_int(v) and 0 <= v <= MAX_LOGPROBS), f"null or an int in [0, {MAX_LOGPROBS}]"),
+    "presence_penalty": (lambda v: _is_number(v) and -2.0 <= v <= 2.0, "a number in [-2, 2]"),
+    "frequency_penalty": (lambda v: _is_number(v) and -2.0 <= v <= 2.0, "a number in [-2, 2]"),
+    "repetition_penalty": (lambda v: _is_number(v) and 0.0 < v <= 2.0, "a number in (0, 2]"),
+    "min_tokens": (lambda v: is_int(v) and v >= 0, "an int >= 0"),
 }
 
 
@@ -55,9 +67,18 @@ class SamplingParams:
     seed: int | None = None                  # per-request seed (sampled decoding only)
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)  # besides the model's EOS ids
     ignore_eos: bool = False                 # do not stop at the model's EOS ids
+    stop: tuple[str, ...] = field(default_factory=tuple)  # stop strings: the text ends before the first one
+    include_stop_str_in_output: bool = False  # keep the matched stop string at the end of the text
+    n: int = 1                               # samples of the prompt (expanded at the edges: `for_sample`)
+    logprobs: int | None = None              # per generated token: its logprob and the N most likely
+    presence_penalty: float = 0.0            # OpenAI: minus this for every token already generated
+    frequency_penalty: float = 0.0           # OpenAI: minus this times the token's count in the generated tokens
+    repetition_penalty: float = 1.0          # HF/vLLM: logit / p (> 0) or * p (< 0) for prompt and generated tokens
+    min_tokens: int = 0                      # EOS and stop ids suppressed until this many tokens are generated
 
     def __post_init__(self):
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
         self.validate()
 
     def validate(self):
@@ -66,11 +87,35 @@ class SamplingParams:
             value = getattr(self, name)
             if not ok(value):
                 raise ValueError("sampling parameter " + invalid_value(name, value, expected))
+        if self.min_tokens > self.max_new_tokens:
+            raise ValueError("sampling parameter " + invalid_value(
+                "min_tokens", self.min_tokens, f"an int <= max_new_tokens ({self.max_new_tokens})"))
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def penalized(self) -> bool:
+        """Whether the verify step must adjust this row's logits (penalties, min_tokens): host-known."""
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+                or self.min_tokens > 0)
+
+    def for_sample(self, index: int) -> "SamplingParams":
+        """The parameters of sample `index` of `n` (n = 1): sample 0 keeps the seed, so it equals the n = 1
+        request; sample i > 0 gets a seed derived from (seed, i), so a rerun gives the same n samples.
+        Without a seed every sample draws its own."""
+        if not 0 <= index < self.n:
+            raise ValueError(f"sample index {index} is outside n={self.n}")
+        seed = self.seed if self.seed is None or index == 0 else derive_seed(self.seed, index)
+        return replace(self, n=1, seed=seed)
+
     def stop_ids(self, eos_token_ids) -> frozenset[int]:
         """The ids that end this request: its own stop ids plus the model's EOS ids unless `ignore_eos`."""
         return frozenset(self.stop_token_ids) | (frozenset() if self.ignore_eos else frozenset(eos_token_ids))
+
+
+def derive_seed(seed: int, index) -> int:
+    """A seed in [0, 2**63) from (seed, index), independent of everything else (a row's id, a sample's index)."""
+    digest = hashlib.sha256(f"{seed}:{index}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
