@@ -85,6 +85,11 @@ class Row:
         cut = next((i + 1 for i, t in enumerate(new_tokens) if t in self.stop_ids), None)
         if cut is not None:
             new_tokens, self.finish_reason = new_tokens[:cut], "stop"
+        matcher = self.request.stop_strings
+        if matcher is not None:  # a stop string may complete inside the step's tokens: later ones are dropped
+            keep = matcher.push(new_tokens[:-1] if cut is not None else new_tokens)  # a stop token is no text
+            if keep is not None:
+                new_tokens, self.finish_reason = new_tokens[:max(keep - len(self.tokens), 1)], "stop"
         if drafted is not None:
             self.stats.observe_step(drafted, len(new_tokens) - 1, width)
         self.tokens.extend(new_tokens)
