@@ -449,17 +449,39 @@ def test_sampled_text_is_the_target_only_sample_for_the_same_seed(target, top_p)
 def test_step_costs_grow_with_the_context_and_learn_from_real_steps():
     from domino_ray.spec.width_costs import StepCosts
 
-    costs = StepCosts.from_two_lengths({1: {0: 1.0, 4: 2.0}}, {1: {0: 2.0, 4: 6.0}}, 100, 500)
+    def fresh():
+        return StepCosts.from_two_lengths({1: {0: 1.0, 4: 2.0}}, {1: {0: 2.0, 4: 6.0}}, 100, 500)
+
+    costs = fresh()
     assert costs.at(1, 100) == {0: 1.0, 4: 2.0} and costs.at(1, 300) == {0: 1.5, 4: 4.0}
     for _ in range(1000):
-        costs.observe(1, 4, 300, 5.0)  # the W = 4 step is dearer than measured at every length
-    assert costs.at(1, 300)[4] == pytest.approx(5.0) and costs.at(1, 500)[4] == pytest.approx(7.0)
-    assert costs.at(1, 300)[0] == 1.5  # an unused width keeps its figure
-    costs.observe(1, 0, 300, 100.0)  # a stall moves it a little
+        costs.observe(1, 4, 300, 5.0)  # the W = 4 step is dearer than measured
+    assert costs.at(1, 300)[4] == pytest.approx(5.0)
+    assert costs.at(1, 300)[4] / costs.at(1, 300)[0] > 4.0 / 1.5  # ... and dearer against a plain step
+    assert costs.at(1, 500)[4] > costs.at(1, 300)[4]  # still growing with the context
+
+    costs = fresh()
+    costs.observe(1, 0, 300, 100.0)  # a stall moves the figures a little
     assert 1.5 < costs.at(1, 300)[0] < 4.0
     for _ in range(20):
-        costs.observe(1, 0, 300, 1.0)  # faster steps bring it down quickly
+        costs.observe(1, 0, 300, 1.0)  # faster steps bring them down quickly
     assert costs.at(1, 300)[0] == pytest.approx(1.0, abs=0.01)
+
+
+def test_a_machine_that_changes_pace_keeps_the_widths_ratios():
+    """Only W = 0 runs (drafting does not pay at many rows), and the machine slows down or speeds up (other work on
+    the cores): the drafting widths follow the plain step's pace, so the choice between them is still what the
+    widths cost, not the drift (a W = 0 figure tracking the machine alone made drafting look cheaper or dearer)."""
+    from domino_ray.spec.width_costs import StepCosts
+
+    for pace in (1.5, 0.7):
+        costs = StepCosts.from_two_lengths({1: {0: 1.0, 4: 2.0}}, {1: {0: 2.0, 4: 6.0}}, 100, 500)
+        for _ in range(1000):
+            costs.observe(1, 0, 300, 1.5 * pace)
+        now = costs.at(1, 300)
+        assert now[0] == pytest.approx(1.5 * pace, rel=1e-3)
+        assert now[4] / now[0] == pytest.approx(4.0 / 1.5, rel=1e-6)
+        assert costs.at(1, 100)[4] / costs.at(1, 100)[0] == pytest.approx(2.0, rel=1e-6)
 
 
 def test_row_counts_between_the_timed_buckets_start_on_the_line_between_them():

@@ -24,7 +24,6 @@ from domino_ray.model.target import load_target, load_tokenizer
 from domino_ray.spec.draft import resolve_num_spec_tokens
 from domino_ray.spec.sampling_params import SamplingParams
 from domino_ray.spec.stats import per_position_acceptance, total_stats
-from domino_ray.spec.width_costs import smooth_costs
 
 ONE_ROW_PROMPTS = 4  # prompts timed one at a time: a few seconds of target-only decoding on the demo pair
 PASSES = 2           # interleaved passes per side (the first side alternates)
@@ -81,10 +80,7 @@ def cost_tables(costs, key_length: float) -> dict:
     `{"widths": [W...], "by_rows": [{"rows": r, "seconds": [...]}]}` (JSON-ready). Read from another thread than the
     engine's: only the figures of the measured row buckets (fixed keys) are read, nothing is cached."""
     buckets = sorted({costs.measured[0], costs.measured[-1]})
-    tables = []
-    for r in buckets:
-        base, per_key = dict(costs.base[r]), dict(costs.per_key[r])
-        tables.append((r, smooth_costs({w: base[w] + per_key[w] * key_length for w in base})))
+    tables = [(r, costs.table(r, key_length)) for r in buckets]
     widths = sorted(tables[0][1])
     return {"key_length": key_length, "widths": widths,
             "by_rows": [{"rows": r, "seconds": [table[w] for w in widths]} for r, table in tables]}

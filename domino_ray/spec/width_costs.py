@@ -40,24 +40,30 @@ def smooth_costs(costs: Mapping[int, float]) -> dict[int, float]:
 
 
 class StepCosts:
-    """Seconds per step by rows and width, linear in the attended key length t: `base + per_key * t`.
+    """Seconds per step by rows and width: the start-up line `base + per_key * t` in the attended key length t,
+    times the machine's pace now (`pace`, per row count).
 
-    Real steps refine `base` for the (rows, width) they ran at; `per_key` (and so how costs grow with the
-    context) comes from the start-up measurement. Without the t term, a width in use would look dearer
-    and dearer as contexts grow while the others kept their start-up figures.
+    The start-up figures are timed with the widths interleaved, so their ratios are what the device gives; the
+    machine's pace then drifts (other work on the cores, clocks). Every real step moves its row count's pace, one
+    factor for all widths (a busy core slows a plain step as it slows a drafting one), and a drafting step also moves
+    its own width's figure against a plain step's (W = 0 the reference). Were only the widths in use to learn, the one
+    run all the time (W = 0 at many rows) would follow the machine while the others kept start-up figures, and the
+    choice would follow the drift, not the widths' costs. `per_key` (how costs grow with the context) stays the
+    start-up measurement's.
     """
 
     def __init__(self, base: dict[int, dict[int, float]], per_key: dict[int, dict[int, float]] | None = None):
         self.base = {r: dict(c) for r, c in base.items()}
         self.per_key = per_key or {r: {w: 0.0 for w in c} for r, c in base.items()}
+        self.pace = {r: 1.0 for r in base}
         self.measured = sorted(self.base)  # the row buckets timed; eager steps also run the counts between
-        self._line_at: tuple | None = None  # (r, t) of `_line`, `at`'s drafting widths
+        self._line_at: tuple | None = None  # (r, t) of `_line`, `at`'s drafting widths before the pace
         self._line: dict[int, float] = {}
 
     def _ensure_rows(self, r: int):
         """Costs for a row count between the measured buckets (an eager step runs exactly its active rows), made
-        at its first use: on the line between the neighbouring buckets' start figures, the nearest bucket's
-        outside them; refined by its own steps from then on."""
+        at its first use: on the line between the neighbouring buckets' figures, the nearest bucket's outside
+        them; refined by its own steps from then on."""
         if r in self.base:
             return
         lo = max((x for x in self.measured if x < r), default=self.measured[0])
@@ -65,6 +71,9 @@ class StepCosts:
         f = (r - lo) / (hi - lo) if hi != lo else 0.0
         for table in (self.base, self.per_key):
             table[r] = {w: (1 - f) * table[lo][w] + f * table[hi][w] for w in table[lo] if w in table[hi]}
+        self.base[r] = {w: b * ((1 - f) * self.pace[lo] + f * self.pace[hi]) for w, b in self.base[r].items()}
+        self.per_key[r] = {w: k * ((1 - f) * self.pace[lo] + f * self.pace[hi]) for w, k in self.per_key[r].items()}
+        self.pace[r] = 1.0
 
     @classmethod
     def from_two_lengths(cls, short: dict, long: dict, t_short: int, t_long: int) -> "StepCosts":
@@ -75,27 +84,39 @@ class StepCosts:
 
     def at(self, r: int, t: int) -> dict[int, float]:
         """`smooth_costs` of the figures at `t` keys: the drafting widths' line is kept until `t`, the bucket or a
-        drafting width's figure changes (W = 0's changes every step; the line is most of the work)."""
+        drafting width's figure changes (the pace changes every step; the line is most of the work)."""
         self._ensure_rows(r)
-        base, per_key = self.base[r], self.per_key[r]
+        base, per_key, pace = self.base[r], self.per_key[r], self.pace[r]
         if self._line_at != (r, t):
             self._line_at = (r, t)
             self._line = smooth_costs({w: b + per_key[w] * t for w, b in base.items() if w})
         if 0 not in base:
-            return dict(self._line)
+            return {w: pace * c for w, c in self._line.items()}
         plain = base[0] + per_key[0] * t
-        return {0: plain, **{w: max(c, plain) for w, c in self._line.items()}}
+        return {0: pace * plain, **{w: pace * max(c, plain) for w, c in self._line.items()}}
+
+    def table(self, r: int, t: float) -> dict[int, float]:
+        """`at` for a measured row bucket without touching the cache (safe to read from another thread)."""
+        base, per_key, pace = dict(self.base[r]), dict(self.per_key[r]), self.pace[r]
+        return smooth_costs({w: pace * (b + per_key[w] * t) for w, b in base.items()})
 
     def observe(self, r: int, w: int, t: int, seconds: float):
-        """Fold in a real step. Start-up figures are the fastest of a few runs, so this tracks the lower
-        envelope too: faster steps pull the figure down quickly, slower ones (a stall, a busy core) raise it
-        slowly; otherwise a width in use would look dearer than the unused ones just for being observed."""
+        """Fold in a real step. Start-up figures are the fastest of a few runs, so this tracks the lower envelope:
+        faster steps pull a figure down quickly, slower ones (a stall, a busy core) raise it slowly."""
         self._ensure_rows(r)
-        base = seconds - self.per_key[r][w] * t
-        rate = 0.3 if base < self.base[r][w] else 0.02
-        self.base[r][w] += rate * (base - self.base[r][w])
-        if w:
+        base, per_key = self.base[r], self.per_key[r]
+        self.pace[r] *= 1 + _envelope_rate(seconds, self.pace[r] * (base[w] + per_key[w] * t))
+        if w and 0 in base:  # a drafting step: its width's figure against a plain step's, at the pace now
+            seconds /= self.pace[r]
+            figure = base[w] + per_key[w] * t
+            base[w] += _envelope_rate(seconds, figure) * figure
             self._line_at = None
+
+
+def _envelope_rate(seconds: float, figure: float) -> float:
+    """The relative step `observe` moves a figure by towards a step's `seconds`: the lower envelope's rates."""
+    error = seconds / figure - 1
+    return (0.3 if error < 0 else 0.02) * error
 
 
 # With CUDA graphs, widths whose verify would exceed this many positions (rows x (W+1)) are left out of a row
