@@ -111,13 +111,15 @@ def host_reference(target, prompt, sp: SamplingParams, stops) -> list[int]:
 
 @pytest.mark.parametrize("penalties", [dict(frequency_penalty=0.8, ignore_eos=True),
                                        dict(presence_penalty=1.5, ignore_eos=True),
-                                       dict(presence_penalty=-0.6, frequency_penalty=0.5, repetition_penalty=1.2,
+                                       dict(frequency_penalty=-1.0, ignore_eos=True),
+                                       dict(presence_penalty=-1.5, frequency_penalty=0.5, repetition_penalty=1.2,
                                             min_tokens=20)])
 def test_presence_and_frequency_penalties_equal_the_openai_formula(pair, penalties):
     """Penalised rows beside plain ones in one batch: the penalised equal the host reference, the plain ones their
     own output (a row's penalties never leak). Without EOS the rows fall into a 15-token loop within 13 to 30
-    tokens, where the generated counts matter. Fails if the counts include the prompt, if presence weighs
-    counts, or if the counts miss committed tokens after a step."""
+    tokens, where the generated counts matter; negative penalties make a row repeat its own tokens (the first
+    one included), so counts pass 1. Fails if the counts include the prompt, if presence weighs counts, or if
+    the counts miss the prefill's first token or a step's committed tokens."""
     target, tokenizer, _ = pair
     stops = stop_token_ids(target, tokenizer)
     sp = SamplingParams(max_new_tokens=48, **penalties)
@@ -132,6 +134,34 @@ def test_presence_and_frequency_penalties_equal_the_openai_formula(pair, penalti
         out = run(pair, kind, PROMPTS, mixed)
         assert [c.token_ids for c in out] == expected, kind
         assert kind == "target" or accepted(out) > 0, kind
+
+
+def test_device_counts_follow_the_rows_through_steps_and_slot_moves(pair):
+    """After every step each active row's slot holds its generated tokens' counts and number, its prompt's tokens
+    and (min_tokens) its stop ids, while rows finish at different steps and the others move into their slots.
+    Fails if the prefill's first token is not counted, a step's committed tokens are missed, or a slot move
+    leaves the penalties' state behind."""
+    target, tokenizer, _ = pair
+    eng = engine(pair, "fixed", rows=3)
+    prompts = ragged_prompts(7, seed=5, max_len=20)
+    for i, p in enumerate(prompts):
+        eng.add_request(Request(i, p, SamplingParams(max_new_tokens=6 + 5 * i, frequency_penalty=0.1 * (i % 3),
+                                                     min_tokens=i % 4, temperature=0.5 * (i % 2), seed=i,
+                                                     ignore_eos=i % 3 != 0)))
+    state, moves, checked, done = eng.runner.sampling.penalties, [], 0, []
+    move = eng.runner.move_slots
+    eng.runner.move_slots = lambda *a: (moves.append(a), move(*a))[1]
+    while eng.has_unfinished():
+        done += [e.completion for e in eng.step() if e.completion is not None]
+        for slot, row in enumerate(eng.rows):
+            v = target.config.vocab_size
+            counts = torch.bincount(torch.tensor(row.tokens), minlength=v)
+            assert state.counts[slot].tolist() == counts.tolist() and int(state.generated[slot]) == len(row.tokens)
+            assert state.prompt[slot].nonzero()[:, 0].tolist() == sorted(set(row.request.prompt_token_ids))
+            stops = sorted(row.stop_ids) if row.request.params.min_tokens else []
+            assert state.stop[slot].nonzero()[:, 0].tolist() == stops
+            checked += 1
+    assert moves and checked >= 15 and accepted(done) > 0
 
 
 def test_sampled_rows_with_penalties_speculative_equal_target_only_per_seed(pair):
