@@ -254,7 +254,7 @@ def test_attention_benchmark_smoke():
 def test_sampling_params_benchmark_smoke(tmp_path):
     """bench_sampling_params at toy sizes: every mode at every batch size, logprobs' tokens plain's (the script
     also asserts penalised speculative == target-only), ratios against plain. Fails if the logprobs mode
-    changed the tokens: checked by removing the script's assert and giving the logprobs mode a penalty."""
+    changed the tokens: checked by removing the script's assert and sampling the logprobs mode (temperature 1)."""
     out = tmp_path / "sampling.json"
     stdout = run_script("bench_sampling_params.py", "--prompts", "2", "--max-new-tokens", "8", "--batch-sizes", "1,2",
                         "--repeats", "1", "--threads", "1", "--json", str(out))

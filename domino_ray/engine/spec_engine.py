@@ -20,7 +20,8 @@ does the draft's context. One step, for all active rows at once:
      a + 1 newly committed positions become the draft's new context (an eager adaptive engine's W = 0
      steps defer that: `context_ring.py`). Rejected positions stay in the buffers beyond `lens` and are
      overwritten next step: nothing is cropped.
-  4. one host sync: accepted counts and tokens; stop checks, statistics, finished rows leave.
+  4. one host sync: accepted counts and tokens (and logprobs when a row asks); stop checks (stop ids, stop
+     strings), statistics, finished rows leave.
 Target-only decoding is the same loop with K = 0 (no proposer): the baseline.
 
 Steps 1-3 are pure device work (`runner.py`) on fixed-address buffers with fixed shapes per *bucket*: the
@@ -288,13 +289,13 @@ class SpecEngine:
         started = time.perf_counter()
         self.ring.before_step(w, context, n, self.runner.lens)  # timed with the step that needs it
         timed = self._device_step(r, key_groups, w, mode, context)
-        packed, *logprobs = self.runner.read_packed(n, w, mode.logprobs)  # the step's one host sync
+        packed, lp_values, lp_ids = self.runner.read_packed(n, w, mode.logprobs)  # the step's one host sync
         now = time.perf_counter()
         if self.width is not None:  # a step that captured a graph says nothing about its width's cost
             self.width.learn(r, t, w, now - started if timed else None, [a for a, *_ in packed] if w else (), usable)
         for i, (row, (a, *row_tokens), u) in enumerate(zip(self.rows, packed, usable)):
             events.append(row.commit(row_tokens[:a + 1], now, drafted=min(w, u), width=w,
-                                     logprobs=(logprobs[0][i], logprobs[1][i]) if mode.logprobs is not None else None))
+                                     logprobs=(lp_values[i], lp_ids[i]) if lp_values is not None else None))
 
     def _key_groups(self, r: int, span: int) -> Groups:
         """The step's key groups for slots `0..r` (`key_groups.plan`), after moving the rows it says to move.
