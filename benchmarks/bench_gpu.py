@@ -50,6 +50,7 @@ from domino_ray.engine.spec_engine import SpecEngine  # noqa: E402
 from domino_ray.spec.checkpoint_layouts import parse_draft_config  # noqa: E402
 from domino_ray.spec.draft import DominoDraft  # noqa: E402
 from domino_ray.spec.proposer import DominoProposer  # noqa: E402
+from domino_ray.spec.sampling import GREEDY  # noqa: E402
 from domino_ray.spec.sampling_params import SamplingParams  # noqa: E402
 
 QWEN3_4B = dict(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
@@ -297,7 +298,7 @@ def main():
     r = engine.row_buckets[-1]
     groups = ((r, engine.capacity),)  # one key bucket, as graphed
     steps = time_steps(engine, [("draft_step_ms", lambda: engine.runner.draft(r, groups, k)),
-                                ("verify_step_ms", lambda: engine.runner.verify(r, groups, k, False, False))])
+                                ("verify_step_ms", lambda: engine.runner.verify(r, groups, k, GREEDY))])
     del engine, forced
     release_memory()
 

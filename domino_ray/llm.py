@@ -7,7 +7,9 @@
         print(out.text, out.stats["mean_acceptance_length"])
 
 Prompts may be strings (chat template applied unless `chat_template=False`), chats (lists of
-{role, content}) or token-id lists (used as they are).
+{role, content}) or token-id lists (used as they are). Every `SamplingParams` field works: stop strings
+(`stop`, `include_stop_str_in_output`; they need a tokenizer), `n` samples per prompt, `logprobs`, the
+penalties and `min_tokens`; the output stays the target's (speculative == target-only).
 """
 
 from __future__ import annotations
@@ -15,9 +17,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from domino_ray.engine.request import Request
+from domino_ray.engine.request import Request, TokenLogprobs
 from domino_ray.engine.spec_engine import SpecEngine
 from domino_ray.model.target import decode, encode_prompt, load_target, load_tokenizer, stop_token_ids
+from domino_ray.model.text_stream import StopStrings, cut_at_stop
 from domino_ray.spec.checkpoint import load_draft
 from domino_ray.spec.draft import resolve_num_spec_tokens
 from domino_ray.spec.proposer import DominoProposer
@@ -68,12 +71,14 @@ def load_engine(model, draft, generation, runtime=None):
 @dataclass
 class GenerationOutput:
     prompt_token_ids: list[int]
-    text: str | None              # None when no tokenizer was given
-    token_ids: list[int]
+    text: str | None              # None when no tokenizer was given; ends before a stop string (vLLM's rule)
+    token_ids: list[int]          # through the stop token, or the token that completed a stop string
     finish_reason: str            # "stop" | "length"
     stats: dict                   # RowStats.to_columns(): acceptance statistics
     time_to_first_token_s: float
     time_taken_s: float
+    sample_index: int = 0         # which of the prompt's `n` samples
+    logprobs: list[TokenLogprobs] | None = None  # per token of token_ids when params.logprobs is set
 
 
 class DominoLLM:
@@ -107,22 +112,35 @@ class DominoLLM:
 
     def generate(self, prompts: Sequence, params: SamplingParams | Sequence[SamplingParams] = SamplingParams()
                  ) -> list[GenerationOutput]:
+        """One output per prompt and sample: `n` outputs per prompt (sample i with `params.for_sample(i)`: its seed
+        derived from the prompt's), in prompt order, then sample order."""
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling parameters")
-        requests = [Request(i, self.encode(p), sp) for i, (p, sp) in enumerate(zip(prompts, params))]
-        limit = self.engine.max_model_len
-        for r in requests:  # as the server does: refuse what cannot fit rather than stop short of it
-            room = limit - len(r.prompt_token_ids)
-            if r.params.max_new_tokens > room:
-                raise ValueError(f"prompts[{r.request_id}] ({len(r.prompt_token_ids)} tokens) + max_new_tokens "
-                                 f"({r.params.max_new_tokens}) exceeds the model's limit of {limit} tokens: at most "
-                                 f"{max(room, 0)} new tokens fit after this prompt")
+        limit, requests = self.engine.max_model_len, []
+        for i, (prompt, sp) in enumerate(zip(prompts, params)):
+            ids = self.encode(prompt)
+            room = limit - len(ids)
+            if sp.max_new_tokens > room:  # as the server does: refuse what cannot fit rather than stop short of it
+                raise ValueError(f"prompts[{i}] ({len(ids)} tokens) + max_new_tokens ({sp.max_new_tokens}) exceeds "
+                                 f"the model's limit of {limit} tokens: at most {max(room, 0)} new tokens fit after "
+                                 "this prompt")
+            if sp.stop and self.tokenizer is None:
+                raise ValueError(f"stop={list(sp.stop)!r} needs a tokenizer to match text (this DominoLLM has none); "
+                                 "use stop_token_ids instead")
+            requests += [Request((i, j), ids, sp.for_sample(j), StopStrings(self.tokenizer, sp.stop) if sp.stop else None)
+                         for j in range(sp.n)]
         eos = self.engine.eos_token_ids
         return [GenerationOutput(
-            prompt_token_ids=c.prompt_token_ids,
-            text=decode(self.tokenizer, c.token_ids, sp.stop_ids(eos)) if self.tokenizer else None,
+            prompt_token_ids=c.prompt_token_ids, text=self._text(c.token_ids, r.params, eos),
             token_ids=c.token_ids, finish_reason=c.finish_reason, stats=c.stats.to_columns(),
             time_to_first_token_s=c.time_to_first_token_s, time_taken_s=c.time_taken_s,
-        ) for c, sp in zip(self.engine.generate(requests), params)]
+            sample_index=r.request_id[1], logprobs=c.logprobs,
+        ) for c, r in zip(self.engine.generate(requests), requests)]
+
+    def _text(self, token_ids: list[int], params: SamplingParams, eos) -> str | None:
+        if self.tokenizer is None:
+            return None
+        text = decode(self.tokenizer, token_ids, params.stop_ids(eos))
+        return cut_at_stop(text, params.stop, params.include_stop_str_in_output)[0] if params.stop else text

@@ -249,3 +249,21 @@ def test_attention_benchmark_smoke():
         times = [line.split(":") for line in out.splitlines() if line.startswith("  ")]
         assert [name.strip() for name, _ in times] == ["our kernel", "SDPA + mask"] * 4
         assert all(positive(float(t.split()[0])) for _, t in times)
+
+
+def test_sampling_params_benchmark_smoke(tmp_path):
+    """bench_sampling_params at toy sizes: every mode at every batch size, logprobs' tokens plain's (the script
+    also asserts penalised speculative == target-only), ratios against plain. Fails if the logprobs mode
+    changed the tokens: checked by removing the script's assert and sampling the logprobs mode (temperature 1)."""
+    out = tmp_path / "sampling.json"
+    stdout = run_script("bench_sampling_params.py", "--prompts", "2", "--max-new-tokens", "8", "--batch-sizes", "1,2",
+                        "--repeats", "1", "--threads", "1", "--json", str(out))
+    results = json.loads(out.read_text())["results"]
+    assert set(results) == {"batch 1", "batch 2"} and "vs plain" in stdout
+    for table in results.values():
+        assert set(table) == {"plain", "penalties", "logprobs 5"}
+        assert table["logprobs 5"]["tokens_sha256"] == table["plain"]["tokens_sha256"]
+        assert table["plain"]["vs_plain"] == 1.0
+        for row in table.values():
+            assert positive(row["tok_s"]) and positive(row["vs_plain"]) and row["tokens"] > 0
+            assert 1.0 <= row["mean_acceptance_length"]

@@ -1,5 +1,7 @@
 """The offline Python API and the target-side helpers, on a tiny pair saved to disk."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -165,3 +167,49 @@ def test_python_api_refuses_what_the_context_cannot_hold_as_the_server_does(pair
         llm.generate([prompt], SamplingParams(max_new_tokens=11, ignore_eos=True))
     (out,) = llm.generate([prompt], SamplingParams(max_new_tokens=10, ignore_eos=True))
     assert len(out.token_ids) == 10 and out.finish_reason == "length"
+
+
+def test_n_samples_come_prompt_major_each_as_its_own_request_would(agreeing):
+    """n = 3 sampled with penalties and logprobs: outputs in prompt order then sample order, sample i the very
+    output of a request with `for_sample(i)` (sample 0 the n = 1 request), the samples not all alike.
+    Fails if the samples share one seed or come out sample-major."""
+    llm = DominoLLM.from_pretrained(agreeing[0], draft=agreeing[1], chat_template=False, max_batch_size=4,
+                                    num_draft_tokens=4)
+    prompts = [[5, 6, 7, 8], "the quick brown fox"]
+    sp = SamplingParams(max_new_tokens=12, temperature=1.0, seed=7, n=3, logprobs=2, repetition_penalty=1.2,
+                        ignore_eos=True)
+    out = llm.generate(prompts, sp)
+    assert [o.sample_index for o in out] == [0, 1, 2] * 2
+    assert [o.prompt_token_ids for o in out] == [prompts[0]] * 3 + [llm.encode(prompts[1])] * 3
+    for prompt, group in zip(prompts, (out[:3], out[3:])):
+        assert len({tuple(o.token_ids) for o in group}) > 1
+        for i, o in enumerate(group):
+            (alone,) = llm.generate([prompt], sp.for_sample(i))
+            assert alone.sample_index == 0 and alone.token_ids == o.token_ids
+            assert len(o.logprobs) == len(o.token_ids) and all(len(e) == 3 for e in o.logprobs)
+            # float64 logprobs of differently shaped batches: equal up to rounding
+            assert all(abs(a[0][1] - b[0][1]) < 1e-9 for a, b in zip(alone.logprobs, o.logprobs))
+    assert llm.generate([prompts[0]], replace(sp, n=1))[0].token_ids == out[0].token_ids
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_strings_cut_the_text_and_the_tokens(agreeing, include):
+    """A stop string from the middle of a greedy text: the text ends before it (or through it with
+    include_stop_str_in_output), the tokens are the plain run's through the one that completed it."""
+    llm = DominoLLM.from_pretrained(agreeing[0], draft=agreeing[1], chat_template=False, num_draft_tokens=4)
+    prompt = "the quick brown fox"
+    plain = llm.generate([prompt], SamplingParams(max_new_tokens=24, ignore_eos=True))[0]
+    text = plain.text  # three characters a third in, first seen there
+    at = next(a for a in range(len(text) // 3, len(text)) if text.find(text[a:a + 3]) == a and text[a:a + 3].strip())
+    stop = text[at:at + 3]
+    (out,) = llm.generate([prompt], SamplingParams(max_new_tokens=24, ignore_eos=True, stop=[stop],
+                                                   include_stop_str_in_output=include))
+    assert out.finish_reason == "stop" and out.text == plain.text[:at + (len(stop) if include else 0)]
+    assert out.token_ids == plain.token_ids[:len(out.token_ids)] and len(out.token_ids) < len(plain.token_ids)
+    assert stop in decode(llm.tokenizer, out.token_ids) and stop not in decode(llm.tokenizer, out.token_ids[:-1])
+
+
+def test_stop_strings_without_a_tokenizer_are_refused_naming_stop(bare_target):
+    llm = DominoLLM.from_pretrained(bare_target[0])
+    with pytest.raises(ValueError, match=r"stop=\['x'\] needs a tokenizer"):
+        llm.generate([PROMPT], SamplingParams(max_new_tokens=4, stop=["x"]))

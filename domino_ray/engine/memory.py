@@ -13,6 +13,8 @@ from typing import Callable
 
 import torch
 
+from domino_ray.spec.sampling_params import MAX_LOGPROBS
+
 log = logging.getLogger(__name__)
 
 # Slot counts `auto` may choose: vLLM resolves max_num_seqs to 1024 on an H100, and row buckets are powers of two.
@@ -36,8 +38,10 @@ def memory_plan(target_config, draft_config, *, max_rows: int, num_spec_tokens: 
     draft_kv = 2 * draft.num_hidden_layers * r * draft.num_key_value_heads * t * draft.head_dim * elt if draft else 0
     # The largest decode bucket's intermediates. Logits, and when sampling fp32 probabilities + a float64
     # CDF (12 bytes); with top-k/top-p also the sort (fp32 values + int64 indices) and two fp32 masked
-    # copies (20 bytes). The widest activations, one layer's attention scores and the additive key mask.
-    logits = p * cfg.vocab_size * (elt + 12 + 20)
+    # copies (20 bytes); with penalties the adjusted fp32 logits, the block's counts, one fp32 temporary and
+    # three masks (15 bytes, `penalties.RowPenalties.apply`); with logprobs their fp32 log-softmax (4 bytes).
+    # The widest activations, one layer's attention scores and the additive key mask.
+    logits = p * cfg.vocab_size * (elt + 12 + 20 + 15 + 4)
     step = logits + p * 4 * cfg.intermediate_size * elt + p * cfg.num_attention_heads * t * 4 + p * groups * t * elt
     if draft:  # the draft block's base logits (fp32 for the correction loop) and its attention scores
         vocab = draft.draft_vocab_size or draft.vocab_size
@@ -51,7 +55,10 @@ def memory_plan(target_config, draft_config, *, max_rows: int, num_spec_tokens: 
                                          + 2 * draft.num_hidden_layers * draft.num_key_value_heads * draft.head_dim) * elt
     plan = {"target_kv": 2 * cfg.num_hidden_layers * r * cfg.num_key_value_heads * t * head_dim * elt,
             "draft_kv": draft_kv, "decode_step": step, "prefill_peak": prefill,
-            "target_rope": 2 * t * head_dim * elt}  # rotary cos/sin of every position (`target_forward.rotary_table`)
+            "target_rope": 2 * t * head_dim * elt,  # rotary cos/sin of every position (`target_forward.rotary_table`)
+            # per slot: the penalties' counts and masks over the vocabulary, and a step's logprobs (fp32 values,
+            # int64 ids: `runner.StepRunner`), both at fixed addresses
+            "sampling_state": r * (6 * cfg.vocab_size + (num_spec_tokens + 1) * (1 + MAX_LOGPROBS) * 12)}
     if draft:  # the draft's rotary cos/sin of every position (`DominoProposer.allocate`)
         plan["draft_rope"] = 2 * t * draft.head_dim * elt
     if draft and deferred_positions:

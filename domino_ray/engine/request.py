@@ -73,15 +73,22 @@ class Row:
     tokens: list[int] = field(default_factory=list)
     first_token_time: float = 0.0
     finish_reason: str | None = None
+    logprobs: list[TokenLogprobs] | None = None  # per token of `tokens`, when params.logprobs is set
+
+    def __post_init__(self):
+        if self.request.params.logprobs is not None and self.logprobs is None:
+            self.logprobs = []
 
     @property
     def committed(self) -> int:
         return len(self.request.prompt_token_ids) + len(self.tokens)
 
     def commit(self, new_tokens: list[int], now: float, drafted: int | None = None,
-               width: int | None = None) -> StepEvent:
+               width: int | None = None, logprobs: tuple[list, list] | None = None) -> StepEvent:
         """Append a step's tokens (cut after a stop token; `drafted`/`width` for a decode step, not the
-        prefill's first token): the step's event, with the completion when the row finished."""
+        prefill's first token): the step's event, with the completion when the row finished. `logprobs`: the
+        step's (values `[q][1 + N]`, ids `[q][N]`) per position, N the step's largest; the row keeps its own N
+        for the tokens it keeps."""
         cut = next((i + 1 for i, t in enumerate(new_tokens) if t in self.stop_ids), None)
         if cut is not None:
             new_tokens, self.finish_reason = new_tokens[:cut], "stop"
@@ -93,13 +100,19 @@ class Row:
         if drafted is not None:
             self.stats.observe_step(drafted, len(new_tokens) - 1, width)
         self.tokens.extend(new_tokens)
+        new_logprobs = None
+        if self.logprobs is not None:
+            top = self.request.params.logprobs
+            new_logprobs = [[(t, v[0]), *zip(i[:top], v[1:top + 1])] for t, v, i in zip(new_tokens, *logprobs)]
+            self.logprobs.extend(new_logprobs)
         if self.finish_reason is None and len(self.tokens) >= self.max_new:
             self.finish_reason = "length"
         return StepEvent(self.request.request_id, new_tokens,
-                         self.completion(now) if self.finish_reason is not None else None)
+                         self.completion(now) if self.finish_reason is not None else None, new_logprobs)
 
     def completion(self, now: float) -> Completion:
         return Completion(request_id=self.request.request_id, prompt_token_ids=self.request.prompt_token_ids,
                           token_ids=list(self.tokens), finish_reason=self.finish_reason, stats=self.stats,
                           time_to_first_token_s=(self.first_token_time or now) - self.arrival,
-                          time_taken_s=now - self.arrival)
+                          time_taken_s=now - self.arrival,
+                          logprobs=list(self.logprobs) if self.logprobs is not None else None)

@@ -16,7 +16,8 @@ from domino_ray.engine.context_ring import ContextRing
 from domino_ray.model.key_groups import Groups
 from domino_ray.model.kv_cache import KVBuffers, group_visibility
 from domino_ray.model.target_forward import RowAttention, rotary_table, run_decoder
-from domino_ray.spec.sampling import RowSampling
+from domino_ray.spec.sampling import RowSampling, StepMode, token_logprobs
+from domino_ray.spec.sampling_params import MAX_LOGPROBS
 
 
 class StepRunner:
@@ -41,36 +42,50 @@ class StepRunner:
         self.lens = torch.zeros(r, dtype=torch.long, device=dev)       # [R] committed positions in the KV
         self.anchor = torch.zeros(r, dtype=torch.long, device=dev)     # [R] last committed token
         self.remaining = torch.zeros(r, dtype=torch.long, device=dev)  # [R] tokens the row may still emit; 0 = free
-        self.sampling = RowSampling(r, dev)
+        self.sampling = RowSampling(r, cfg.vocab_size, dev, weight.dtype)
         self.drafts = torch.zeros(r, k, dtype=torch.long, device=dev)  # [R, K] the draft step's output
         self.packed = torch.zeros(r, k + 2, dtype=torch.long, device=dev)  # [R, 1 + K+1] accepted, tokens
-        self.packed_host = torch.zeros(r, k + 2, dtype=torch.long, pin_memory=dev.type == "cuda")
+        pinned = dev.type == "cuda"
+        self.packed_host = torch.zeros(r, k + 2, dtype=torch.long, pin_memory=pinned)
+        # Each verified position's logprobs when a row asks: the token's then the top N's, and the top N's ids.
+        lp_dtype, lp_shape = self.sampling.penalties.dtype, (r, k + 1, 1 + MAX_LOGPROBS)
+        self.logprobs = torch.zeros(lp_shape, dtype=lp_dtype, device=dev)                    # [R, K+1, 1+N]
+        self.logprob_ids = torch.zeros(r, k + 1, MAX_LOGPROBS, dtype=torch.long, device=dev)  # [R, K+1, N]
+        self.logprobs_host = torch.zeros(lp_shape, dtype=lp_dtype, pin_memory=pinned)
+        self.logprob_ids_host = torch.zeros(r, k + 1, MAX_LOGPROBS, dtype=torch.long, pin_memory=pinned)
         self.verify_offsets = torch.arange(k + 1, device=dev)        # [K+1]
         self.key_positions = torch.arange(capacity, device=dev)       # [T]
         self.cos_sin = rotary_table(self.decoder, capacity, weight.dtype)  # ([T, D], [T, D]) or None
 
     def prefill(self, ids: torch.Tensor, sizes: list[int], rows: slice, ints: torch.Tensor, params: list, seeds: list,
-                sampling_mode: tuple[bool, bool]) -> tuple[torch.Tensor, torch.Tensor | None]:
+                stop_ids: list, mode: StepMode) -> tuple[torch.Tensor, torch.Tensor | None, tuple | None]:
         """One target forward over prompts `ids [1, N]` laid back to back (`sizes` tokens each, no padding) into slots
-        `rows`, with their sampling `params` and `seeds`; `ints [k, 3]`: each prompt's length, tokens it may emit after
-        the first, last token's index in `ids`. Returns the first tokens `[k]` and the prompts' taps `[1, N, F]` (None
-        without tap layers)."""
+        `rows`, with their sampling `params`, `seeds` and `stop_ids` (for min_tokens); `ints [k, 3]`: each prompt's
+        length, tokens it may emit after the first, last token's index in `ids`. Returns the first tokens `[k]`, the
+        prompts' taps `[1, N, F]` (None without tap layers) and, when `mode.logprobs` is set, the first tokens'
+        logprobs (`token_logprobs`' pair at one position)."""
         lengths, last_token = ints[:, 0], ints[:, 2]
+        ids = ids.to(self.device)
         self.sampling.load(rows, params, seeds)
+        self.sampling.penalties.load(rows, params, stop_ids, ids[0], sizes, mode.penalized)
         positions = torch.cat([self.key_positions[:m] for m in sizes])[None]  # [1, N]: every prompt starts at 0
-        hidden, taps = run_decoder(self.decoder, self.layers, ids.to(self.device), positions,
+        hidden, taps = run_decoder(self.decoder, self.layers, ids, positions,
                                    RowAttention(self.kv, write_index=positions, prefill_rows=rows,
                                                 prefill_lengths=tuple(sizes)), self.tap_layers, cos_sin=self.cos_sin)
         last = hidden[0, last_token]  # [k, C]
         # The first token is an acceptance step with zero drafts at the prompt's last position.
         no_drafts = torch.zeros(len(sizes), 0, dtype=torch.long, device=self.device)
-        _, first = self.sampling.accept(rows, self.lm_head(last)[:, None], no_drafts, torch.zeros_like(lengths),
-                                        (lengths - 1)[:, None], *sampling_mode)
+        logits = self.lm_head(last)[:, None]  # [k, 1, V]
+        zero = torch.zeros_like(lengths)
+        _, first = self.sampling.accept(rows, logits, no_drafts, zero, (lengths - 1)[:, None], mode)
+        if mode.penalized:  # the first token is a generated one
+            self.sampling.penalties.commit(rows, first, zero, torch.ones_like(lengths, dtype=torch.bool))
+        logprobs = token_logprobs(logits, first, mode.logprobs) if mode.logprobs is not None else None
         first = first[:, 0]  # [k]
         self.lens[rows] = lengths
         self.anchor[rows] = first
         self.remaining[rows] = ints[:, 1]
-        return first, taps
+        return first, taps, logprobs
 
     # ---- the fixed-shape step (device work only: no host syncs, no shape that varies within a bucket) ----
 
@@ -79,10 +94,11 @@ class StepRunner:
         self.drafts[:r, :w] = self.proposer.propose(r, self.anchor[:r], self.lens[:r], key_groups, w, committed,
                                                     request_ids)
 
-    def verify(self, r: int, key_groups: Groups, w: int, sampled: bool, filtered: bool, context: bool | None = True):
-        """Verify `[anchor, drafts[:w]]` for slots `0..r` over `key_groups`, accept, advance the rows and
-        write `self.packed[:r, :w+2]` = (accepted, tokens); `context`: also feed the draft's context (None: nor keep
-        the taps for later, `ContextRing.keeps`)."""
+    def verify(self, r: int, key_groups: Groups, w: int, mode: StepMode, context: bool | None = True):
+        """Verify `[anchor, drafts[:w]]` for slots `0..r` over `key_groups`, accept (as `mode` asks), advance the rows
+        and write `self.packed[:r, :w+2]` = (accepted, tokens), with `mode.logprobs` also `self.logprobs` and
+        `self.logprob_ids`; `context`: also feed the draft's context (None: nor keep the taps for later,
+        `ContextRing.keeps`)."""
         lens, remaining = self.lens[:r], self.remaining[:r]
         verify_ids = torch.cat([self.anchor[:r, None], self.drafts[:r, :w]], 1)  # [r, W+1]
         positions = lens[:, None] + self.verify_offsets[:w + 1]                  # [r, W+1]
@@ -95,12 +111,16 @@ class StepRunner:
                                    cos_sin=self.cos_sin)
         logits = self.lm_head(hidden)  # [r, W+1, V]
         limit = remaining - 1          # drafts that fit the row's budget beside the bonus
-        accepted, tokens = self.sampling.accept(slice(0, r), logits, verify_ids[:, 1:], limit, positions, sampled,
-                                                filtered)
+        accepted, tokens = self.sampling.accept(slice(0, r), logits, verify_ids[:, 1:], limit, positions, mode)
+        if mode.logprobs is not None:
+            values, ids = token_logprobs(logits, tokens, mode.logprobs)
+            self.logprobs[:r, :w + 1, :mode.logprobs + 1], self.logprob_ids[:r, :w + 1, :mode.logprobs] = values, ids
         if defer:
             self.ring.hold(taps)
         elif taps is not None:
             self.proposer.append_context(slice(0, r), taps, lens)
+        if mode.penalized:
+            self.sampling.penalties.commit(slice(0, r), tokens, accepted, remaining > 0)
         advance = torch.where(remaining > 0, accepted + 1, 0)  # padding slots (remaining 0) stay put
         self.packed[:r, 0] = accepted
         self.packed[:r, 1:w + 2] = tokens
@@ -108,14 +128,19 @@ class StepRunner:
         lens += advance
         remaining -= advance
 
-    def read_packed(self, n: int, w: int) -> list[list[int]]:
-        """Rows `0..n` of (accepted, W+1 tokens), read to the host."""
-        if self.device.type != "cuda":
-            return self.packed[:n, :w + 2].tolist()
-        host = self.packed_host[:n, :w + 2]
-        host.copy_(self.packed[:n, :w + 2], non_blocking=True)
-        torch.cuda.current_stream(self.device).synchronize()
-        return host.tolist()
+    def read_packed(self, n: int, w: int, logprobs: int | None = None) -> tuple[list, list | None, list | None]:
+        """Rows `0..n` of (accepted, W+1 tokens), read to the host, and with `logprobs` (the step's N) their
+        positions' logprobs and top ids (`[n, W+1, 1+N]`, `[n, W+1, N]`) at the same sync."""
+        views = [(self.packed[:n, :w + 2], self.packed_host[:n, :w + 2])]
+        if logprobs is not None:
+            views += [(self.logprobs[:n, :w + 1, :logprobs + 1], self.logprobs_host[:n, :w + 1, :logprobs + 1]),
+                      (self.logprob_ids[:n, :w + 1, :logprobs], self.logprob_ids_host[:n, :w + 1, :logprobs])]
+        if self.device.type == "cuda":
+            for device, host in views:
+                host.copy_(device, non_blocking=True)
+            torch.cuda.current_stream(self.device).synchronize()
+        out = [(host if self.device.type == "cuda" else device).tolist() for device, host in views]
+        return out[0], *(out[1:] if logprobs is not None else (None, None))
 
     # ---- slots ------------------------------------------------------------------------------------
 

@@ -20,7 +20,8 @@ does the draft's context. One step, for all active rows at once:
      a + 1 newly committed positions become the draft's new context (an eager adaptive engine's W = 0
      steps defer that: `context_ring.py`). Rejected positions stay in the buffers beyond `lens` and are
      overwritten next step: nothing is cropped.
-  4. one host sync: accepted counts and tokens; stop checks, statistics, finished rows leave.
+  4. one host sync: accepted counts and tokens (and logprobs when a row asks); stop checks (stop ids, stop
+     strings), statistics, finished rows leave.
 Target-only decoding is the same loop with K = 0 (no proposer): the baseline.
 
 Steps 1-3 are pure device work (`runner.py`) on fixed-address buffers with fixed shapes per *bucket*: the
@@ -56,7 +57,7 @@ from domino_ray.model.fused_layers import fuse_layers
 from domino_ray.model.key_groups import GROUP_COST, Groups, KeyReads, plan as plan_key_groups
 from domino_ray.model.packed_linear import pack_linears
 from domino_ray.model.target_forward import install
-from domino_ray.spec.sampling import sampling_mode
+from domino_ray.spec.sampling import GREEDY, StepMode, sampling_mode
 from domino_ray.spec.stats import RowStats
 from domino_ray.spec.width_costs import StepCosts, measure_step_costs, step_widths
 from domino_ray.spec.width_policy import WidthController
@@ -246,32 +247,35 @@ class SpecEngine:
             return
         self.ring.before_admission(len(self.rows), self.runner.lens)
         lo = len(self.rows)
-        first_tokens = self._prefill(batch, slice(lo, lo + len(batch))).tolist()  # host sync: the first tokens
+        first, logprobs = self._prefill(batch, slice(lo, lo + len(batch)))
+        first_tokens = first.tolist()  # host sync: the first tokens
+        logprobs = [x.tolist() for x in logprobs] if logprobs is not None else None
         now = time.perf_counter()
-        for row, token in zip(batch, first_tokens):
+        for i, (row, token) in enumerate(zip(batch, first_tokens)):
             row.first_token_time = now
             self.rows.append(row)
-            events.append(row.commit([token], now))
+            events.append(row.commit([token], now, logprobs=(logprobs[0][i], logprobs[1][i]) if logprobs else None))
 
-    def _prefill(self, batch: list[Row], rows: slice) -> torch.Tensor:
+    def _prefill(self, batch: list[Row], rows: slice) -> tuple[torch.Tensor, tuple | None]:
         """One target forward over the prompts back to back (no padding: every token is a prompt's) into slots
-        `rows`; returns first tokens `[k]`."""
+        `rows`; returns first tokens `[k]` and, when a row asks, their logprobs (`runner.prefill`)."""
         sizes = [len(r.request.prompt_token_ids) for r in batch]
         ids = torch.tensor([t for r in batch for t in r.request.prompt_token_ids])[None]   # [1, N]
         ints = torch.tensor([[m, r.max_new - 1, end - 1] for m, r, end in zip(sizes, batch, accumulate(sizes))])
         if self.width is not None:
             for slot in range(rows.start, rows.stop):
                 self.width.reset_slot(slot)
-        first, taps = self.runner.prefill(ids, sizes, rows, ints.to(self.device), [r.request.params for r in batch],
-                                          [r.seed for r in batch], sampling_mode(r.request.params for r in batch))
+        first, taps, logprobs = self.runner.prefill(
+            ids, sizes, rows, ints.to(self.device), [r.request.params for r in batch], [r.seed for r in batch],
+            [r.stop_ids for r in batch], sampling_mode(r.request.params for r in batch))
         if taps is not None:
             self.ring.add_prompts(rows, taps, sizes)
-        return first
+        return first, logprobs
 
     def _decode(self, events: list[StepEvent]):
         n = len(self.rows)
         r = next(b for b in self.row_buckets if b >= n) if self.pad_rows else n
-        sampled, filtered = sampling_mode(row.request.params for row in self.rows)
+        mode = sampling_mode(row.request.params for row in self.rows)
         w, context, t = self.num_spec_tokens, True, 0
         held = self.width.held(r, n) if self.width is not None else None  # W = 0 standing: (its look's t, context)
         if held is not None:
@@ -284,13 +288,14 @@ class SpecEngine:
         usable = self._usable() if w else [0] * n  # in the slots' order after any move (the width was chosen before)
         started = time.perf_counter()
         self.ring.before_step(w, context, n, self.runner.lens)  # timed with the step that needs it
-        timed = self._device_step(r, key_groups, w, sampled, filtered, context)
-        packed = self.runner.read_packed(n, w)  # the step's one host sync
+        timed = self._device_step(r, key_groups, w, mode, context)
+        packed, lp_values, lp_ids = self.runner.read_packed(n, w, mode.logprobs)  # the step's one host sync
         now = time.perf_counter()
         if self.width is not None:  # a step that captured a graph says nothing about its width's cost
             self.width.learn(r, t, w, now - started if timed else None, [a for a, *_ in packed] if w else (), usable)
-        for row, (a, *row_tokens), u in zip(self.rows, packed, usable):
-            events.append(row.commit(row_tokens[:a + 1], now, drafted=min(w, u), width=w))
+        for i, (row, (a, *row_tokens), u) in enumerate(zip(self.rows, packed, usable)):
+            events.append(row.commit(row_tokens[:a + 1], now, drafted=min(w, u), width=w,
+                                     logprobs=(lp_values[i], lp_ids[i]) if lp_values is not None else None))
 
     def _key_groups(self, r: int, span: int) -> Groups:
         """The step's key groups for slots `0..r` (`key_groups.plan`), after moving the rows it says to move.
@@ -316,14 +321,14 @@ class SpecEngine:
         """The shortest key bucket holding `length` positions."""
         return self.key_buckets[bisect_left(self.key_buckets, min(length, self.capacity))]
 
-    def _device_step(self, r: int, key_groups: Groups, w: int, sampled: bool, filtered: bool,
-                     context: bool | None) -> bool:
-        """Draft `w` tokens (none when 0), then verify and accept them, for slots `0..r` over `key_groups`: one
-        CUDA graph with graphs. False when that graph was captured now (the step's time is not a step's cost)."""
+    def _device_step(self, r: int, key_groups: Groups, w: int, mode: StepMode, context: bool | None) -> bool:
+        """Draft `w` tokens (none when 0), then verify and accept them as `mode` asks, for slots `0..r` over
+        `key_groups`: one CUDA graph with graphs. False when that graph was captured now (the step's time is not a
+        step's cost)."""
         def step():
             if w and not self.host_drafts:
                 self.runner.draft(r, key_groups, w)
-            self.runner.verify(r, key_groups, w, sampled, filtered, context)
+            self.runner.verify(r, key_groups, w, mode, context)
 
         if w and self.host_drafts:  # test proposers: drafts from the rows' ids, so the whole step runs eagerly
             self.runner.draft(r, key_groups, w, [row.committed for row in self.rows],
@@ -331,7 +336,7 @@ class SpecEngine:
         if self.graphs is None or self.host_drafts:
             step()
             return True
-        return self.graphs.run(("step", r, key_groups, w, sampled, filtered, context), step)
+        return self.graphs.run(("step", r, key_groups, w, mode, context), step)
 
     @torch.inference_mode()
     def measure_costs(self, widths: dict[int, list[int]], repeats: int = 3) -> StepCosts:
@@ -340,7 +345,7 @@ class SpecEngine:
         since attention reads only the keys a row holds (the CPU kernel's key limits), then set back to 0."""
         def run_step(r: int, t: int, w: int):
             self.runner.lens[:r] = t - self.span  # a step writes `span` positions past a row's length
-            self._device_step(r, ((r, t),), w, False, False, True)
+            self._device_step(r, ((r, t),), w, GREEDY, True)
             self.runner.read_packed(0, w)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)

@@ -4,18 +4,18 @@ A decode step (`SpecEngine._device_step`: the draft block + correction loop for 
 verify forward over W+1 positions and the acceptance) reads and writes only the engine's preallocated
 buffers, with shapes fixed by its key, and makes no host sync, so its kernels are recorded once, as one
 graph, and replayed. The key:
-  ("step", r, groups, W, sampled, filtered, context)
+  ("step", r, groups, W, mode, context)
 with r the row bucket (`row_buckets`), groups the key groups (`model/key_groups.py`; with graphs always the one
 range `((r, t),)`, t a key bucket from `key_buckets`: several ranges would make the keys combinatorial), W
-the verify width (`width_costs.step_widths`), `sampled`/`filtered` the rows' sampling mode
-(`sampling.sampling_mode`) and `context` whether the step feeds the draft's context (off only while the
+the verify width (`width_costs.step_widths`), `mode` what the rows ask beyond greedy decoding (sampling, top-k/p,
+penalties, logprobs: `sampling.StepMode`) and `context` whether the step feeds the draft's context (off only while the
 adaptive width has written the draft off).
 
 Bounded up front: with graphs the key buckets double (512, 1024, 2048, ... then the capacity: a row reads
 under 2x what it holds, against 1x plus a chunk eagerly) and wide verifies are left out where the rows make
 them compute-bound (`width_costs.MAX_VERIFY_POSITIONS`), so the greedy keys (`greedy_step_keys`) are a
 couple of hundred for the production config and the engine captures all of them at start (count and time
-logged): no greedy step stalls on a capture. Any other key (sampling modes, a written-off
+logged): no greedy step stalls on a capture. Any other key (sampling, penalties, logprobs, a written-off
 draft) is captured at its first use: that step runs eagerly (it is also the capture's warm-up: lazy
 kernels, cuBLAS workspaces) and its time is kept out of the width policy's costs. The capture itself only
 records (kernels do not run while capturing), so it changes no state. All graphs share one memory pool,
@@ -31,6 +31,7 @@ from typing import Callable, Hashable, Mapping, Sequence
 
 import torch
 
+from domino_ray.spec.sampling import GREEDY
 from domino_ray.spec.width_costs import step_widths
 
 log = logging.getLogger(__name__)
@@ -80,7 +81,7 @@ def key_buckets(capacity: int, kv_chunk: int, graphs: bool) -> list[int]:
 def greedy_step_keys(rows: Sequence[int], keys: Sequence[int], widths: Mapping[int, Sequence[int]]) -> list[tuple]:
     """The step keys greedy decoding can meet: every row bucket x key bucket x that bucket's widths (with the
     draft's context fed: the written-off state is rare and captured when met)."""
-    return [("step", r, ((r, t),), w, False, False, True) for r in rows for t in keys for w in widths[r]]
+    return [("step", r, ((r, t),), w, GREEDY, True) for r in rows for t in keys for w in widths[r]]
 
 
 @torch.inference_mode()

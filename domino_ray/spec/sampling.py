@@ -1,13 +1,14 @@
 """Sampling on the device (torch): the target distribution that sampling parameters define, the per-slot
-sampling settings and the one acceptance call every step makes. The parameters themselves and their checks
-are in sampling_params.py (torch-free)."""
+sampling settings, the one acceptance call every step makes and the generated tokens' logprobs. The parameters
+themselves and their checks are in sampling_params.py (torch-free); penalties and min_tokens in penalties.py."""
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from typing import Iterable, NamedTuple, Sequence
 
 import torch
 
+from domino_ray.spec.penalties import RowPenalties, compute_dtype
 from domino_ray.spec.rng import counter_uniforms
 from domino_ray.spec.sampling_params import SamplingParams
 from domino_ray.spec.verify import greedy_accept, rejection_accept
@@ -36,27 +37,50 @@ def sampling_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
     return scaled.softmax(-1)
 
 
-def sampling_mode(params: Iterable[SamplingParams]) -> tuple[bool, bool]:
-    """(sampled, filtered) for a set of rows, known on the host: whether any row samples, and whether any
-    sampled row filters (top-k/top-p, which needs a sort over the vocabulary). Part of a step's graph key."""
+class StepMode(NamedTuple):
+    """What a step's rows ask beyond greedy decoding, known on the host; part of a step's graph key, so each
+    costs only the steps that hold such a row."""
+    sampled: bool = False          # some row samples
+    filtered: bool = False         # some sampled row filters (top-k/top-p: a sort over the vocabulary)
+    penalized: bool = False        # some row has penalties or min_tokens (`SamplingParams.penalized`)
+    logprobs: int | None = None    # the most top alternatives a row asks (None: no row asks for logprobs)
+
+
+GREEDY = StepMode()
+
+
+def sampling_mode(params: Iterable[SamplingParams]) -> StepMode:
+    """The `StepMode` of a set of rows."""
     params = list(params)
     sampled = any(not p.greedy for p in params)
-    return sampled, sampled and any(p.top_k > 0 or p.top_p < 1.0 for p in params)
+    return StepMode(sampled, sampled and any(p.top_k > 0 or p.top_p < 1.0 for p in params),
+                    any(p.penalized for p in params),
+                    max((p.logprobs for p in params if p.logprobs is not None), default=None))
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The log-softmax of raw logits `[n, q, V]` (vLLM's default: before penalties and temperature) at the chosen
+    `tokens [n, q]` -> (values `[n, q, 1 + top]`: the token's logprob then the `top` largest, ids `[n, q, top]`)."""
+    logprobs = logits.to(compute_dtype(logits.dtype)).log_softmax(-1)  # [n, q, V]
+    best = logprobs.topk(top, -1)
+    return torch.cat([logprobs.gather(-1, tokens[..., None]), best.values], -1), best.indices
 
 
 class RowSampling:
     """Per-slot sampling settings on the device and the one acceptance call every step uses.
 
-    Slots hold temperature, top-p, top-k and seed `[R]`; `accept` turns the target's logits at the verified
-    positions into (accepted, tokens), greedy rows by argmax, sampled rows by the coupled rejection sampling
-    of `verify.rejection_accept`. A prefill's first token is the same call with zero drafts.
+    Slots hold temperature, top-p, top-k and seed `[R]` and the penalties' state (`penalties.RowPenalties`);
+    `accept` turns the target's logits at the verified positions into (accepted, tokens), after the penalties
+    when the step has penalised rows, greedy rows by argmax, sampled rows by the coupled rejection sampling of
+    `verify.rejection_accept`. A prefill's first token is the same call with zero drafts.
     """
 
-    def __init__(self, max_rows: int, device):
+    def __init__(self, max_rows: int, vocab_size: int, device, dtype: torch.dtype):
         self.temperature = torch.zeros(max_rows, device=device)                 # [R]
         self.top_p = torch.ones(max_rows, device=device)                        # [R]
         self.top_k = torch.zeros(max_rows, dtype=torch.long, device=device)     # [R]
         self.seeds = torch.zeros(max_rows, dtype=torch.long, device=device)     # [R] sampled rows' seeds
+        self.penalties = RowPenalties(max_rows, vocab_size, device, compute_dtype(dtype))
         self.device = device
 
     def load(self, rows: slice, params: Sequence[SamplingParams], seeds: Sequence[int]):
@@ -69,15 +93,18 @@ class RowSampling:
     def move(self, src: int | torch.Tensor, dst: int | torch.Tensor):
         for t in (self.temperature, self.top_p, self.top_k, self.seeds):
             t[dst] = t[src]
+        self.penalties.move(src, dst)
 
     def accept(self, rows: slice, logits: torch.Tensor, drafts: torch.Tensor, limit: torch.Tensor,
-               positions: torch.Tensor, sampled: bool, filtered: bool) -> tuple[torch.Tensor, torch.Tensor]:
+               positions: torch.Tensor, mode: StepMode) -> tuple[torch.Tensor, torch.Tensor]:
         """logits `[n, W+1, V]` at `positions [n, W+1]` after drafts `[n, W]`, limit `[n]` for slots `rows` ->
-        (accepted `[n]`, tokens `[n, W+1]`). `sampled`/`filtered` as `sampling_mode` says (host-known)."""
+        (accepted `[n]`, tokens `[n, W+1]`), for a step of `mode` (`sampling_mode`, host-known)."""
+        if mode.penalized:
+            logits = self.penalties.apply(rows, logits, drafts)
         accepted, tokens = greedy_accept(target_logits=logits, drafts=drafts, limit=limit)
-        if sampled:
+        if mode.sampled:
             temperature = self.temperature[rows]
-            probs = sampling_probs(logits, temperature, self.top_k[rows], self.top_p[rows], filtered=filtered)
+            probs = sampling_probs(logits, temperature, self.top_k[rows], self.top_p[rows], filtered=mode.filtered)
             # One uniform per token position (the position the token is written at): see rejection_accept.
             uniforms = counter_uniforms(self.seeds[rows], positions + 1)
             s_accepted, s_tokens = rejection_accept(target_probs=probs, drafts=drafts, limit=limit, uniforms=uniforms)
