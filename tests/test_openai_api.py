@@ -68,7 +68,8 @@ def test_valid_requests_become_engine_requests(model, tokenizer):
 
 def test_sampling_fields_become_sampling_params(tokenizer):
     """vLLM's and OpenAI's sampling fields land in SamplingParams; the config's stop strings join the request's
-    (as its stop ids do); n and logprobs are the client's alone (1 and none unless asked)."""
+    (as its stop ids do); n and logprobs are the client's alone (1 and none unless asked).
+    Fails if a penalty does not reach SamplingParams: checked by leaving presence_penalty out of `_sampling`."""
     defaults = SamplingParams(max_new_tokens=20, stop=("###",), presence_penalty=0.25, n=4, logprobs=3)
     model = ModelSpec(name="tiny", tokenizer=tokenizer, vocab_size=96, max_model_len=64, defaults=defaults, max_n=5)
     p = parse(model, {"prompt": "a", "n": 3, "presence_penalty": -0.5, "frequency_penalty": 1.5,

@@ -662,8 +662,9 @@ def test_api_key_is_required_on_the_openai_routes_and_a_stranger_costs_no_engine
     the body is read (a body over the size limit or not JSON still gets 401, not 413 or 400) and before the engine
     (its token and first-token counters do not move); /health and /load stay open; the right key works for
     completions, chat and streaming; the key is in no error and in no log of the cluster.
-    Fails if the key is checked after the engine starts: checked by moving `check_api_key` after
-    `first = await anext(pieces)` in `_respond` (the counters moved)."""
+    Nothing of a refused request reaches the engine because its body is never read (413 and 400 lose to 401).
+    Fails if the key is checked after parsing: checked by moving `check_api_key` after `parse_request` in
+    `_respond` (the body that is not JSON got 400)."""
     names = ["ray_domino_generated_tokens_total", "ray_domino_time_to_first_token_s_count"]
 
     def counters():
@@ -801,8 +802,9 @@ def test_openai_client_logprobs_equal_the_targets_streamed_or_not(app, reference
     """logprobs / top_logprobs on chat and completions: one entry per generated token, the token the decode of its
     id, its logprob and the top N the target's own (target-only, in process); streamed, the chunks' log-
     probabilities together equal the non-streamed ones, also when a stop string holds text back.
-    Fails if chunks drop or repeat the log-probabilities of held-back text: checked by releasing a piece's
-    log-probabilities only with its text (`held` reset on every event)."""
+    Fails if a chunk's text_offset does not continue its choice's earlier chunks: checked by passing offset 0
+    for every chunk in `_stream`. (Held-back log-probabilities: test_serve_responses.py, where the steps are
+    scripted; here whether a step ends inside a forming stop string is up to the drafts.)"""
     c = client(app)
     tok = reference.tokenizer
     prompt = "the quick brown fox"

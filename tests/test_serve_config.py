@@ -48,7 +48,8 @@ def test_bad_serve_keys_are_named():
 def test_api_key_from_config_or_environment_never_shown():
     """serve.api_key or DOMINO_RAY_API_KEY (the one Serve then requires); both set and different is an error, not
     a silent pick; the key is in no repr, no to_dict (what _summary.json and logs get) and no error message.
-    Fails if the environment silently wins over a different config key: checked by returning `env` first."""
+    Fails if the environment silently wins over a different config key: checked by dropping the conflict check
+    in `serve_api_key`."""
     key = "sk-secret-4d2e"
     cfg = load_config(None, [f"serve.api_key={key}"])
     assert serve_api_key(cfg.serve, {}) == key == serve_api_key(cfg.serve, {API_KEY_ENV: key})
@@ -96,7 +97,8 @@ def test_deploy_files_are_valid_serve_configs_that_build_the_app(which):
 
 def test_rayservice_passes_the_api_key_from_a_secret_to_every_ray_container():
     """Replicas read DOMINO_RAY_API_KEY where they run: every group's Ray container gets it from the Secret, and
-    the manifest itself holds no key (no plain `value`)."""
+    the manifest itself holds no key (no plain `value`). Fails if a group lacks it: checked by removing the
+    worker group's env."""
     cluster = yaml.safe_load((ROOT / "deploy/rayservice.yaml").read_text())["spec"]["rayClusterConfig"]
     groups = [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]
     for group in groups:

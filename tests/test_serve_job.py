@@ -76,8 +76,7 @@ def test_sigterm_shuts_down_serve_and_the_ray_processes_it_started(tmp_path):
         while (alive := started & set(parents())) and time.time() < deadline:
             time.sleep(0.5)
         assert not alive, [(pid, Path(f"/proc/{pid}/cmdline").read_bytes()[:80]) for pid in alive]
-        output = (tmp_path / "out.log").read_text()
-        assert "API key required" in output and key not in output
+        assert key not in (tmp_path / "out.log").read_text()
     finally:
         if job.poll() is None:
             job.kill()

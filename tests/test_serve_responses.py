@@ -156,16 +156,20 @@ def test_streamed_logprobs_travel_with_their_text_at_a_stop_string(model, tokeni
 
 
 def test_a_stop_token_is_no_text_but_has_its_logprob(model, tokenizer):
+    """A row that ends on a stop id (here a request's stop_token_ids: an ordinary character) leaves it out of the
+    text; its log-probabilities stay, as it counts in usage. Fails if the edge decodes the stop token too."""
     ids = tokenizer("hello", add_special_tokens=False)["input_ids"]
-    loop = ScriptedLoop([ids[:3], ids[3:] + [EOS]], "stop")
-    pieces = run(loop, parse(model, {"prompt": "a", "logprobs": 0}), model)
-    assert "".join(p.text for p in pieces) == "hello"
-    assert [e[0][0] for p in pieces for e in p.logprobs] == ids + [EOS]
+    [x] = tokenizer("x", add_special_tokens=False)["input_ids"][-1:]
+    loop = ScriptedLoop([ids[:3], ids[3:] + [x]], "stop")
+    pieces = run(loop, parse(model, {"prompt": "a", "logprobs": 0, "stop_token_ids": [x]}), model)
+    assert tokenizer.decode(ids + [x]).endswith("x") and "".join(p.text for p in pieces) == "hello"
+    assert [e[0][0] for p in pieces for e in p.logprobs] == ids + [x]
 
 
 def test_n_choices_are_n_engine_requests_of_their_samples_params(model, tokenizer):
     """n = 3: three engine requests, (id, i) with params.for_sample(i) (choice 0 keeps the seed), each with its
-    own stop matcher; the pieces of every choice come back, each choice ending once."""
+    own stop matcher; the pieces of every choice come back, each choice ending once.
+    Fails if every choice runs sample 0's params: checked by `params.for_sample(0)` in `generate`."""
     loop = ScriptedLoop([[40, 41], [42]], "length")
     parsed = parse(model, {"prompt": "a", "n": 3, "seed": 5, "temperature": 1.0, "stop": ["zz"]})
     pieces = run(loop, parsed, model)
