@@ -48,7 +48,8 @@ def descendants(pid: int) -> set[int]:
 
 def test_sigterm_shuts_down_serve_and_the_ray_processes_it_started(tmp_path):
     """Also: the key in the environment is required on /v1 (401 without it), /health is open, and the key is
-    not in the command's output."""
+    not in the command's output. Fails if the environment's key is ignored: checked by making `serve_api_key`
+    read no environment (200 without a key)."""
     port, key = free_port(), "sk-env-5e81c0"
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONPATH": str(ROOT), "DOMINO_RAY_API_KEY": key}
     # runtime.ray_address=local: a cluster of its own, never one another process started.

@@ -42,19 +42,19 @@ async def generate(loop: EngineLoop, response_id: str, parsed: ParsedRequest, mo
     the engine refuses one. If the consumer stops early (client disconnect, cancellation) or a choice fails, the
     unfinished choices are aborted, which frees their slots.
     """
-    n, params = parsed.params.n, parsed.params
+    n = parsed.params.n
     request_ids = [(response_id, i) for i in range(n)]
+    samples = [parsed.params.for_sample(i) for i in range(n)]
     finished: set[int] = set()
     streams: list[RequestStream] = []
     pumps: list[asyncio.Task] = []
     try:
-        for i in range(n):  # all submitted before the first await: a full queue refuses the whole request
-            sample = params.for_sample(i)
+        for rid, sample in zip(request_ids, samples):  # all before the first await: a full queue refuses them all
             stop = StopStrings(model.tokenizer, sample.stop) if sample.stop else None
-            streams.append(_submit(loop, Request(request_ids[i], parsed.prompt_token_ids, sample, stop)))
+            streams.append(_submit(loop, Request(rid, parsed.prompt_token_ids, sample, stop)))
         queue: asyncio.Queue = asyncio.Queue()
-        pumps = [asyncio.create_task(_pump(_choice(i, s, params.for_sample(i), model), queue))
-                 for i, s in enumerate(streams)]
+        pumps = [asyncio.create_task(_pump(_choice(i, stream, samples[i], model), queue))
+                 for i, stream in enumerate(streams)]
         while len(finished) < n:
             item = await queue.get()
             if isinstance(item, BaseException):
