@@ -10,6 +10,7 @@ Unknown keys, missing required values (`???`) and bad values fail before any wor
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,9 @@ from typing import Any
 from domino_ray.spec.sampling_params import SAMPLING_CHECKS, SamplingParams, invalid_value, is_int
 
 DEMO_ASSETS = Path(__file__).parent / "assets" / "demo"
+API_KEY_ENV = "DOMINO_RAY_API_KEY"  # Serve's API key from the environment (e.g. a Kubernetes Secret)
+KEY_RULE = "a non-empty string of visible ASCII characters (no spaces)"
+REDACTED = "<redacted>"
 
 
 class ConfigError(ValueError):
@@ -137,6 +141,9 @@ class ServeConfig:
     max_request_bytes: int = 1048576  # request body limit (1 MiB); beyond -> 413 before any parsing
     health_check_period_s: float = 10.0
     health_check_timeout_s: float = 30.0
+    # Required as `Authorization: Bearer <key>` on /v1/... when set; null = open. Prefer the environment
+    # variable DOMINO_RAY_API_KEY (API_KEY_ENV) to keep it out of YAML files; both set and different is an error.
+    api_key: str | None = field(default=None, repr=False)
 
 
 @dataclass
@@ -260,6 +267,7 @@ def validate(cfg: JobConfig):
     for key, value, ok, expected in rules + _serve_rules(s):
         if not ok:
             raise ConfigError("config key " + invalid_value(key, value, expected))
+    _check_api_key(s)
     for key, value in (("model.source", cfg.model.source), ("input.path", cfg.input.path),
                        ("output.path", cfg.output.path), ("serve.model_name", s.model_name)):
         if not str(value).strip():
@@ -289,11 +297,37 @@ def _serve_rules(s: ServeConfig) -> list[tuple[str, Any, bool, str]]:
     ]
 
 
+def _check_api_key(s: ServeConfig):
+    """serve.api_key's check, apart from `_serve_rules`: its message must not print the value."""
+    if s.api_key is not None and not _key_ok(s.api_key):
+        raise ConfigError(f"config key serve.api_key is invalid: expected null or {KEY_RULE}")
+
+
 def to_dict(cfg: JobConfig) -> dict:
-    """Plain dict of a config (for _summary.json and logs)."""
+    """Plain dict of a config (for _summary.json and logs); the API key redacted."""
     from omegaconf import OmegaConf
 
-    return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
+    d = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
+    if d["serve"]["api_key"] is not None:
+        d["serve"]["api_key"] = REDACTED
+    return d
+
+
+def serve_api_key(s: ServeConfig, environ=None) -> str | None:
+    """The key Serve requires: `serve.api_key` or the environment's DOMINO_RAY_API_KEY (read where the
+    replica runs); both set and different is an error, as a silent pick would leave one of them unenforced.
+    No message shows the key itself."""
+    env = (os.environ if environ is None else environ).get(API_KEY_ENV)
+    if env is not None and not _key_ok(env):
+        raise ConfigError(f"environment variable {API_KEY_ENV} is invalid: expected {KEY_RULE}")
+    if env is not None and s.api_key is not None and env != s.api_key:
+        raise ConfigError(f"config key serve.api_key and environment variable {API_KEY_ENV} are both set and "
+                          "differ: give only one")
+    return env if env is not None else s.api_key
+
+
+def _key_ok(key) -> bool:
+    return isinstance(key, str) and key != "" and all("!" <= c <= "~" for c in key)
 
 
 def generation_defaults(g: GenerationConfig) -> SamplingParams:

@@ -2,9 +2,10 @@
 
 Without `--config` it serves the CPU demo pair (domino_ray/assets/demo) at http://127.0.0.1:8000/v1
 (`serve.host`, `serve.port`) until Ctrl-C or SIGTERM, which remove the apps and stop the Ray processes this
-command started (`serve.shutdown`, `ray.shutdown`). `/health` is the load-balancer probe app. On a cluster:
-`serve deploy deploy/serve.yaml`, or the KubeRay manifest deploy/rayservice.yaml. Exit status: 0 stopped,
-2 bad config (nothing started).
+command started (`serve.shutdown`, `ray.shutdown`). `/health` is the load-balancer probe app. With the
+environment variable DOMINO_RAY_API_KEY (or `serve.api_key`) set, the /v1 routes require
+`Authorization: Bearer <key>`. On a cluster: `serve deploy deploy/serve.yaml`, or the KubeRay manifest
+deploy/rayservice.yaml. Exit status: 0 stopped, 2 bad config (nothing started).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import signal
 import sys
 import time
 
-from domino_ray.config import ConfigError, config_from_command_line
+from domino_ray.config import ConfigError, config_from_command_line, serve_api_key
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -24,6 +25,7 @@ def main(argv: list[str] | None = None) -> int:
         from domino_ray.batch.preflight import check_models
 
         check_models(cfg)
+        keyed = serve_api_key(cfg.serve) is not None  # a bad or conflicting key fails here, before Ray starts
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -41,8 +43,8 @@ def main(argv: list[str] | None = None) -> int:
         serve.start(http_options={"host": cfg.serve.host, "port": cfg.serve.port})
         serve.run(build_app(cfg), name="domino", route_prefix="/")
         serve.run(build_health_app("domino"), name="domino-health", route_prefix="/health")
-        print(f"serving {cfg.serve.model_name} at http://{cfg.serve.host}:{cfg.serve.port}/v1 (Ctrl-C stops)",
-              flush=True)
+        print(f"serving {cfg.serve.model_name} at http://{cfg.serve.host}:{cfg.serve.port}/v1"
+              f"{' (API key required)' if keyed else ''} (Ctrl-C stops)", flush=True)
         while True:  # the app runs in Ray's processes; this one only holds the session open
             time.sleep(3600)
     except KeyboardInterrupt:

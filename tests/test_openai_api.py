@@ -1,5 +1,6 @@
 """The Ray-free OpenAI layer: request validation names the field; streamed text equals the full decode
-cut at the first stop string; stop strings and early consumer exits abort the engine request."""
+cut at the first stop string; a stop string ends the row in the engine and early consumer exits abort it;
+n choices, log-probabilities and penalties map to SamplingParams and back into OpenAI's response shapes."""
 
 import asyncio
 import json
@@ -9,10 +10,12 @@ import time
 import pytest
 
 from domino_ray.engine.loop import EngineLoop
+from domino_ray.engine.request import Request
 from domino_ray.engine.spec_engine import SpecEngine
 from domino_ray.model.target import decode, encode_prompt
-from domino_ray.serve.openai_api import APIError, ModelSpec, chunk_body, parse_request, response_body
 from domino_ray.model.text_stream import TextStream
+from domino_ray.serve.openai_api import APIError, ModelSpec, parse_request
+from domino_ray.serve.responses import chunk_body, response_body
 from domino_ray.serve.text_stream import generate
 from domino_ray.spec.sampling_params import SamplingParams
 from tiny_models import tiny_target, tiny_tokenizer
@@ -39,7 +42,7 @@ def test_valid_requests_become_engine_requests(model, tokenizer):
     assert p.prompt_token_ids == tokenizer("the quick brown fox", add_special_tokens=False)["input_ids"]
     assert (p.params.max_new_tokens, p.params.temperature, p.params.top_p, p.params.top_k, p.params.seed) == \
         (7, 0.5, 0.9, 0, 3)
-    assert p.stop == ("dog",) and p.stream
+    assert p.params.stop == ("dog",) and p.stream
     # Defaults come from the config (here 20 tokens, greedy), capped by what the prompt leaves.
     p = parse(model, {"prompt": [5, 6, 7]})
     assert p.prompt_token_ids == [5, 6, 7] and p.params.max_new_tokens == 20 and p.params.greedy
@@ -61,6 +64,31 @@ def test_valid_requests_become_engine_requests(model, tokenizer):
     assert parse(roomy, {"messages": turns}, "chat").prompt_token_ids == encode_prompt(tokenizer, messages=plain)
     assert parse(model, {"prompt": "a", "stream": True, "stream_options": {"include_usage": True}}).include_usage
     assert not parse(model, {"prompt": "a", "stream_options": {"include_usage": True}}).include_usage  # no stream
+
+
+def test_sampling_fields_become_sampling_params(tokenizer):
+    """vLLM's and OpenAI's sampling fields land in SamplingParams; the config's stop strings join the request's
+    (as its stop ids do); n and logprobs are the client's alone (1 and none unless asked).
+    Fails if a penalty does not reach SamplingParams: checked by leaving presence_penalty out of `_sampling`."""
+    defaults = SamplingParams(max_new_tokens=20, stop=("###",), presence_penalty=0.25, n=4, logprobs=3)
+    model = ModelSpec(name="tiny", tokenizer=tokenizer, vocab_size=96, max_model_len=64, defaults=defaults, max_n=5)
+    p = parse(model, {"prompt": "a", "n": 3, "presence_penalty": -0.5, "frequency_penalty": 1.5,
+                      "repetition_penalty": 1.2, "min_tokens": 4, "stop": ["dog", "###"],
+                      "include_stop_str_in_output": True, "logprobs": 5, "seed": 9})
+    sp = p.params
+    assert (sp.n, sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty, sp.min_tokens, sp.logprobs) == \
+        (3, -0.5, 1.5, 1.2, 4, 5)
+    assert sp.stop == ("###", "dog") and sp.include_stop_str_in_output and sp.penalized
+    assert [sp.for_sample(i).seed for i in range(3)][0] == 9  # choice 0 is the n = 1 request
+    plain = parse(model, {"prompt": "a"}).params
+    assert (plain.n, plain.logprobs, plain.presence_penalty, plain.stop) == (1, None, 0.25, ("###",))
+    chat = [{"role": "user", "content": "a"}]
+    assert parse(model, {"messages": chat, "logprobs": True, "top_logprobs": 2}, "chat").params.logprobs == 2
+    assert parse(model, {"messages": chat, "logprobs": True}, "chat").params.logprobs == 0
+    assert parse(model, {"messages": chat, "logprobs": False, "top_logprobs": 0}, "chat").params.logprobs is None
+    with pytest.raises(APIError) as info:  # more choices than a replica runs at once
+        parse(model, {"prompt": "a", "n": 6})
+    assert (info.value.param, info.value.status) == ("n", 400) and "[1, 5]" in info.value.message
 
 
 def test_special_token_strings_in_user_text_stay_plain_text(tokenizer):
@@ -103,13 +131,37 @@ BAD = [  # (kind, body, status, param, words in the message)
     ("completion", {"prompt": "a", "top_p": 0}, 400, "top_p", "(0, 1]"),
     ("completion", {"prompt": "a", "top_k": -2}, 400, "top_k", ">= -1"),
     ("completion", {"prompt": "a", "seed": -1}, 400, "seed", "an int in"),
-    ("completion", {"prompt": "a", "n": 2}, 400, "n", "n=1"),
+    ("completion", {"prompt": "a", "n": 0}, 400, "n", "an int >= 1"),
+    ("completion", {"prompt": "a", "n": 1.5}, 400, "n", "an int >= 1"),
     ("completion", {"prompt": "a", "stop": 5}, 400, "stop", "string"),
     ("completion", {"prompt": "a", "stop": [""]}, 400, "stop", "non-empty"),
-    ("completion", {"prompt": "a", "stop": ["x"] * 17}, 400, "stop", "at most"),
+    ("completion", {"prompt": "a", "stop": [f"x{i}" for i in range(17)]}, 400, "stop", "at most"),
     ("completion", {"prompt": "a", "stream": "yes"}, 400, "stream", "true or false"),
     ("completion", {"prompt": "a", "stream_options": {"include_usage": "yes"}}, 400, "stream_options", "true or false"),
-    ("completion", {"prompt": "a", "logprobs": 3}, 400, "logprobs", "not supported"),
+    ("completion", {"prompt": "a", "logprobs": 21}, 400, "logprobs", "[0, 20]"),
+    ("completion", {"prompt": "a", "logprobs": True}, 400, "logprobs", "[0, 20]"),
+    ("chat", {"messages": [{"role": "user", "content": "a"}], "logprobs": 2}, 400, "logprobs", "true or false"),
+    ("chat", {"messages": [{"role": "user", "content": "a"}], "logprobs": True, "top_logprobs": 21}, 400,
+     "top_logprobs", "[0, 20]"),
+    ("chat", {"messages": [{"role": "user", "content": "a"}], "top_logprobs": 2}, 400, "top_logprobs",
+     "logprobs: true"),
+    ("completion", {"prompt": "a", "top_logprobs": 2}, 400, "top_logprobs", "unrecognized"),
+    ("completion", {"prompt": "a", "presence_penalty": 2.5}, 400, "presence_penalty", "[-2, 2]"),
+    ("completion", {"prompt": "a", "frequency_penalty": "high"}, 400, "frequency_penalty", "[-2, 2]"),
+    ("chat", {"messages": [{"role": "user", "content": "a"}], "repetition_penalty": 0}, 400, "repetition_penalty",
+     "(0, 2]"),
+    ("completion", {"prompt": "a", "min_tokens": -1}, 400, "min_tokens", ">= 0"),
+    ("completion", {"prompt": "a", "min_tokens": 8, "max_tokens": 4}, 400, "min_tokens", "<= max_tokens (4)"),
+    ("completion", {"prompt": "a", "include_stop_str_in_output": 1}, 400, "include_stop_str_in_output",
+     "true or false"),
+    ("completion", {"prompt": "a", "logit_bias": {"5": 10}}, 400, "logit_bias", "not supported"),
+    ("completion", {"prompt": "a", "best_of": 2}, 400, "best_of", "not supported"),
+    ("completion", {"prompt": "a", "echo": True}, 400, "echo", "not supported"),
+    ("completion", {"prompt": "a", "suffix": "x"}, 400, "suffix", "not supported"),
+    ("chat", {"messages": [{"role": "user", "content": "a"}], "response_format": {"type": "json_object"}}, 400,
+     "response_format", "not supported"),
+    ("chat", {"messages": [{"role": "user", "content": "a"}], "use_beam_search": True}, 400, "use_beam_search",
+     "unrecognized"),
     ("completion", {"prompt": "a", "frobnicate": 1}, 400, "frobnicate", "unrecognized"),
     ("completion", {"prompt": ""}, 400, "prompt", "empty"),
     ("completion", {"prompt": "   "}, 400, "prompt", "empty"),
@@ -208,9 +260,9 @@ def engine_loop():
     loop.stop()
 
 
-def collect(engine_loop, parsed, tokenizer, request_id, stop_after=None, pause_s=0.0):
+def collect(engine_loop, parsed, model, request_id, stop_after=None, pause_s=0.0):
     async def main():
-        pieces, out = generate(engine_loop, request_id, parsed, tokenizer), []
+        pieces, out = generate(engine_loop, request_id, parsed, model), []
         async for piece in pieces:
             out.append(piece)
             await asyncio.sleep(pause_s)  # a slow consumer: the engine runs ahead of the text
@@ -223,26 +275,27 @@ def collect(engine_loop, parsed, tokenizer, request_id, stop_after=None, pause_s
 
 def test_generate_streams_the_decoded_text(engine_loop, model, tokenizer):
     parsed = parse(model, {"prompt": [3, 4, 5], "max_tokens": 12, "ignore_eos": True})
-    pieces = collect(engine_loop, parsed, tokenizer, "a")
+    pieces = collect(engine_loop, parsed, model, "a")
     done = pieces[-1].completion
     assert [p.finish_reason for p in pieces] == [None] * (len(pieces) - 1) + ["length"]
     assert len(done.token_ids) == 12 == pieces[-1].num_tokens
     assert [p.num_tokens for p in pieces] == sorted(p.num_tokens for p in pieces)  # counts so far
     assert "".join(p.text for p in pieces) == decode(tokenizer, done.token_ids)
-    body = response_body(parsed, "cmpl-a", 0, "tiny", "x", "length", done)
+    body = response_body(parsed, "cmpl-a", 0, model, ["x"], ["length"], [done])
     assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 12, "total_tokens": 15}
+    assert body["choices"][0]["logprobs"] is None  # not asked
     stats = body["speculative_decoding_stats"]
     assert stats["num_spec_steps"] == 11 and stats["num_spec_tokens"] == 0  # target only: one token per step
-    last = chunk_body(parsed, "cmpl-a", 0, "tiny", "", finish_reason="length", completion=done)
+    last = chunk_body(parsed, "cmpl-a", 0, "tiny", 0, "", finish_reason="length", completions=[done])
     assert last["usage"] == body["usage"] and last["speculative_decoding_stats"] == stats
 
 
 def test_stop_string_ends_the_text_and_frees_the_slot(engine_loop, model, tokenizer):
     long = parse(model, {"prompt": [3, 4, 5], "max_tokens": 60, "ignore_eos": True})
-    full = "".join(p.text for p in collect(engine_loop, long, tokenizer, "full"))
+    full = "".join(p.text for p in collect(engine_loop, long, model, "full"))
     stop = full[8:10]
     parsed = parse(model, {"prompt": [3, 4, 5], "max_tokens": 60, "ignore_eos": True, "stop": stop})
-    pieces = collect(engine_loop, parsed, tokenizer, "stopped")
+    pieces = collect(engine_loop, parsed, model, "stopped")
     assert "".join(p.text for p in pieces) == full[:full.find(stop)]
     assert pieces[-1].finish_reason == "stop" == pieces[-1].completion.finish_reason
     assert not engine_loop.engine.has_unfinished()
@@ -252,11 +305,11 @@ def test_stop_string_usage_and_stats_count_the_returned_texts_tokens(engine_loop
     """Usage counts the tokens up to the one that completed the stop string, not those the engine made
     before the abort landed, and the statistics describe exactly those tokens."""
     long = parse(model, {"prompt": [3, 4, 5], "max_tokens": 60, "ignore_eos": True})
-    reference = collect(engine_loop, long, tokenizer, "ref")[-1].completion.token_ids
+    reference = collect(engine_loop, long, model, "ref")[-1].completion.token_ids
     full = decode(tokenizer, reference)
     stop = full[6:8]
     parsed = parse(model, {"prompt": [3, 4, 5], "max_tokens": 60, "ignore_eos": True, "stop": [stop]})
-    pieces = collect(engine_loop, parsed, tokenizer, "cut", pause_s=0.05)  # tokens pile up past the stop
+    pieces = collect(engine_loop, parsed, model, "cut", pause_s=0.05)  # tokens pile up past the stop
     done = pieces[-1].completion
     kept = len(done.token_ids)
     assert done.token_ids == reference[:kept]
@@ -264,26 +317,8 @@ def test_stop_string_usage_and_stats_count_the_returned_texts_tokens(engine_loop
     stats = done.stats
     assert kept == 1 + stats.num_spec_steps + stats.num_accepted_draft_tokens == pieces[-1].num_tokens
     assert sum(stats.acceptance_histogram) == stats.num_spec_steps and pieces[-1].stats == stats
-    body = response_body(parsed, "cmpl-c", 0, "tiny", "".join(p.text for p in pieces), "stop", done)
+    body = response_body(parsed, "cmpl-c", 0, model, ["".join(p.text for p in pieces)], ["stop"], [done])
     assert body["usage"]["completion_tokens"] == kept
-
-
-def test_stats_through_cuts_a_step_as_the_engine_cuts_at_a_stop_token():
-    from domino_ray.serve.text_stream import stats_through
-    from domino_ray.spec.stats import RowStats
-
-    K, snapshots = 4, [RowStats(4), RowStats(4)]  # nothing yet; after the prefill's first token
-    for drafted, accepted in [(4, 2), (4, 4), (3, 1)]:  # three verify steps: 3, 5 and 2 tokens
-        s = snapshots[-1].copy()
-        s.observe_step(drafted, accepted)
-        snapshots.append(s)
-    counts = [0, 1, 4, 9, 11]
-    assert stats_through(11, counts, snapshots) == snapshots[-1]
-    assert stats_through(1, counts, snapshots) == RowStats(K)
-    cut = stats_through(6, counts, snapshots)  # 2 of the second step's 5 tokens: 1 accepted draft, then the cut
-    assert (cut.num_spec_steps, cut.num_draft_tokens, cut.num_accepted_draft_tokens) == (2, 8, 3)
-    assert cut.acceptance_histogram == [0, 1, 1, 0, 0] and 6 == 1 + cut.num_spec_steps + cut.num_accepted_draft_tokens
-    assert cut.verify_width_histogram == [0, 0, 0, 0, 2]
 
 
 def test_consumer_leaving_aborts_the_request(engine_loop, tokenizer, monkeypatch):
@@ -295,13 +330,13 @@ def test_consumer_leaving_aborts_the_request(engine_loop, tokenizer, monkeypatch
 
     def recording_step():  # the engine's own completion of the request, which its gone consumer never reads
         events = step()
-        ended.extend(e.completion for e in events if e.request_id == "left" and e.completion is not None)
+        ended.extend(e.completion for e in events if e.request_id == ("left", 0) and e.completion is not None)
         return events
     monkeypatch.setattr(engine, "step", recording_step)
     roomy = ModelSpec(name="tiny", tokenizer=tokenizer, vocab_size=96, max_model_len=engine.max_model_len)
     budget = engine.max_model_len - 3
     parsed = parse(roomy, {"prompt": [3, 4, 5], "max_tokens": budget, "ignore_eos": True})
-    assert len(collect(engine_loop, parsed, tokenizer, "left", stop_after=2)) == 2
+    assert len(collect(engine_loop, parsed, roomy, "left", stop_after=2)) == 2
     deadline = time.monotonic() + 120  # a ceiling only: aborted or run to its budget, the row ends within seconds
     while not ended and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -314,6 +349,44 @@ def test_consumer_leaving_aborts_the_request(engine_loop, tokenizer, monkeypatch
 def test_a_request_admitted_and_finished_in_one_step_streams_both_events(engine_loop, model, tokenizer):
     """Prefill token and the one verify step land in the same engine step: each piece has its own stats."""
     parsed = parse(model, {"prompt": [3, 4, 5], "max_tokens": 2, "ignore_eos": True})
-    pieces = collect(engine_loop, parsed, tokenizer, "two")
+    pieces = collect(engine_loop, parsed, model, "two")
     assert [(p.num_tokens, p.stats.num_spec_steps) for p in pieces] == [(1, 0), (2, 1)]
     assert engine_loop.alive
+
+
+def test_n_choices_are_the_samples_of_their_seeds_and_leaving_aborts_them_all(engine_loop, model, tokenizer,
+                                                                              monkeypatch):
+    """n = 3 sampled choices run at once on the engine: choice i is the engine's own output for
+    params.for_sample(i) (choice 0 the n = 1 request with the same seed); a consumer that leaves aborts all three
+    (two running, one still waiting for a slot), none runs to its budget.
+    Fails if the choices share one seed or one request: checked by running every choice with params.for_sample(0);
+    and if leaving aborts only the choice that yielded: checked by aborting only request_ids[0] in the finally."""
+    body = {"prompt": [3, 4, 5], "max_tokens": 10, "ignore_eos": True, "temperature": 1.0, "seed": 11}
+    parsed = parse(model, {**body, "n": 3})
+    pieces = collect(engine_loop, parsed, model, "n3")
+    finals = {p.index: p.completion for p in pieces if p.completion is not None}
+    assert sorted(finals) == [0, 1, 2]
+    alone = SpecEngine(tiny_target("qwen3", seed=4), None, max_rows=2).generate(
+        [Request(i, [3, 4, 5], parsed.params.for_sample(i)) for i in range(3)])
+    assert [finals[i].token_ids for i in range(3)] == [c.token_ids for c in alone]
+    assert len({tuple(c.token_ids) for c in alone}) == 3  # the samples differ: distinct seeds
+    [single] = [p.completion for p in collect(engine_loop, parse(model, body), model, "n1") if p.completion]
+    assert single.token_ids == finals[0].token_ids
+    for i in range(3):
+        assert "".join(p.text for p in pieces if p.index == i) == decode(tokenizer, finals[i].token_ids)
+
+    engine, step, ended = engine_loop.engine, engine_loop.engine.step, []
+
+    def recording_step():
+        events = step()
+        ended.extend(e.completion for e in events if e.request_id[0] == "n3-left" and e.completion is not None)
+        return events
+    monkeypatch.setattr(engine, "step", recording_step)
+    roomy = ModelSpec(name="tiny", tokenizer=tokenizer, vocab_size=96, max_model_len=engine.max_model_len)
+    long = parse(roomy, {**body, "n": 3, "max_tokens": engine.max_model_len - 3})
+    assert len(collect(engine_loop, long, roomy, "n3-left", stop_after=1)) == 1
+    deadline = time.monotonic() + 120
+    while (engine.has_unfinished() or engine_loop._streams) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not engine.has_unfinished() and not engine_loop._streams
+    assert len(ended) == 2 and {c.finish_reason for c in ended} == {"abort"}, ended  # the third never ran

@@ -14,6 +14,7 @@ import asyncio
 import os
 import socket
 import time
+from pathlib import Path
 from statistics import median
 from types import SimpleNamespace
 
@@ -23,6 +24,7 @@ import pytest
 
 from batch_fixtures import make_prompts
 from domino_ray.config import load_config
+from domino_ray.engine.request import Request
 from domino_ray.llm import DominoLLM
 from domino_ray.model.target import encode_prompt
 from domino_ray.spec.sampling_params import SamplingParams
@@ -38,6 +40,8 @@ WAITING = 24         # requests that may wait for a slot inside the replica (32 
 ONGOING = 40         # requests Serve sends to the replica at once (> SLOTS + WAITING: engine 429s)
 QUEUED = 32          # requests waiting at the proxy (a burst queues there before routing: >= 31)
 MAX_BODY = 3_000_000  # serve.max_request_bytes: room for a prompt that takes seconds to tokenize
+KEY = "sk-domino-test-7f3a9c1e5b"  # serve.api_key: every request below sends it, but those testing it
+AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
 def free_port() -> int:
@@ -61,7 +65,7 @@ def app(tmp_path_factory):
         f"generation.max_batch_size={SLOTS}", "generation.max_new_tokens=16", "generation.seed=0",
         f"serve.max_waiting_requests={WAITING}", f"serve.max_ongoing_requests={ONGOING}",
         f"serve.max_queued_requests={QUEUED}", "serve.cpus_per_replica=0.5", "serve.health_check_period_s=2",
-        f"serve.max_request_bytes={MAX_BODY}",
+        f"serve.max_request_bytes={MAX_BODY}", f"serve.api_key={KEY}",
     ])
     with pytest.MonkeyPatch.context() as env:
         env.setenv("RAY_AUTH_MODE", "disabled")
@@ -93,12 +97,16 @@ def reference(app):
         params = [SamplingParams(max_new_tokens=m, ignore_eos=ignore_eos, **sampling) for m in max_tokens]
         return llm.generate(ids, params)
 
-    run.tokenizer = llm.tokenizer
+    def completions(prompt_ids: list[list[int]], params: list[SamplingParams]):
+        """The engine's Completions (log-probabilities included), target only."""
+        return llm.engine.generate([Request(i, p, sp) for i, (p, sp) in enumerate(zip(prompt_ids, params))])
+
+    run.tokenizer, run.completions = llm.tokenizer, completions
     return run
 
 
 def client(app, **kwargs) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{app.url}/v1", api_key="unused", max_retries=0, timeout=60, **kwargs)
+    return openai.OpenAI(base_url=f"{app.url}/v1", api_key=KEY, max_retries=0, timeout=60, **kwargs)
 
 
 def check_stats(stats: dict, completion_tokens: int):
@@ -151,7 +159,8 @@ def test_metrics_reconcile_with_responses(app, reference):
     # A client that leaves mid-stream: its tokens and its steps count together (every request that got
     # tokens holds tokens == 1 + steps + accepted, so the totals do too), and "cancelled" is a status.
     body = {"model": MODEL, "prompt": "the quick brown fox", "max_tokens": 200, "ignore_eos": True, "stream": True}
-    with httpx.Client(base_url=app.url, timeout=30) as http, http.stream("POST", "/v1/completions", json=body) as r:
+    with httpx.Client(base_url=app.url, headers=AUTH, timeout=30) as http, \
+            http.stream("POST", "/v1/completions", json=body) as r:
         lines = r.iter_lines()
         for _ in range(6):
             next(lines)
@@ -262,7 +271,7 @@ def test_concurrent_requests_share_the_running_batch(app, reference):
     long_prompt, long_tokens, long_sampling = "speculative decoding drafts tokens", 4000, dict(temperature=2.0, seed=7)
     refs = reference([p for p, _ in shorts], [m for _, m in shorts])
     [long_ref] = reference([long_prompt], [240], ignore_eos=True, **long_sampling)  # the part compared
-    c = openai.AsyncOpenAI(base_url=f"{app.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    c = openai.AsyncOpenAI(base_url=f"{app.url}/v1", api_key=KEY, max_retries=0, timeout=120)
     streaming = SimpleNamespace(now=0, most=0)  # short requests that got a token and have not ended
 
     async def short(prompt, max_tokens):
@@ -308,7 +317,7 @@ def test_concurrent_requests_share_the_running_batch(app, reference):
     for r, ref in zip(rest, refs):
         check_stats(r.chunk.model_extra["speculative_decoding_stats"], len(ref.token_ids))
     assert streaming.most >= SLOTS // 2, f"requests were not batched together: at most {streaming.most} at once"
-    with httpx.Client(base_url=app.url, timeout=30) as http:  # the long one's client left: it is aborted
+    with httpx.Client(base_url=app.url, headers=AUTH, timeout=30) as http:  # the long one's client left: it is aborted
         assert wait_idle(http, timeout_s=120) == {"status": "ok", "running": 0, "waiting": 0}
 
 
@@ -322,7 +331,15 @@ BAD_HTTP = [  # (path, body, status, param): one of each kind the issue names, a
     ("/v1/completions", {"prompt": list(range(5)) * 1000}, 400, "prompt"),  # over the 4096-token context
     ("/v1/completions", {"prompt": "a", "temperature": 3}, 400, "temperature"),
     ("/v1/completions", {"prompt": "a", "top_p": 1.5}, 400, "top_p"),
-    ("/v1/completions", {"prompt": "a", "n": 3}, 400, "n"),
+    ("/v1/completions", {"prompt": "a", "n": 0}, 400, "n"),
+    ("/v1/completions", {"prompt": "a", "logprobs": 21}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": "a", "presence_penalty": -3}, 400, "presence_penalty"),
+    ("/v1/completions", {"prompt": "a", "repetition_penalty": 0}, 400, "repetition_penalty"),
+    ("/v1/completions", {"prompt": "a", "min_tokens": 9, "max_tokens": 4}, 400, "min_tokens"),
+    ("/v1/completions", {"prompt": "a", "best_of": 2}, 400, "best_of"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "top_logprobs": 3}, 400, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "logit_bias": {"3": 1}}, 400,
+     "logit_bias"),
     ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "stream": 1}, 400, "stream"),
     ("/v1/nothing", {}, 404, None),
@@ -332,7 +349,7 @@ BAD_HTTP = [  # (path, body, status, param): one of each kind the issue names, a
 
 
 def test_bad_input_is_a_4xx_naming_the_field_and_the_server_keeps_serving(app, reference):
-    with httpx.Client(base_url=app.url, timeout=30) as http:
+    with httpx.Client(base_url=app.url, headers=AUTH, timeout=30) as http:
         for path, body, status, param in BAD_HTTP:
             r = http.post(path, content=body) if isinstance(body, bytes) else http.post(path, json=body)
             error = r.json()["error"]
@@ -370,7 +387,7 @@ def test_client_disconnect_frees_its_slot(app):
             "ignore_eos": True, "stream": True}
 
     async def main():
-        async with httpx.AsyncClient(base_url=app.url, timeout=120) as http:
+        async with httpx.AsyncClient(base_url=app.url, headers=AUTH, timeout=120) as http:
             witness = SimpleNamespace(started=asyncio.Event(), ended=False)
 
             async def read_witness():
@@ -413,7 +430,7 @@ def test_client_disconnect_frees_its_slot(app):
     full, alone, witness_ended = asyncio.run(main())
     assert full == (SLOTS, 0)
     assert (alone, witness_ended) == ((1, 0), False), "the abandoned requests kept their slots"
-    with httpx.Client(base_url=app.url, timeout=30) as http:
+    with httpx.Client(base_url=app.url, headers=AUTH, timeout=30) as http:
         assert wait_idle(http, timeout_s=120) == {"status": "ok", "running": 0, "waiting": 0}
         # Every slot is free again, so a new request is served, not queued behind the abandoned ones.
         r = http.post("/v1/completions", json={"model": MODEL, "prompt": "Ray runs", "max_tokens": 4})
@@ -435,7 +452,7 @@ def test_overload_burst_gets_fast_429s_and_the_server_recovers(app, reference):
 
     async def main():
         limits = httpx.Limits(max_connections=SLOTS + WAITING + burst + 8)
-        async with httpx.AsyncClient(base_url=app.url, timeout=120, limits=limits) as http:
+        async with httpx.AsyncClient(base_url=app.url, headers=AUTH, timeout=120, limits=limits) as http:
             async def long_request():
                 async with http.stream("POST", "/v1/completions", json=hold) as response:
                     async for _ in response.aiter_lines():
@@ -474,7 +491,7 @@ def test_overload_burst_gets_fast_429s_and_the_server_recovers(app, reference):
     times = sorted(t for _, t in results)
     print(f"burst {burst}: {len(engine)} refused by the engine queue, {burst - len(engine)} by Serve; "
           f"p50 {median(times):.2f} s, max {times[-1]:.2f} s")
-    with httpx.Client(base_url=app.url, timeout=30) as http:
+    with httpx.Client(base_url=app.url, headers=AUTH, timeout=30) as http:
         assert wait_idle(http, timeout_s=120) == {"status": "ok", "running": 0, "waiting": 0}
         [ref] = reference(["the quick brown fox"], [8])
         r = http.post("/v1/completions", json=short)
@@ -523,7 +540,7 @@ def test_a_big_prompt_does_not_stall_other_requests(app):
     body = b'{"model": "' + MODEL.encode() + b'", "max_tokens": 4, "prompt": "' + b"a " * 1_000_000 + b'"}'
 
     async def main():
-        async with httpx.AsyncClient(base_url=app.url, timeout=120) as http:
+        async with httpx.AsyncClient(base_url=app.url, headers=AUTH, timeout=120) as http:
             sent, done, answered = asyncio.Event(), asyncio.Event(), []
 
             async def upload():
@@ -552,7 +569,7 @@ def test_a_big_prompt_does_not_stall_other_requests(app):
 
 
 def test_a_body_over_the_limit_is_a_413_and_the_server_keeps_serving(app):
-    with httpx.Client(base_url=app.url, timeout=60) as http:
+    with httpx.Client(base_url=app.url, headers=AUTH, timeout=60) as http:
         r = http.post("/v1/completions", json={"model": MODEL, "prompt": "a " * (MAX_BODY // 2 + 10)})
         assert r.status_code == 413
         error = r.json()["error"]
@@ -621,7 +638,7 @@ def test_health_answers_while_the_replica_and_the_proxy_queue_are_full(app):
 
     async def main():
         limits = httpx.Limits(max_connections=ONGOING + QUEUED + 16)
-        async with httpx.AsyncClient(base_url=app.url, timeout=180, limits=limits) as http:
+        async with httpx.AsyncClient(base_url=app.url, headers=AUTH, timeout=180, limits=limits) as http:
             held = [asyncio.create_task(http.post("/v1/completions", content=slow_body()))
                     for _ in range(ONGOING + QUEUED)]
             try:
@@ -636,3 +653,220 @@ def test_health_answers_while_the_replica_and_the_proxy_queue_are_full(app):
     assert replica_waited, "the held requests never filled the replica"  # the saturation was real
     assert [p.status_code for p in probes] == [200] * 3 and all(p.json()["status"] == "ok" for p in probes)
     assert {r.status_code for r in done} <= {200, 429}
+
+
+# ---- issue 44: the API key and vLLM's sampling fields through the official client ----------------------
+
+def test_api_key_is_required_on_the_openai_routes_and_a_stranger_costs_no_engine_work(app):
+    """No key or a wrong one: an OpenAI-shaped 401 (the openai client raises AuthenticationError), answered before
+    the body is read (a body over the size limit or not JSON still gets 401, not 413 or 400) and before the engine
+    (its token and first-token counters do not move); /health and /load stay open; the right key works for
+    completions, chat and streaming; the key is in no error and in no log of the cluster.
+    Nothing of a refused request reaches the engine because its body is never read (413 and 400 lose to 401).
+    Fails if the key is checked after parsing: checked by moving `check_api_key` after `parse_request` in
+    `_respond` (the body that is not JSON got 400)."""
+    names = ["ray_domino_generated_tokens_total", "ray_domino_time_to_first_token_s_count"]
+
+    def counters():
+        text = httpx.get(app.metrics_url, timeout=10).text
+        return ([metric_total(text, n, model=MODEL) for n in names],
+                sum(metric_total(text, "ray_domino_requests_total", route=r, status="401") for r in ("completion", "chat")))
+
+    before, refused = counters()  # settled: wait until two reads a report interval apart agree
+    deadline = time.time() + 30
+    while time.time() < deadline and (time.sleep(1.5) or counters() != (before, refused)):
+        before, refused = counters()
+    body = {"model": MODEL, "prompt": "the quick brown fox", "max_tokens": 8}
+    wrong = {"Authorization": f"Bearer {KEY}x"}  # holds the key: a server that echoes or logs it shows it
+    with httpx.Client(base_url=app.url, timeout=60) as http:
+        answers = [http.post("/v1/completions", json=body), http.post("/v1/completions", json=body, headers=wrong),
+                   http.post("/v1/chat/completions", headers=wrong,
+                             json={"messages": [{"role": "user", "content": "a"}], "stream": True}),
+                   http.post("/v1/completions", headers={"Authorization": KEY}, json=body),  # no scheme
+                   http.post("/v1/completions", content=b'{"prompt": ', headers=wrong),
+                   http.post("/v1/completions", json={"prompt": "a " * (MAX_BODY // 2 + 10)}, headers=wrong)]
+        models = http.get("/v1/models", headers=wrong)
+        assert http.get("/health").status_code == 200 and http.get("/load").json()["status"] == "ok"
+        assert http.get("/v1/models", headers=AUTH).json()["data"][0]["id"] == MODEL
+    for r in [*answers, models]:
+        assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer", r.text
+        assert r.json()["error"]["code"] == "invalid_api_key" and r.json()["error"]["param"] is None
+        assert r.json()["error"]["type"] == "invalid_request_error" and KEY not in r.text
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{app.url}/v1", api_key="sk-wrong", max_retries=0).completions.create(
+            model=MODEL, prompt="a", max_tokens=2)
+    deadline = time.time() + 30
+    while time.time() < deadline and counters()[1] < refused + len(answers) + 1:
+        time.sleep(0.5)
+    assert counters() == (before, refused + len(answers) + 1)  # counted as 401s, no token, no first token
+
+    c = client(app)
+    assert c.completions.create(model=MODEL, prompt="Ray runs", max_tokens=3).usage.completion_tokens == 3
+    assert c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "a"}], max_tokens=3).choices
+    assert list(c.completions.create(model=MODEL, prompt="Ray runs", max_tokens=3, stream=True))[-1].usage
+    import ray
+
+    logs = Path(ray._private.worker._global_node.get_session_dir_path()) / "logs"
+    leaked = [str(f) for f in logs.rglob("*") if f.is_file() and KEY.encode() in f.read_bytes()]
+    assert not leaked, leaked
+
+
+def stop_inside_an_accepted_run(tokenizer, row) -> tuple[int, str, list[int]]:
+    """A token of `row` (speculate_in_process, no stop) that was an accepted draft with more tokens after it in its
+    step, and a stop string across its boundary with the token before that first completes on it: (its
+    position, the stop string, the acceptance histogram of the row cut there as the engine cuts it)."""
+    start, K = 1, len(row.acceptance_histogram) - 1  # the prefill's token first, then a + 1 tokens a step
+    for s, (_, accepted) in enumerate(row.steps):
+        for o in range(1, accepted):  # an accepted draft (not the bonus), not the step's first token
+            j = start + o
+            before, through = (tokenizer.decode(row.token_ids[:n]) for n in (j, j + 1))
+            if len(through) - len(before) < 1 or len(before) < 1:
+                continue
+            stop = through[-(len(through) - len(before) + 1):]
+            if stop not in before:
+                histogram = [0] * (K + 1)
+                for _, a in row.steps[:s]:
+                    histogram[a] += 1
+                histogram[o] += 1
+                return j, stop, histogram
+        start += accepted + 1
+    raise AssertionError(f"no accepted draft with tokens after it in {row.steps}")
+
+
+def test_openai_client_stop_string_completing_inside_an_accepted_run(app, reference):
+    """A stop string that completes on an accepted draft, across a token boundary: the row ends on that step, the
+    later accepted tokens dropped (usage and statistics count the tokens through the completing one, the cut step
+    counting the drafts before it as accepted), the text is the target's cut before the string (or through it with
+    include_stop_str_in_output), streamed or not.
+    Fails if the engine keeps the step's later tokens: checked by making Row.commit ignore the matcher's count."""
+    prompt, max_tokens = "the quick brown fox", 40
+    ids = reference.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    [row] = speculate_in_process(app.target_dir, app.draft_dir, [ids],
+                                 [SamplingParams(max_new_tokens=max_tokens, ignore_eos=True)], K)
+    j, stop, histogram = stop_inside_an_accepted_run(reference.tokenizer, row)
+    full = reference.tokenizer.decode(row.token_ids)
+    c = client(app)
+    for include in (False, True):
+        kwargs = dict(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0, stop=[stop],
+                      extra_body={"ignore_eos": True, "include_stop_str_in_output": include})
+        expected = full[:full.find(stop) + (len(stop) if include else 0)]
+        out = c.completions.create(**kwargs)
+        assert (out.choices[0].text, out.choices[0].finish_reason) == (expected, "stop")
+        chunks = list(c.completions.create(stream=True, **kwargs))
+        assert "".join(ch.choices[0].text for ch in chunks) == expected
+        for stats, used in ((out.model_extra["speculative_decoding_stats"], out.usage),
+                            (chunks[-1].model_extra["speculative_decoding_stats"], chunks[-1].usage)):
+            assert used.completion_tokens == j + 1 < len(row.token_ids)
+            assert stats["acceptance_histogram"] == histogram
+            check_stats(stats, j + 1)
+
+
+def test_openai_client_n_choices_are_the_target_samples_of_their_seeds(app, reference):
+    """n = 3 with a seed: choices 0..2, choice 0 the n = 1 response, choice i the target's own sample for
+    params.for_sample(i)'s seed; streamed, each chunk names its choice and every choice's chunks make its text;
+    usage counts the prompt once and every choice's tokens. Chat too.
+    Fails if the choices share a seed: checked by making `generate` run params.for_sample(0) for every choice."""
+    c = client(app)
+    prompt, sampling = "speculative decoding drafts tokens", dict(temperature=0.9, top_p=0.95)
+    kwargs = dict(model=MODEL, prompt=prompt, max_tokens=16, seed=21, **sampling)
+    params = SamplingParams(max_new_tokens=16, seed=21, n=3, **sampling)
+    refs = [reference([prompt], [16], seed=params.for_sample(i).seed, **sampling)[0] for i in range(3)]
+    out = c.completions.create(n=3, **kwargs)
+    assert [ch.index for ch in out.choices] == [0, 1, 2]
+    assert [ch.text for ch in out.choices] == [r.text for r in refs] and len({r.text for r in refs}) == 3
+    assert out.choices[0].text == c.completions.create(**kwargs).choices[0].text
+    assert out.usage.completion_tokens == sum(len(r.token_ids) for r in refs)
+    assert out.usage.prompt_tokens == len(refs[0].prompt_token_ids)
+    chunks = list(c.completions.create(n=3, stream=True, **kwargs))
+    assert ["".join(ch.choices[0].text for ch in chunks if ch.choices and ch.choices[0].index == i)
+            for i in range(3)] == [r.text for r in refs]
+    finished = [ch.choices[0].index for ch in chunks if ch.choices and ch.choices[0].finish_reason]
+    assert sorted(finished) == [0, 1, 2] and chunks[-1].usage.completion_tokens == out.usage.completion_tokens
+    messages = [{"role": "user", "content": prompt}]
+    chat = c.chat.completions.create(model=MODEL, messages=messages, n=2, max_tokens=8, seed=4, **sampling)
+    one = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, seed=4, **sampling)
+    assert [ch.index for ch in chat.choices] == [0, 1] and chat.choices[0].message == one.choices[0].message
+    streamed = list(c.chat.completions.create(model=MODEL, messages=messages, n=2, max_tokens=8, seed=4,
+                                              stream=True, stream_options={"include_usage": True}, **sampling))
+    assert ["".join(ch.choices[0].delta.content or "" for ch in streamed if ch.choices and ch.choices[0].index == i)
+            for i in range(2)] == [ch.message.content for ch in chat.choices]
+    assert streamed[-1].choices == [] and streamed[-1].usage.completion_tokens == chat.usage.completion_tokens
+
+
+def flat_chat(logprobs) -> list[tuple]:
+    return [(t.token, t.logprob, tuple(t.bytes), tuple((x.token, x.logprob) for x in t.top_logprobs))
+            for t in logprobs.content]
+
+
+def test_openai_client_logprobs_equal_the_targets_streamed_or_not(app, reference):
+    """logprobs / top_logprobs on chat and completions: one entry per generated token, the token the decode of its
+    id, its logprob and the top N the target's own (target-only, in process); streamed, the chunks' log-
+    probabilities together equal the non-streamed ones, also when a stop string holds text back.
+    Fails if a chunk's text_offset does not continue its choice's earlier chunks: checked by passing offset 0
+    for every chunk in `_stream`. (Held-back log-probabilities: test_serve_responses.py, where the steps are
+    scripted; here whether a step ends inside a forming stop string is up to the drafts.)"""
+    c = client(app)
+    tok = reference.tokenizer
+    prompt = "the quick brown fox"
+    ids = tok(prompt, add_special_tokens=False)["input_ids"]
+    [ref] = reference.completions([ids], [SamplingParams(max_new_tokens=12, logprobs=3, ignore_eos=True)])
+    assert ref.logprobs is not None and len(ref.logprobs) == len(ref.token_ids) == 12
+    kwargs = dict(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, logprobs=3, extra_body={"ignore_eos": True})
+    out = c.completions.create(**kwargs).choices[0].logprobs
+    assert out.tokens == [tok.decode([t]) for t in ref.token_ids]
+    assert out.token_logprobs == pytest.approx([e[0][1] for e in ref.logprobs], abs=1e-6)
+    for top, entry in zip(out.top_logprobs, ref.logprobs):
+        expected = {tok.decode([t]): lp for t, lp in [*entry[1:], entry[0]]}
+        assert top.keys() == expected.keys() and list(top.values()) == pytest.approx(list(expected.values()), abs=1e-6)
+    chunks = list(c.completions.create(stream=True, **kwargs))
+    lp = [ch.choices[0].logprobs for ch in chunks if ch.choices and ch.choices[0].logprobs]
+    assert [t for x in lp for t in x.tokens] == out.tokens and [o for x in lp for o in x.text_offset] == out.text_offset
+    assert [v for x in lp for v in x.token_logprobs] == out.token_logprobs
+
+    messages = [{"role": "user", "content": prompt}]
+    chat_ids = encode_prompt(tok, messages=messages, enable_thinking=False)
+    [chat_ref] = reference.completions([chat_ids], [SamplingParams(max_new_tokens=12, logprobs=2, ignore_eos=True)])
+    stop = tok.decode(chat_ref.token_ids)[5:8]  # text is held back while it may be forming; the row ends on it
+    for extra in ({}, {"stop": [stop]}):
+        kwargs = dict(model=MODEL, messages=messages, max_tokens=12, temperature=0, logprobs=True, top_logprobs=2,
+                      extra_body={"ignore_eos": True}, **extra)
+        done = c.chat.completions.create(**kwargs)
+        content = done.choices[0].logprobs.content
+        assert len(content) == done.usage.completion_tokens and all(len(t.top_logprobs) == 2 for t in content)
+        assert done.choices[0].finish_reason == ("stop" if extra else "length")
+        # Greedy: the chosen token is the most likely.
+        assert all(abs(t.top_logprobs[0].logprob - t.logprob) < 1e-9 and t.logprob >= t.top_logprobs[1].logprob
+                   for t in content)
+        assert [t.token for t in content] == [tok.decode([t]) for t in chat_ref.token_ids[:len(content)]]
+        assert [t.logprob for t in content] == pytest.approx([e[0][1] for e in chat_ref.logprobs[:len(content)]],
+                                                             abs=1e-6)
+        streamed = [ch.choices[0].logprobs for ch in c.chat.completions.create(stream=True, **kwargs)
+                    if ch.choices and ch.choices[0].logprobs]
+        assert [t for x in streamed for t in flat_chat(x)] == flat_chat(done.choices[0].logprobs)
+
+
+def test_openai_client_penalties_and_min_tokens_equal_target_only(app, reference):
+    """presence/frequency (OpenAI), repetition_penalty and min_tokens (vLLM's extras) are accepted and the output
+    is the target-only output with the same parameters, greedy and sampled; each reaches the engine: a penalized
+    greedy text differs from the plain one, and min_tokens outlasts the EOS its prompt ends on after one token.
+    Fails if the edge drops a penalty (its text stays the plain one), a mutation (PENALTIES out of `_sampling`'s
+    SamplingParams) to run once the engine applies penalties: before that, the test fails as it should."""
+    c = client(app)
+    fox = "the quick brown fox"  # greedy, EOS ignored: its 24 tokens repeat few, so the penalties that change
+    # them are these (HF generate with each, EOS ignored: positive presence or frequency alone leaves them as is)
+    cases = [(fox, dict(presence_penalty=-1.0), True), (fox, dict(frequency_penalty=-1.0), True),
+             (fox, dict(repetition_penalty=1.8), True), (fox, dict(presence_penalty=1.0, frequency_penalty=-2.0), True),
+             ("a batch of prompts", dict(min_tokens=10), False),  # plain, it ends on EOS after one token
+             (fox, dict(frequency_penalty=1.0, presence_penalty=0.5, temperature=0.8, seed=3), True)]
+    for prompt, case, ignore_eos in cases:
+        [plain] = reference([prompt], [24], ignore_eos=ignore_eos)
+        [ref] = reference([prompt], [24], ignore_eos=ignore_eos, **case)
+        openai_fields = {k: v for k, v in case.items() if k not in ("repetition_penalty", "min_tokens")}
+        vllm_fields = {k: v for k, v in case.items() if k in ("repetition_penalty", "min_tokens")}
+        out = c.completions.create(model=MODEL, prompt=prompt, max_tokens=24,
+                                   extra_body={"ignore_eos": ignore_eos, **vllm_fields},
+                                   **{"temperature": 0, **openai_fields})
+        assert (out.choices[0].text, out.usage.completion_tokens) == (ref.text, len(ref.token_ids)), case
+        assert out.usage.completion_tokens >= case.get("min_tokens", 0)
+        if "temperature" not in case:
+            assert out.choices[0].text != plain.text, case

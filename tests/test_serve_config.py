@@ -8,7 +8,7 @@ import pytest
 import yaml
 from ray.serve.schema import ServeDeploySchema
 
-from domino_ray.config import ConfigError, load_config
+from domino_ray.config import API_KEY_ENV, ConfigError, load_config, serve_api_key, to_dict
 from domino_ray.serve.app import app_builder, deployment_options, health_app_builder
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -45,6 +45,30 @@ def test_bad_serve_keys_are_named():
             load_config(None, [override])
 
 
+def test_api_key_from_config_or_environment_never_shown():
+    """serve.api_key or DOMINO_RAY_API_KEY (the one Serve then requires); both set and different is an error, not
+    a silent pick; the key is in no repr, no to_dict (what _summary.json and logs get) and no error message.
+    Fails if the environment silently wins over a different config key: checked by dropping the conflict check
+    in `serve_api_key`."""
+    key = "sk-secret-4d2e"
+    cfg = load_config(None, [f"serve.api_key={key}"])
+    assert serve_api_key(cfg.serve, {}) == key == serve_api_key(cfg.serve, {API_KEY_ENV: key})
+    assert serve_api_key(load_config().serve, {API_KEY_ENV: key}) == key
+    assert serve_api_key(load_config().serve, {}) is None  # no key: the routes stay open
+    assert to_dict(cfg)["serve"]["api_key"] == "<redacted>" and to_dict(load_config())["serve"]["api_key"] is None
+    assert key not in repr(cfg) and key not in str(to_dict(cfg))
+    errors = []
+    for attempt in (lambda: serve_api_key(cfg.serve, {API_KEY_ENV: key + "2"}),
+                    lambda: serve_api_key(load_config().serve, {API_KEY_ENV: ""}),
+                    lambda: serve_api_key(load_config().serve, {API_KEY_ENV: f"{key} x"}),
+                    lambda: load_config(None, [f"serve.api_key={key} x"])):
+        with pytest.raises(ConfigError) as info:
+            attempt()
+        errors.append(str(info.value))
+    assert "both set and differ" in errors[0] and all(API_KEY_ENV in e for e in errors[1:3])
+    assert all("serve.api_key" in e for e in errors[3:]) and not any(key in e for e in errors), errors
+
+
 def serve_configs():
     service = yaml.safe_load((ROOT / "deploy/rayservice.yaml").read_text())
     return [yaml.safe_load((ROOT / "deploy/serve.yaml").read_text()), yaml.safe_load(service["spec"]["serveConfigV2"])]
@@ -69,6 +93,19 @@ def test_deploy_files_are_valid_serve_configs_that_build_the_app(which):
     assert deployment.name == "DominoServer"
     cfg = load_config(None, overrides)
     assert deployment.max_ongoing_requests == cfg.serve.max_ongoing_requests
+
+
+def test_rayservice_passes_the_api_key_from_a_secret_to_every_ray_container():
+    """Replicas read DOMINO_RAY_API_KEY where they run: every group's Ray container gets it from the Secret, and
+    the manifest itself holds no key (no plain `value`). Fails if a group lacks it: checked by removing the
+    worker group's env."""
+    cluster = yaml.safe_load((ROOT / "deploy/rayservice.yaml").read_text())["spec"]["rayClusterConfig"]
+    groups = [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]
+    for group in groups:
+        [container] = group["template"]["spec"]["containers"]
+        [var] = [v for v in container.get("env", []) if v["name"] == "DOMINO_RAY_API_KEY"]
+        assert set(var) == {"name", "valueFrom"}
+        assert var["valueFrom"]["secretKeyRef"] == {"name": "domino-serve-api-key", "key": "api-key"}
 
 
 def test_app_builder_rejects_unknown_args():

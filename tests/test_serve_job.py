@@ -1,6 +1,6 @@
-"""`jobs/serve.py` as a user runs it: a real subprocess serving the demo pair over HTTP. SIGTERM (what
-docker, Kubernetes and supervisors send) stops it within a bound and leaves none of the Ray processes
-it started behind."""
+"""`jobs/serve.py` as a user runs it: a real subprocess serving the demo pair over HTTP, its API key from the
+environment (DOMINO_RAY_API_KEY, as a Kubernetes Secret passes it). SIGTERM (what docker, Kubernetes and
+supervisors send) stops it within a bound and leaves none of the Ray processes it started behind."""
 
 import os
 import signal
@@ -47,8 +47,11 @@ def descendants(pid: int) -> set[int]:
 
 
 def test_sigterm_shuts_down_serve_and_the_ray_processes_it_started(tmp_path):
-    port = free_port()
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONPATH": str(ROOT)}
+    """Also: the key in the environment is required on /v1 (401 without it), /health is open, and the key is
+    not in the command's output. Fails if the environment's key is ignored: checked by making `serve_api_key`
+    read no environment (200 without a key)."""
+    port, key = free_port(), "sk-env-5e81c0"
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONPATH": str(ROOT), "DOMINO_RAY_API_KEY": key}
     # runtime.ray_address=local: a cluster of its own, never one another process started.
     job = subprocess.Popen([sys.executable, str(ROOT / "jobs/serve.py"), f"serve.port={port}",
                             "runtime.ray_address=local", "serve.cpus_per_replica=0.5"],
@@ -61,8 +64,10 @@ def test_sigterm_shuts_down_serve_and_the_ray_processes_it_started(tmp_path):
             except httpx.HTTPError:
                 time.sleep(1)
         assert ready, (tmp_path / "out.log").read_text()[-3000:]
-        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "def add(a, b):", "max_tokens": 4},
-                       timeout=60)
+        url, body = f"http://127.0.0.1:{port}/v1/completions", {"prompt": "def add(a, b):", "max_tokens": 4}
+        refused = httpx.post(url, json=body, timeout=60)
+        assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
+        r = httpx.post(url, json=body, headers={"Authorization": f"Bearer {key}"}, timeout=60)
         assert r.status_code == 200
         started = descendants(job.pid)  # GCS, raylet, workers, Serve's actors
         assert len(started) >= 3
@@ -72,6 +77,7 @@ def test_sigterm_shuts_down_serve_and_the_ray_processes_it_started(tmp_path):
         while (alive := started & set(parents())) and time.time() < deadline:
             time.sleep(0.5)
         assert not alive, [(pid, Path(f"/proc/{pid}/cmdline").read_bytes()[:80]) for pid in alive]
+        assert key not in (tmp_path / "out.log").read_text()
     finally:
         if job.poll() is None:
             job.kill()

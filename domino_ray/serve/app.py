@@ -3,11 +3,15 @@
     serve run deploy/serve.yaml              # or: python jobs/serve.py [--config FILE] [key=value ...]
 
 Each replica loads the target (+ Domino draft) once and runs it on an `EngineLoop` thread; every HTTP
-request submits one engine request and awaits its stream, so concurrent requests share the running
-batch (continuous batching) and tokens stream back as they are committed. A client that goes away
-cancels its handler, which aborts the engine request and frees its slot. Request parsing and response
-building live in the Ray-free `openai_api`, the request's text stream in `text_stream`; this module is
-FastAPI + Serve + metrics.
+request submits one engine request per choice (`n`) and awaits their streams, so concurrent requests share
+the running batch (continuous batching) and tokens stream back as they are committed. A client that goes
+away cancels its handler, which aborts its engine requests and frees their slots. Request parsing lives in
+the Ray-free `openai_api`, response bodies in `responses`, the request's text stream in `text_stream`,
+the counters in `metrics`; this module is FastAPI + Serve.
+
+With an API key (`serve.api_key` or DOMINO_RAY_API_KEY, `config.serve_api_key`) the /v1 routes require
+`Authorization: Bearer <key>`, compared in constant time before the body is read: a missing or wrong key is an
+OpenAI-shaped 401 that costs no engine work. `/health` and `/load` stay open.
 
 Overload is answered at once, never by unbounded waiting: beyond `serve.max_waiting_requests` waiting
 for an engine slot the replica answers 429 (EngineLoop QueueFull); beyond `serve.max_ongoing_requests`
@@ -22,6 +26,8 @@ engine replicas (kept current by `check_health`), and so answers under any load.
 
 # No `from __future__ import annotations` here: FastAPI reads the handlers' annotations as real types.
 import asyncio
+import dataclasses
+import hmac
 import logging
 import time
 import uuid
@@ -31,66 +37,19 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 from ray.serve.config import AutoscalingConfig, BackpressureConfig
-from ray.util import metrics
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from domino_ray.config import JobConfig, generation_defaults, load_config
+from domino_ray.config import JobConfig, generation_defaults, load_config, serve_api_key
 from domino_ray.engine.loop import EngineLoop
 from domino_ray.llm import load_engine
-from domino_ray.serve.openai_api import (SSE_DONE, APIError, ModelSpec, chunk_body, models_body, parse_request,
-                                         response_body, sse, usage_chunk_body)
+from domino_ray.serve.metrics import Metrics
+from domino_ray.serve.openai_api import APIError, ModelSpec, ParsedRequest, parse_request
+from domino_ray.serve.responses import (SSE_DONE, chunk_body, logprobs_body, models_body, response_body, sse,
+                                        usage_chunk_body)
 from domino_ray.serve.text_stream import Piece, generate
 
 logger = logging.getLogger("ray.serve")
 api = FastAPI(title="domino-ray", description="OpenAI-compatible speculative decoding (target + Domino draft)")
-TTFT_BOUNDARIES = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
-LATENCY_BOUNDARIES = [0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0]
-
-
-class Metrics:
-    """Prometheus-style counters (exported by Ray as `ray_domino_*`); acceptance rate = accepted / draft."""
-
-    def __init__(self, model: str):
-        tags = {"model": model}
-        self.requests = metrics.Counter("domino_requests", "HTTP requests by route and status",
-                                        tag_keys=("model", "route", "status"))
-        self.requests.set_default_tags(tags)
-        self.generated = _counter("domino_generated_tokens", "tokens generated", tags)
-        self.draft = _counter("domino_draft_tokens", "draft tokens proposed (that could be accepted)", tags)
-        self.accepted = _counter("domino_accepted_draft_tokens", "draft tokens accepted (bonus excluded)", tags)
-        self.steps = _counter("domino_spec_steps", "target verify passes", tags)
-        self.widths = metrics.Counter("domino_verify_width_steps", "verify passes by verify width (drafts verified)",
-                                      tag_keys=("model", "width"))
-        self.widths.set_default_tags(tags)
-        self.ttft = metrics.Histogram("domino_time_to_first_token_s", "request arrival to first token, seconds",
-                                      boundaries=TTFT_BOUNDARIES, tag_keys=("model",))
-        self.ttft.set_default_tags(tags)
-        self.latency = metrics.Histogram("domino_request_latency_s", "request arrival to last token, seconds",
-                                         boundaries=LATENCY_BOUNDARIES, tag_keys=("model",))
-        self.latency.set_default_tags(tags)
-
-    def ended(self, route: str, status: str, piece: Piece | None = None, started: float | None = None):
-        """Count one request by status; its tokens and statistics as usage reports them (a stop string's
-        overshoot excluded), also for a request cut short (client gone, error mid-stream)."""
-        self.requests.inc(tags={"route": route, "status": status})
-        if piece is None:
-            return
-        stats = piece.stats
-        for counter, value in ((self.generated, piece.num_tokens), (self.draft, stats.num_draft_tokens),
-                               (self.accepted, stats.num_accepted_draft_tokens), (self.steps, stats.num_spec_steps)):
-            if value:  # Ray counters refuse inc(0)
-                counter.inc(value)
-        for width, steps in enumerate(stats.verify_width_histogram):
-            if steps:
-                self.widths.inc(steps, tags={"width": str(width)})
-        if piece.completion is not None and started is not None:
-            self.latency.observe(time.perf_counter() - started)
-
-
-def _counter(name: str, description: str, tags: dict) -> metrics.Counter:
-    counter = metrics.Counter(name, description, tag_keys=tuple(tags))
-    counter.set_default_tags(tags)
-    return counter
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -115,8 +74,20 @@ def _internal_error(exc: BaseException) -> APIError:
 
 
 def _error(exc: APIError) -> JSONResponse:
-    headers = {"Retry-After": "1"} if exc.status == 429 else None
+    headers = {429: {"Retry-After": "1"}, 401: {"WWW-Authenticate": "Bearer"}}.get(exc.status)
     return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+
+def check_api_key(request: Request, key: bytes | None):
+    """Raises a 401 unless the request carries `Authorization: Bearer <key>` (no key configured: open)."""
+    if key is None:
+        return
+    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not given.strip():
+        raise APIError(401, "missing API key: send it as the header 'Authorization: Bearer <key>' (the openai "
+                            "client's api_key)", code="invalid_api_key")
+    if not hmac.compare_digest(given.strip().encode(), key):
+        raise APIError(401, "incorrect API key provided", code="invalid_api_key")
 
 
 @api.exception_handler(StarletteHTTPException)
@@ -129,6 +100,8 @@ async def _http_error(request: Request, exc: StarletteHTTPException):
 @serve.ingress(api)
 class DominoServer:
     def __init__(self, cfg: JobConfig):
+        key = serve_api_key(cfg.serve)  # again where the replica runs: a different key in its environment is an error
+        self.api_key = key.encode() if key is not None else None
         engine, self.tokenizer = load_engine(cfg.model, cfg.draft, cfg.generation, cfg.runtime)
         if engine.slot_report:
             logger.info("replica engine: %s", engine.slot_report)
@@ -136,7 +109,8 @@ class DominoServer:
         self.model = ModelSpec(
             name=cfg.serve.model_name, tokenizer=self.tokenizer, vocab_size=engine.vocab_size,
             max_model_len=engine.max_model_len, enable_thinking=cfg.model.enable_thinking,
-            parse_special_tokens=cfg.model.parse_special_tokens, defaults=generation_defaults(cfg.generation))
+            parse_special_tokens=cfg.model.parse_special_tokens, defaults=generation_defaults(cfg.generation),
+            eos_token_ids=tuple(engine.eos_token_ids), max_n=engine.max_rows + cfg.serve.max_waiting_requests)
         self.created = int(time.time())
         self.metrics = Metrics(cfg.serve.model_name)
         self.max_request_bytes = cfg.serve.max_request_bytes
@@ -159,7 +133,11 @@ class DominoServer:
         return {"status": "ok", "running": len(self.loop.engine.rows), "waiting": self.loop.num_waiting()}
 
     @api.get("/v1/models")
-    async def models(self):
+    async def models(self, request: Request):
+        try:
+            check_api_key(request, self.api_key)
+        except APIError as exc:
+            return _error(exc)
         return models_body(self.model, self.created)
 
     @api.post("/v1/completions")
@@ -173,11 +151,12 @@ class DominoServer:
     async def _respond(self, request: Request, kind: str):
         started, route = time.perf_counter(), kind
         try:
+            check_api_key(request, self.api_key)  # before the body is read: a stranger costs nothing
             raw = await read_body(request, self.max_request_bytes)
             # JSON and tokenization off the event loop: a big prompt must not stall /health or other streams.
             parsed = await asyncio.to_thread(parse_request, kind, raw, self.model)
             response_id = f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex}"
-            pieces = generate(self.loop, response_id, parsed, self.tokenizer)
+            pieces = generate(self.loop, response_id, parsed, self.model)
             first = await anext(pieces)  # errors before the first token still get a proper status
         except APIError as exc:
             self.metrics.ended(route, str(exc.status))
@@ -187,17 +166,23 @@ class DominoServer:
             self.metrics.ended(route, str(error.status))
             return _error(error)
         self.metrics.ttft.observe(time.perf_counter() - started)
-        args = (parsed, response_id, self.created, self.model.name)
         if parsed.stream:
-            return StreamingResponse(self._stream(args, first, pieces, started, route),
+            return StreamingResponse(self._stream(parsed, response_id, first, pieces, started, route),
                                      media_type="text/event-stream")
-        texts, last, status = [first.text], first, "cancelled"  # stays "cancelled" if the client goes away
+        n = parsed.params.n
+        texts, latest, status = [[] for _ in range(n)], {}, "cancelled"  # stays so if the client goes away
         try:
-            while last.completion is None:
-                last = await anext(pieces)
-                texts.append(last.text)
+            piece = first
+            while True:
+                texts[piece.index].append(piece.text)
+                latest[piece.index] = piece
+                if len(latest) == n and all(p.completion is not None for p in latest.values()):
+                    break
+                piece = await anext(pieces)
             status = "200"
-            return response_body(*args, "".join(texts), last.finish_reason, last.completion)
+            finals = [latest[i] for i in range(n)]
+            return response_body(parsed, response_id, self.created, self.model, ["".join(t) for t in texts],
+                                 [p.finish_reason for p in finals], [p.completion for p in finals])
         except APIError as exc:
             status = str(exc.status)
             return _error(exc)
@@ -206,23 +191,37 @@ class DominoServer:
             status = str(error.status)
             return _error(error)
         finally:
-            await pieces.aclose()  # aborts the engine request unless it finished (e.g. the client left)
-            self.metrics.ended(route, status, last, started)
+            await pieces.aclose()  # aborts the engine requests unless they finished (e.g. the client left)
+            self.metrics.ended(route, status, list(latest.values()), started)
 
-    async def _stream(self, args, first, pieces, started: float, route: str):
-        parsed = args[0]
+    async def _stream(self, parsed: ParsedRequest, response_id: str, first: Piece, pieces, started: float,
+                      route: str):
+        """Server-sent events: a chunk per piece that has text or log-probabilities (a choice's first always,
+        naming the chat role), a finishing chunk per choice; the last carries usage and statistics (or, with
+        include_usage, one more chunk without choices)."""
+        head = (response_id, self.created, self.model.name)
+        n, latest, begun, offsets = parsed.params.n, {}, set(), {}
         status, piece = "cancelled", first  # stays "cancelled" if the client goes away mid-stream
         try:
-            yield sse(chunk_body(*args, piece.text, first=True))
-            while piece.completion is None:
+            while True:
+                i = piece.index
+                latest[i] = piece
+                if i not in begun or piece.text or piece.logprobs:
+                    logprobs = logprobs_body(parsed.kind, self.tokenizer, piece.logprobs, offsets.get(i, 0))
+                    if logprobs is not None and parsed.kind == "completion" and logprobs["tokens"]:
+                        offsets[i] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
+                    yield sse(chunk_body(parsed, *head, i, piece.text, first=i not in begun, logprobs=logprobs))
+                    begun.add(i)
+                if piece.completion is not None:
+                    done = len(latest) == n and all(p.completion is not None for p in latest.values())
+                    completions = [latest[c].completion for c in range(n)] if done else None
+                    yield sse(chunk_body(parsed, *head, i, "", finish_reason=piece.finish_reason,
+                                         completions=None if parsed.include_usage else completions))
+                    if done:
+                        break
                 piece = await anext(pieces)
-                if piece.text:
-                    yield sse(chunk_body(*args, piece.text))
-            if parsed.include_usage:  # as OpenAI: the finishing chunk, then one with usage and no choices
-                yield sse(chunk_body(*args, "", finish_reason=piece.finish_reason))
-                yield sse(usage_chunk_body(*args, piece.completion))
-            else:
-                yield sse(chunk_body(*args, "", finish_reason=piece.finish_reason, completion=piece.completion))
+            if parsed.include_usage:  # as OpenAI: the finishing chunks, then one with usage and no choices
+                yield sse(usage_chunk_body(parsed, *head, completions))
             yield SSE_DONE
             status = "200"
         except Exception as exc:  # headers are sent: report in the stream, as OpenAI does
@@ -231,8 +230,8 @@ class DominoServer:
             yield sse(error.body())
             yield SSE_DONE
         finally:
-            await pieces.aclose()  # aborts the engine request unless it finished
-            self.metrics.ended(route, status, piece, started)
+            await pieces.aclose()  # aborts the engine requests unless they finished
+            self.metrics.ended(route, status, list(latest.values()), started)
 
 
 def deployment_options(cfg: JobConfig) -> dict:
@@ -261,6 +260,10 @@ def deployment_options(cfg: JobConfig) -> dict:
 
 
 def build_app(cfg: JobConfig) -> serve.Application:
+    """The engine app. An API key from this process's environment travels with the config (in the replicas'
+    constructor arguments, never a log or runtime_env), so replicas on nodes without the variable enforce it too."""
+    key = serve_api_key(cfg.serve)
+    cfg = dataclasses.replace(cfg, serve=dataclasses.replace(cfg.serve, api_key=key))
     return DominoServer.options(**deployment_options(cfg)).bind(cfg)
 
 

@@ -1,12 +1,8 @@
-"""The OpenAI-compatible API, Ray-free: request parsing and response bodies (one request's text
-stream, between the two, is text_stream.py).
-
-- `parse_request` turns the JSON body of `POST /v1/completions` or `/v1/chat/completions` into token
-  ids, `SamplingParams` and stop strings, or raises `APIError` (a 4xx with an OpenAI-style body whose
-  `param` names the field). Fields we do not implement are refused unless they hold their neutral
-  value, so nothing a client asks for is silently ignored.
-- `response_body` / `chunk_body` build responses and stream chunks; both carry `usage` and the
-  request's acceptance statistics in `speculative_decoding_stats` (DESIGN.md §5 names).
+"""The OpenAI-compatible API's requests, Ray-free: `parse_request` turns the JSON body of `POST /v1/completions`
+or `/v1/chat/completions` into token ids and `SamplingParams`, or raises `APIError` (a 4xx with an OpenAI-style
+body whose `param` names the field). Values are judged by SamplingParams' own rules (SAMPLING_CHECKS); fields we
+do not implement are refused unless they hold their neutral value, so nothing a client asks for is silently
+ignored. Response bodies are responses.py's; one request's text stream, between the two, text_stream.py's.
 """
 
 from __future__ import annotations
@@ -15,24 +11,20 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from domino_ray.engine.request import Completion
 from domino_ray.model.target import encode_prompt
-from domino_ray.spec.sampling_params import SAMPLING_CHECKS, SamplingParams, invalid_value, is_int
+from domino_ray.spec.sampling_params import MAX_LOGPROBS, SAMPLING_CHECKS, SamplingParams, invalid_value, is_int
 
-MAX_STOP_STRINGS = 16
-SSE_DONE = "data: [DONE]\n\n"
-
-# Fields we accept only at a neutral value (OpenAI features this server does not implement).
+# Fields we accept only at a neutral value (OpenAI and vLLM features this server does not implement).
 NEUTRAL = {
-    "presence_penalty": (0, None), "frequency_penalty": (0, None), "logit_bias": (None, {}),
-    "logprobs": (None, False), "top_logprobs": (None, 0), "echo": (None, False), "suffix": (None,),
-    "best_of": (None, 1), "tools": (None, []), "tool_choice": (None, "none"), "parallel_tool_calls": (None, True, False),
+    "logit_bias": (None, {}), "echo": (None, False), "suffix": (None,), "best_of": (None, 1), "tools": (None, []),
+    "tool_choice": (None, "none"), "parallel_tool_calls": (None, True, False),
     "response_format": (None, {"type": "text"}), "user": None, "metadata": None, "store": (None, False),
 }
+PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty")
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n", "stream", "stream_options",
-          "ignore_eos", "stop_token_ids"}
+          "ignore_eos", "stop_token_ids", "include_stop_str_in_output", "min_tokens", "logprobs", *PENALTIES}
 FIELDS = {"completion": COMMON | {"prompt"},
-          "chat": COMMON | {"messages", "max_completion_tokens", "chat_template_kwargs"}}
+          "chat": COMMON | {"messages", "max_completion_tokens", "chat_template_kwargs", "top_logprobs"}}
 
 
 class APIError(Exception):
@@ -49,7 +41,7 @@ class APIError(Exception):
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """What request parsing needs to know about the served model."""
+    """What request parsing and the text stream need to know about the served model."""
     name: str                  # the id clients send as `model`
     tokenizer: Any
     vocab_size: int            # token ids in prompts must be below this
@@ -57,14 +49,15 @@ class ModelSpec:
     defaults: SamplingParams = SamplingParams()  # for fields a request leaves out (config `generation:`)
     enable_thinking: bool = False  # chat template default (Qwen3 thinking off)
     parse_special_tokens: bool = False  # special-token strings in prompt/content text become control ids
+    eos_token_ids: tuple[int, ...] = ()  # the engine's: a generated one ends the row and is no text
+    max_n: int | None = None   # choices a request may ask for (engine slots + waiting places); None = any
 
 
 @dataclass
 class ParsedRequest:
     kind: str                  # "completion" | "chat"
     prompt_token_ids: list[int]
-    params: SamplingParams
-    stop: tuple[str, ...]      # stop strings, matched on the generated text
+    params: SamplingParams     # n choices, each run as params.for_sample(i)
     stream: bool
     include_usage: bool = False  # stream_options.include_usage: usage in a last chunk with no choices
 
@@ -99,8 +92,6 @@ def parse_request(kind: str, raw: bytes, model: ModelSpec) -> ParsedRequest:
     if requested is not None and requested != model.name:
         raise APIError(404, f"model {requested!r} does not exist; this server serves {model.name!r}", "model",
                        code="model_not_found")
-    if body.get("n") not in (None, 1):
-        raise APIError(400, f"n={body['n']!r}: only n=1 is supported", "n")
     if kind == "completion":
         ids, prompt_field = _completion_prompt(body, model), "prompt"
     else:
@@ -113,8 +104,7 @@ def parse_request(kind: str, raw: bytes, model: ModelSpec) -> ParsedRequest:
                             "usage and statistics come in the last chunk (include_usage: a chunk of its own)", "stream_options")
     stream = _bool(body, "stream", False)
     return ParsedRequest(kind=kind, prompt_token_ids=ids,
-                         params=_sampling(body, model, len(ids), prompt_field, max_tokens_field),
-                         stop=_stop_strings(body), stream=stream,
+                         params=_sampling(body, kind, model, len(ids), prompt_field, max_tokens_field), stream=stream,
                          include_usage=stream and options.get("include_usage", False))
 
 
@@ -169,8 +159,10 @@ def _encode(model: ModelSpec, field: str, **kwargs) -> list[int]:
         raise APIError(400, f"{field}: {exc}", field) from None
 
 
-def _sampling(body: dict, model: ModelSpec, prompt_len: int, prompt_field: str, max_tokens_field: str
+def _sampling(body: dict, kind: str, model: ModelSpec, prompt_len: int, prompt_field: str, max_tokens_field: str
               ) -> SamplingParams:
+    """The request's SamplingParams; fields it leaves out take the config's `generation:` values, but for `n`
+    and `logprobs`, which shape the response: those are the client's (1 and none unless asked)."""
     room = model.max_model_len - prompt_len
     if room < 1:
         raise APIError(400, f"{prompt_field} has {prompt_len} tokens; this model's limit is {model.max_model_len} "
@@ -181,31 +173,60 @@ def _sampling(body: dict, model: ModelSpec, prompt_len: int, prompt_field: str, 
         raise APIError(400, f"{prompt_field} ({prompt_len} tokens) + {max_tokens_field} ({max_tokens}) exceeds this "
                             f"model's limit of {model.max_model_len} tokens: at most {room} completion tokens fit "
                             "after this prompt", max_tokens_field, code="context_length_exceeded")
+    max_new_tokens = max_tokens if max_tokens is not None else min(model.defaults.max_new_tokens, room)
     d = model.defaults
     stop_ids = body.get("stop_token_ids") or []
     if not isinstance(stop_ids, list) or not all(is_int(t) and 0 <= t < model.vocab_size for t in stop_ids):
         raise APIError(400, f"stop_token_ids must be a list of token ids in [0, {model.vocab_size})", "stop_token_ids")
+    n = _sampling_field(body, "n", 1)
+    if model.max_n is not None and n > model.max_n:
+        raise APIError(400, invalid_value("n", n, f"an int in [1, {model.max_n}] (the engine slots and waiting places "
+                                                  "of a replica: its choices run at once)"), "n")
+    min_tokens = _sampling_field(body, "min_tokens", d.min_tokens)
+    if min_tokens > max_new_tokens:
+        raise APIError(400, invalid_value("min_tokens", min_tokens, f"an int <= {max_tokens_field} ({max_new_tokens})"),
+                       "min_tokens")
     try:
         return SamplingParams(
-            max_new_tokens=max_tokens if max_tokens is not None else min(d.max_new_tokens, room),
+            max_new_tokens=max_new_tokens,
             temperature=float(_sampling_field(body, "temperature", d.temperature)),
             top_p=float(_sampling_field(body, "top_p", d.top_p)),
             top_k=max(_int(body, "top_k", d.top_k, lo=-1), 0),  # -1 (vLLM's "off") == 0
             seed=_sampling_field(body, "seed", None),
             stop_token_ids=tuple(dict.fromkeys([*d.stop_token_ids, *stop_ids])),
-            ignore_eos=_bool(body, "ignore_eos", d.ignore_eos))
+            ignore_eos=_bool(body, "ignore_eos", d.ignore_eos),
+            stop=_stop_strings(body, d.stop),
+            include_stop_str_in_output=_bool(body, "include_stop_str_in_output", d.include_stop_str_in_output),
+            n=n, logprobs=_logprobs(body, kind), min_tokens=min_tokens,
+            **{name: float(_sampling_field(body, name, getattr(d, name))) for name in PENALTIES})
     except ValueError as exc:  # SamplingParams.validate: a backstop, the checks above come first
         raise APIError(400, str(exc)) from None
 
 
-def _stop_strings(body: dict) -> tuple[str, ...]:
+def _stop_strings(body: dict, defaults: tuple[str, ...]) -> tuple[str, ...]:
+    """The config's stop strings and the request's (as stop_token_ids merge), one rule for both."""
     stop = body.get("stop")
     stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
-    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
-        raise APIError(400, "stop must be a non-empty string or a list of non-empty strings", "stop")
-    if len(stop) > MAX_STOP_STRINGS:
-        raise APIError(400, f"stop holds {len(stop)} strings; at most {MAX_STOP_STRINGS} are allowed", "stop")
-    return tuple(stop)
+    merged = stop if not isinstance(stop, list) else list(dict.fromkeys([*defaults, *stop]))
+    ok, expected = SAMPLING_CHECKS["stop"]
+    if not ok(merged):
+        raise APIError(400, invalid_value("stop", body.get("stop"), "a string or " + expected
+                                          + (f" (with the config's {len(defaults)})" if defaults else "")), "stop")
+    return tuple(merged)
+
+
+def _logprobs(body: dict, kind: str) -> int | None:
+    """SamplingParams.logprobs: completions' `logprobs` N (vLLM's range), or chat's `logprobs` (true or false)
+    with `top_logprobs` N."""
+    if kind == "completion":
+        return _sampling_field(body, "logprobs", None)
+    wanted, top = _bool(body, "logprobs", False), body.get("top_logprobs")
+    if top is not None and not (is_int(top) and 0 <= top <= MAX_LOGPROBS):
+        raise APIError(400, invalid_value("top_logprobs", top, f"null or an int in [0, {MAX_LOGPROBS}]"),
+                       "top_logprobs")
+    if top and not wanted:
+        raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+    return (top or 0) if wanted else None
 
 
 def _int(body: dict, name: str, default, *, lo: int):
@@ -235,64 +256,3 @@ def _bool(body: dict, name: str, default: bool, param: str | None = None) -> boo
     if not isinstance(x, bool):
         raise APIError(400, f"{param or name} must be true or false, got {x!r}", param or name)
     return x
-
-
-# ---- responses -------------------------------------------------------------------------------------
-
-def usage(completion: Completion) -> dict:
-    prompt, generated = len(completion.prompt_token_ids), len(completion.token_ids)
-    return {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated}
-
-
-def spec_stats(completion: Completion) -> dict:
-    """The request's acceptance statistics and timings (DESIGN.md §5 names)."""
-    return {**completion.stats.to_columns(), "time_to_first_token_s": completion.time_to_first_token_s,
-            "time_taken_llm_s": completion.time_taken_s}
-
-
-def response_body(parsed: ParsedRequest, response_id: str, created: int, model: str, text: str,
-                  finish_reason: str, completion: Completion) -> dict:
-    if parsed.kind == "completion":
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-        obj = "text_completion"
-    else:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                  "finish_reason": finish_reason}
-        obj = "chat.completion"
-    return {"id": response_id, "object": obj, "created": created, "model": model, "choices": [choice],
-            "usage": usage(completion), "speculative_decoding_stats": spec_stats(completion)}
-
-
-def chunk_body(parsed: ParsedRequest, response_id: str, created: int, model: str, text: str, *,
-               first: bool = False, finish_reason: str | None = None, completion: Completion | None = None) -> dict:
-    """One stream chunk; given `completion` (the finishing chunk, unless include_usage) it also carries usage
-    and statistics."""
-    if parsed.kind == "completion":
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-        obj = "text_completion"
-    else:
-        delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-        obj = "chat.completion.chunk"
-    chunk = {"id": response_id, "object": obj, "created": created, "model": model, "choices": [choice]}
-    if completion is not None:
-        chunk["usage"] = usage(completion)
-        chunk["speculative_decoding_stats"] = spec_stats(completion)
-    return chunk
-
-
-def usage_chunk_body(parsed: ParsedRequest, response_id: str, created: int, model: str,
-                     completion: Completion) -> dict:
-    """The extra last chunk of `stream_options.include_usage`: no choices, usage and statistics (as OpenAI)."""
-    obj = "text_completion" if parsed.kind == "completion" else "chat.completion.chunk"
-    return {"id": response_id, "object": obj, "created": created, "model": model, "choices": [],
-            "usage": usage(completion), "speculative_decoding_stats": spec_stats(completion)}
-
-
-def sse(obj: dict) -> str:
-    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
-
-
-def models_body(model: ModelSpec, created: int) -> dict:
-    return {"object": "list", "data": [{"id": model.name, "object": "model", "created": created,
-                                        "owned_by": "domino-ray", "max_model_len": model.max_model_len}]}

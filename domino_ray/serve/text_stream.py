@@ -1,102 +1,119 @@
-"""One request's text, Ray-free: `generate` submits a parsed request (openai_api.py) to an `EngineLoop`
-and yields text `Piece`s as the engine commits tokens: incremental detokenization (`TextStream`), stop
-strings matched on the text (the engine only knows stop token ids), and an engine abort when the text
-stops early or the consumer goes away.
+"""One request's text, Ray-free: `generate` submits a parsed request (openai_api.py) to an `EngineLoop` as n
+engine requests, one per choice (`SamplingParams.for_sample`), and yields text `Piece`s of all of them as the
+engine commits tokens: incremental detokenization (`TextStream`), the text held back while a stop string may be
+forming, and an engine abort of every unfinished choice when the consumer goes away.
+
+Stop strings end a row inside the engine (the request carries a `StopStrings` matcher): on the step its string
+completes, later tokens of that step dropped, so the tokens, statistics and log-probabilities the engine reports
+are already those of the returned text, and the row frees its slot at once.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import asyncio
 from dataclasses import dataclass
 from typing import AsyncIterator
 
-from domino_ray.engine.loop import EngineDead, EngineLoop, QueueFull
-from domino_ray.engine.request import Completion, Request
-from domino_ray.model.text_stream import TextStream
-from domino_ray.serve.openai_api import APIError, ParsedRequest
+from domino_ray.engine.loop import EngineDead, EngineLoop, QueueFull, RequestStream
+from domino_ray.engine.request import Completion, Request, TokenLogprobs
+from domino_ray.model.text_stream import StopStrings, TextStream, cut_at_stop
+from domino_ray.serve.openai_api import APIError, ModelSpec, ParsedRequest
+from domino_ray.spec.sampling_params import SamplingParams
 from domino_ray.spec.stats import RowStats
 
 
 @dataclass
 class Piece:
+    index: int                 # the choice, 0..n-1
     text: str                  # new text for the client ('' while a stop string may be forming)
-    finish_reason: str | None  # set on the last piece: "stop" | "length"
-    completion: Completion | None  # set on the last piece; cut after a stop string (tokens and stats)
-    num_tokens: int            # completion tokens so far, as usage counts them (the returned text's tokens)
-    stats: RowStats            # the request's statistics for those tokens
+    finish_reason: str | None  # set on the choice's last piece: "stop" | "length"
+    completion: Completion | None  # set on the choice's last piece
+    num_tokens: int            # the choice's completion tokens so far, as usage counts them
+    stats: RowStats            # the choice's statistics for those tokens
+    logprobs: list[TokenLogprobs] | None = None  # of the tokens whose text this piece releases (when asked)
 
 
-async def generate(loop: EngineLoop, request_id: str, parsed: ParsedRequest, tokenizer) -> AsyncIterator[Piece]:
-    """Run one request on the engine loop, yielding a Piece per engine event; the last one finishes.
+async def generate(loop: EngineLoop, response_id: str, parsed: ParsedRequest, model: ModelSpec
+                   ) -> AsyncIterator[Piece]:
+    """Run the request's n choices on the engine loop at once, yielding their Pieces as they come; it ends once
+    every choice has its last piece.
 
-    Raises APIError: 429 when the loop's queue is full, 503 when the engine is dead. If the consumer
-    stops early (client disconnect, cancellation) the request is aborted, which frees its slot.
+    Raises APIError: 429 when the loop's queue cannot hold the n requests, 503 when the engine is dead, 400 when
+    the engine refuses one. If the consumer stops early (client disconnect, cancellation) or a choice fails, the
+    unfinished choices are aborted, which frees their slots.
     """
+    n = parsed.params.n
+    request_ids = [(response_id, i) for i in range(n)]
+    samples = [parsed.params.for_sample(i) for i in range(n)]
+    finished: set[int] = set()
+    streams: list[RequestStream] = []
+    pumps: list[asyncio.Task] = []
     try:
-        stream = loop.submit(Request(request_id, parsed.prompt_token_ids, parsed.params))
+        for rid, sample in zip(request_ids, samples):  # all before the first await: a full queue refuses them all
+            stop = StopStrings(model.tokenizer, sample.stop) if sample.stop else None
+            streams.append(_submit(loop, Request(rid, parsed.prompt_token_ids, sample, stop)))
+        queue: asyncio.Queue = asyncio.Queue()
+        pumps = [asyncio.create_task(_pump(_choice(i, stream, samples[i], model), queue))
+                 for i, stream in enumerate(streams)]
+        while len(finished) < n:
+            item = await queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            if item.completion is not None:
+                finished.add(item.index)
+            yield item
+    finally:
+        for i in range(len(streams)):
+            if i not in finished:
+                loop.abort(request_ids[i])
+        for task in pumps:
+            task.cancel()
+        await asyncio.gather(*pumps, return_exceptions=True)
+
+
+def _submit(loop: EngineLoop, request: Request) -> RequestStream:
+    try:
+        return loop.submit(request)
     except QueueFull as exc:
         raise APIError(429, f"server is at capacity ({exc}); retry later", type="rate_limit_error",
                        code="queue_full") from None
     except EngineDead as exc:
         raise APIError(503, str(exc), type="server_error", code="engine_unavailable") from None
-    text, finished = TextStream(tokenizer, parsed.stop), False
-    counts, snapshots = [0], []  # after each engine event: tokens committed, statistics (one step per event)
-    kept: tuple[int, RowStats] | None = None  # once a stop string matched: the tokens and stats usage counts
+
+
+async def _pump(pieces: AsyncIterator[Piece], queue: asyncio.Queue):
+    try:
+        async for piece in pieces:
+            queue.put_nowait(piece)
+    except BaseException as exc:  # the consumer raises it (a cancelled pump's is nobody's concern)
+        queue.put_nowait(exc)
+        raise
+
+
+async def _choice(index: int, stream: RequestStream, params: SamplingParams, model: ModelSpec
+                  ) -> AsyncIterator[Piece]:
+    """One choice's Pieces, one per engine event. Log-probabilities travel with the text: those of tokens whose
+    text is held back (a stop string may be forming) wait for the next piece that releases text, or the last."""
+    text, stop_ids = TextStream(model.tokenizer, params.stop), params.stop_ids(model.eos_token_ids)
+    count, held = 0, []
     try:
         async for update in stream.events():
-            done = update.completion
-            if kept is not None:  # the text already ended at a stop string; wait for the abort to land
-                if done is not None:
-                    finished = True
-                    yield Piece("", "stop", _cut(done, *kept), *kept)
-                    return
-                continue
-            if not snapshots:
-                snapshots.append(RowStats(update.stats.num_spec_tokens))
-            counts.append(counts[-1] + len(update.new_token_ids))
-            snapshots.append(update.stats)
-            ids = update.new_token_ids
-            if done is not None and done.finish_reason == "stop":
+            done, ids = update.completion, update.new_token_ids
+            count += len(ids)
+            if params.logprobs is not None:
+                held += update.new_logprobs
+            if done is not None and done.finish_reason == "stop" and ids and ids[-1] in stop_ids:
                 ids = ids[:-1]  # the stop token ends the row but is not text
             delta = text.push(ids, final=done is not None)
-            if text.stopped:
-                kept = text.num_kept_ids, stats_through(text.num_kept_ids, counts, snapshots)
-                if done is None:
-                    loop.abort(request_id)
-                    yield Piece(delta, None, None, *kept)
-                    continue
-                done = _cut(done, *kept)
-            if done is not None:
-                finished = True
-                yield Piece(delta, "stop" if text.stopped else done.finish_reason, done, len(done.token_ids),
-                            done.stats)
-                return
-            yield Piece(delta, None, None, counts[-1], update.stats)
+            if done is not None and text.stopped and params.include_stop_str_in_output:
+                whole = model.tokenizer.decode(text.ids, skip_special_tokens=True)
+                delta += cut_at_stop(whole, params.stop, include_stop_str=True)[0][len(text.text):]
+            logprobs = None
+            if params.logprobs is not None and (delta or done is not None):
+                logprobs, held = held, []
+            yield Piece(index, delta, None if done is None else done.finish_reason, done, count, update.stats,
+                        logprobs)
     except ValueError as exc:  # the engine refused the request (checks it makes beyond ours)
         raise APIError(400, str(exc)) from None
     except EngineDead as exc:
         raise APIError(503, str(exc), type="server_error", code="engine_unavailable") from None
-    finally:
-        if not finished:
-            loop.abort(request_id)
-
-
-def stats_through(num_tokens: int, counts: list[int], snapshots: list[RowStats]) -> RowStats:
-    """The statistics of a request's first `num_tokens` tokens, from the running statistics after each
-    engine event (`counts[i]` tokens, `snapshots[i]`; index 0 = nothing yet). The cut step counts as the
-    engine counts a stop token inside an accepted block: the drafts before the cut are accepted, the cut
-    token is the step's last, and the step's drafted count stays."""
-    event = next(i for i in range(1, len(counts)) if counts[i] >= num_tokens)
-    before, after = snapshots[event - 1], snapshots[event]
-    stats = before.copy()
-    if after.num_spec_steps > before.num_spec_steps:  # a verify step (the prefill's first token is not one)
-        width = next(w for w, (a, b) in enumerate(zip(after.verify_width_histogram, before.verify_width_histogram))
-                     if a > b)
-        stats.observe_step(after.num_draft_tokens - before.num_draft_tokens, num_tokens - counts[event - 1] - 1,
-                           width)
-    return stats
-
-
-def _cut(completion: Completion, num_tokens: int, stats: RowStats) -> Completion:
-    return dataclasses.replace(completion, token_ids=completion.token_ids[:num_tokens], finish_reason="stop",
-                               stats=stats)
