@@ -35,6 +35,7 @@ class Update:
     new_token_ids: list[int]
     completion: Completion | None
     stats: RowStats
+    new_logprobs: list | None = None  # StepEvent.new_logprobs: for new_token_ids, when the request asks
 
 
 class RequestStream:
@@ -180,4 +181,4 @@ class EngineLoop:
             if stream is not None and event.completion is not None:
                 del self._streams[event.request_id]
         if stream is not None:
-            stream._put(Update(event.request_id, event.new_token_ids, event.completion, stats))
+            stream._put(Update(event.request_id, event.new_token_ids, event.completion, stats, event.new_logprobs))
