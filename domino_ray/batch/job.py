@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 
 import numpy as np
 import pyarrow as pa
@@ -293,7 +294,9 @@ def run_probe(cfg: JobConfig, plan: InputPlan, rows: int) -> dict:
 @ray.remote
 def _probe_task(cfg: JobConfig, first_rows: pa.Table, rows: int) -> dict:
     ic, base = cfg.input, generation_defaults(cfg.generation)
-    prompts = [(row["prompt_token_ids"], row_params(row.get(ic.sampling_column), base, cfg.generation.seed,
-                                                    row.get(ic.id_column)).for_sample(row["sample_index"]))
+    # Token ids only: the measurement runs without stop strings (a row ends at a stop id or its budget).
+    prompts = [(row["prompt_token_ids"], replace(row_params(row.get(ic.sampling_column), base, cfg.generation.seed,
+                                                            row.get(ic.id_column)).for_sample(row["sample_index"]),
+                                                 stop=()))
                for row in tokenize_batch(first_rows, cfg).to_pylist() if row["error"] is None]
     return probe_pair(cfg.model, cfg.draft, cfg.generation, cfg.runtime, prompts, rows)

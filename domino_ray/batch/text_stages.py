@@ -1,9 +1,9 @@
 """The processor's CPU stages around the engine: prompts to token ids before it, token ids to text after.
 
 Both are `map_batches` functions run as Ray tasks (a tokenizer cached per worker process), `pyarrow.Table`
-in and out, one row out per row in. Tasks rather than actors: Ray fuses them with the light tasks next to
-them (the job's read before, its write after), so they cost no processes of their own. Ray-free: the
-processor (processor.py) places them.
+in and out, one row out per row in (tokenize: one per sample of a row, `sampling_params.n`). Tasks rather
+than actors: Ray fuses them with the light tasks next to them (the job's read before, its write after), so
+they cost no processes of their own. Ray-free: the processor (processor.py) places them.
 
     tokenize_batch:   prompt | messages, sampling_params -> its n samples: sample_index, prompt (as the engine
                       sees it), prompt_token_ids, error
