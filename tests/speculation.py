@@ -20,6 +20,7 @@ from domino_ray.engine.request import Request
 from domino_ray.engine.spec_engine import SpecEngine
 from domino_ray.llm import load_draft_for
 from domino_ray.model.target import load_target, load_tokenizer, stop_token_ids
+from domino_ray.model.text_stream import StopStrings
 from domino_ray.spec.proposer import DominoProposer
 from domino_ray.spec.width_costs import StepCosts
 from tiny_models import Recorder
@@ -58,12 +59,15 @@ def check_speculated(histograms, num_tokens: int, *, min_share: float = MIN_ACCE
 def speculate_in_process(target_dir: str, draft_dir: str, prompts: list[list[int]], params: list,
                          num_spec_tokens: int, max_rows: int = 8) -> list[SpeculatedRow]:
     """Each row generated speculatively at a fixed K (drafts recorded) and by the target alone."""
-    target = load_target(target_dir)
-    stops = stop_token_ids(target, load_tokenizer(target_dir, required=False))
+    target, tokenizer = load_target(target_dir), load_tokenizer(target_dir, required=False)
+    stops = stop_token_ids(target, tokenizer)
     recorder = Recorder(DominoProposer(load_draft_for(target, draft_dir), target, num_spec_tokens))
-    requests = [Request(i, p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
-    spec = SpecEngine(target, recorder, max_rows=max_rows, eos_token_ids=stops).generate(requests)
-    alone = SpecEngine(target, None, max_rows=max_rows, eos_token_ids=stops).generate(requests)
+
+    def requests():  # a stop-string matcher holds its row's text: one per run
+        return [Request(i, p, sp, StopStrings(tokenizer, sp.stop) if sp.stop else None)
+                for i, (p, sp) in enumerate(zip(prompts, params))]
+    spec = SpecEngine(target, recorder, max_rows=max_rows, eos_token_ids=stops).generate(requests())
+    alone = SpecEngine(target, None, max_rows=max_rows, eos_token_ids=stops).generate(requests())
     drafts_by_row: dict[int, list[tuple[int, list[int]]]] = {}
     for rid, committed, drafts in recorder.records:
         drafts_by_row.setdefault(rid, []).append((committed, drafts))

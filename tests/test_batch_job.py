@@ -23,6 +23,7 @@ from batch_fixtures import (agreeing_pair, check_output_invariants, job_config, 
 from domino_ray.batch.job import init_ray, read_inputs, run_job
 from domino_ray.batch.preflight import check_input
 from domino_ray.batch.summary import human_summary
+from domino_ray.batch.text_stages import SAMPLES_TO_DO
 from domino_ray.config import ConfigError, load_config
 from domino_ray.model.target import encode_prompt, load_target, load_tokenizer, stop_token_ids
 from faulty_predictor import faulty_predictor
@@ -201,6 +202,7 @@ def test_read_back_with_pandas_and_duckdb(job):
     df = pd.read_parquet(job["out"])
     assert len(df) == len(job["ids"]) and df["id"].is_unique
     assert (df["num_generated_tokens"] == df["generated_tokens"].map(len)).all()
+    assert df["logprobs"].isna().all() and (df["sample_index"] == 0).all()  # no row asked for logprobs; n = 1
     con = duckdb.connect()
     q = f"SELECT count(*), count(DISTINCT id), sum(num_spec_steps), sum(num_generated_tokens), " \
         f"sum(CASE WHEN finish_reason = 'error' THEN 1 ELSE 0 END) FROM read_parquet('{job['out']}/*.parquet')"
@@ -224,6 +226,9 @@ def test_read_back_with_spark(job):
         types = dict(df.dtypes)
         assert types["generated_tokens"] == "array<int>" and types["acceptance_histogram"] == "array<int>"
         assert types["num_spec_steps"] == "int" and types["mean_acceptance_length"] == "double"
+        assert types["sample_index"] == "int"
+        assert types["logprobs"] == "array<array<struct<token_id:bigint,logprob:float>>>"
+        assert df.filter("logprobs IS NOT NULL OR sample_index != 0").count() == 0
         df.createOrReplaceTempView("out")
         row = spark.sql("SELECT count(*) n, count(DISTINCT id) ids, sum(num_accepted_draft_tokens) acc, "
                         "sum(size(generated_tokens)) toks, sum(num_generated_tokens) gen FROM out").collect()[0]
@@ -282,8 +287,11 @@ def test_generated_ids_are_stable_unique_and_resumable(ray_cluster, tmp_path):
     init_ray(cfg)
 
     def ids(done: pa.Array) -> dict:
-        table = pa.concat_tables(ray.get(read_inputs(cfg, plan, ray.put(done)).to_arrow_refs()))
-        assert table.column_names == ["prompt", "id"]
+        keys = pa.table({"id": done, "sample_index": pa.array([0] * len(done), pa.int32())})
+        table = pa.concat_tables(ray.get(read_inputs(cfg, plan, ray.put(keys)).to_arrow_refs()))
+        # resuming, rows whose id has samples done say which are left (none here: n = 1, a done row is dropped)
+        assert table.column_names == ["prompt", "id", *([SAMPLES_TO_DO] if len(done) else [])]
+        assert len(done) == 0 or table.column(SAMPLES_TO_DO).null_count == table.num_rows
         return dict(zip(table.column("prompt").to_pylist(), table.column("id").to_pylist()))
 
     first = ids(pa.array([], pa.null()))

@@ -12,7 +12,7 @@ import pytest
 
 from domino_ray.batch.io import list_parquet_files, read_json, resolve, scan_output, write_json_atomic
 from domino_ray.batch.schema import (GENERATED_FIELDS, RowError, engine_columns, error_row, ok_row, output_schema,
-                                     output_table, read_row, row_params, with_columns)
+                                     output_table, read_row, row_params, sample_count, with_columns)
 from domino_ray.batch.summary import STATS_COLUMNS, human_summary, run_stats, summarize
 from domino_ray.config import ConfigError, InputConfig, S3Config, load_config
 from domino_ray.engine.request import Completion
@@ -46,11 +46,13 @@ def test_scan_output_trusts_only_complete_files(tmp_path):
     pq.write_table(pa.table({"id": [4, 5], "v": ["d", "e"]}), tmp_path / "cut.parquet")
     data = (tmp_path / "cut.parquet").read_bytes()
     (tmp_path / "cut.parquet").write_bytes(data[: len(data) // 2])  # a writer killed mid-file: no footer
+    pq.write_table(pa.table({"id": [7, 7], "sample_index": pa.array([1, 0], pa.int32())}), tmp_path / "n.parquet")
     scan = scan_output(resolve(str(tmp_path), S3Config()), "id")
-    assert sorted(scan.done_ids.to_pylist()) == [1, 2, 3]
+    # the resume key is (id, sample_index); a file written before sample_index holds sample 0 of its rows
+    assert sorted(zip(*scan.done.to_pydict().values())) == [(1, 0), (2, 0), (3, 0), (7, 0), (7, 1)]
     assert [p.rsplit("/", 1)[1] for p in scan.removed] == ["cut.parquet"]
     assert not (tmp_path / "cut.parquet").exists()
-    assert len(scan_output(resolve(str(tmp_path / "none"), S3Config()), "id").done_ids) == 0
+    assert len(scan_output(resolve(str(tmp_path / "none"), S3Config()), "id").done) == 0
     pq.write_table(pa.table({"key": [1]}), tmp_path / "foreign.parquet")  # complete, but not our output
     with pytest.raises(ValueError, match="has no 'id' column"):
         scan_output(resolve(str(tmp_path), S3Config()), "id")
@@ -134,7 +136,7 @@ def test_error_and_ok_rows_share_the_schema():
     assert output_schema(pa.schema([("prompt", pa.string())]), "id", generated_id=True).field("id").type == pa.string()
     carried = pa.table({"id": [1, 2], "prompt": [b"a", None], "topic": ["x", "y"]}, schema=input_schema)
     rows = [ok_row(_completion([1, 2, 3, 4])), error_row("prompt is null", num_spec_tokens=2)]
-    table = output_table(with_columns(carried, {**engine_columns(rows), "prompt": ["a", None],
+    table = output_table(with_columns(carried, {**engine_columns(rows), "prompt": ["a", None], "sample_index": [0, 0],
                                                 "generated_text": ["hello", ""]}), schema)
     assert table.schema == schema
     ok, err = table.to_pylist()
@@ -143,7 +145,8 @@ def test_error_and_ok_rows_share_the_schema():
     assert err["finish_reason"] == "error" and err["error"] == "prompt is null" and err["generated_tokens"] == []
     assert err["acceptance_histogram"] == [0, 0, 0] and err["topic"] == "y"
     # an empty batch (every row of a block already done) leaves the stages with every column too
-    empty = with_columns(carried.slice(0, 0), {**engine_columns([]), "prompt": [], "generated_text": []})
+    empty = with_columns(carried.slice(0, 0), {**engine_columns([]), "prompt": [], "sample_index": [],
+                                               "generated_text": []})
     assert output_table(empty, schema).schema == schema
 
 
@@ -212,6 +215,10 @@ def test_run_counts_the_rows_it_wrote_not_the_rows_actors_retried():
     assert run["actors"][0]["rows"] == 1820  # the work done, retries included
 
 
+def _keys(ids, samples=None) -> pa.Table:
+    return pa.table({"id": ids, "sample_index": pa.array(samples or [0] * len(ids), pa.int32())})
+
+
 def test_resume_compares_ids_and_settings(tmp_path):
     """Issue 12 item 12: 'nothing to do' means every input id is done (not equal counts), and a changed
     output-determining setting is refused unless output.allow_mixed_settings=true."""
@@ -219,12 +226,19 @@ def test_resume_compares_ids_and_settings(tmp_path):
     from domino_ray.batch.preflight import InputPlan, check_settings, output_settings
 
     loc = resolve(str(tmp_path), S3Config())
-    plan = InputPlan(loc, ["f"], pa.schema([("id", pa.string())]), False, {"f": 2}, 2, pa.array(["a", "b"]))
-    assert rows_to_do(plan, pa.array(["x", "y"]), {"rows": {}}) == 2  # same count, other ids
-    assert rows_to_do(plan, pa.array(["b", "a", "x"]), None) == 0
-    generated = InputPlan(loc, ["f"], pa.schema([("prompt", pa.string())]), True, {"f": 2}, 2)
-    assert rows_to_do(generated, pa.array(["1", "2"]), {"input": {"files": {"g": 2}}}) is None  # other files
-    assert rows_to_do(generated, pa.array(["1", "2"]), {"input": {"files": {"f": 2}}}) == 0
+    plan = InputPlan(loc, ["f"], pa.schema([("id", pa.string())]), False, {"f": 2}, 2, pa.array(["a", "b"]),
+                     samples=pa.array([1, 1]), num_samples=2)
+    assert rows_to_do(plan, _keys(["x", "y"]), {"rows": {}}) == 2  # same count, other ids
+    assert rows_to_do(plan, _keys(["b", "a", "x"]), None) == 0
+    # n: a row is done when all its samples are, each (id, sample_index) once
+    plan.samples, plan.num_samples = pa.array([3, 1]), 4
+    assert rows_to_do(plan, _keys(["b", "a", "x"]), None) == 2
+    assert rows_to_do(plan, _keys(["b", "a", "a", "a"], [0, 0, 2, 7]), None) == 1  # a's sample 1
+    assert rows_to_do(plan, _keys(["b", "a", "a", "a"], [0, 0, 2, 1]), None) == 0
+    generated = InputPlan(loc, ["f"], pa.schema([("prompt", pa.string())]), True, {"f": 2}, 2,
+                          samples=pa.array([1, 1]), num_samples=2)
+    assert rows_to_do(generated, _keys(["1", "2"]), {"input": {"files": {"g": 2}}}) is None  # other files
+    assert rows_to_do(generated, _keys(["1", "2"]), {"input": {"files": {"f": 2}}}) == 0
 
     base = output_settings(load_config(None, []))
     assert {"model.source", "draft.source", "generation.max_new_tokens", "generation.seed",
@@ -240,3 +254,72 @@ def test_resume_compares_ids_and_settings(tmp_path):
     assert check_settings(base, changed, "out", allow_mixed=True) == ["generation.max_new_tokens",
                                                                       "model.enable_thinking"]
     assert check_settings(None, changed, "out", allow_mixed=False) == [] == check_settings(base, base, "out", False)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"logprobs": 42}, "sampling_params: sampling parameter logprobs=42 is invalid: expected null or an int in "
+                       r"\[0, 20\]"),
+    ({"n": 0}, "sampling_params: sampling parameter n=0 is invalid"),
+    ({"stop": ["ok", ""]}, "sampling_params: sampling parameter stop=.* is invalid"),
+    ({"presence_penalty": 3}, "presence_penalty=3 is invalid"),
+    ({"min_tokens": 9}, r"min_tokens=9 is invalid: expected an int <= max_new_tokens \(8\)"),
+    ({"logit_bias": {"5": 1.0}}, r"^sampling_params.logit_bias is not supported$"),
+    ({"use_beam_search": True}, r"^sampling_params.use_beam_search=True is not supported \(only False\)$"),
+    ({"best_of": 2}, "sampling_params.best_of is not supported"),
+    ({"guided_decoding": {"json": {}}}, "sampling_params.guided_decoding is not supported"),
+    ({"structured_outputs": {"regex": "a+"}}, "sampling_params.structured_outputs is not supported"),
+    ({"allowed_token_ids": [1]}, "sampling_params.allowed_token_ids is not supported"),
+    ({"bad_words": ["x"]}, "sampling_params.bad_words is not supported"),
+    ({"prompt_logprobs": 1}, "sampling_params.prompt_logprobs is not supported"),
+    ({"truncate_prompt_tokens": 5}, "sampling_params.truncate_prompt_tokens is not supported"),
+    ({"skip_special_tokens": False}, r"sampling_params.skip_special_tokens=False is not supported \(only True\)"),
+])
+def test_bad_and_unsupported_sampling_fields_name_the_field(overrides, message):
+    """Issue 44: a bad value or a vLLM field we do not have is a RowError (the row's `error`) naming the field; the
+    row's n is then unknown: one output row (schema.sample_count)."""
+    base = SamplingParams(max_new_tokens=8, n=3)
+    with pytest.raises(RowError, match=message):
+        row_params(overrides, base, None, 1)
+    assert sample_count(overrides, base) == 1
+
+
+def test_vllm_fields_asking_for_nothing_and_the_new_fields_pass():
+    base = SamplingParams(max_new_tokens=8)
+    neutral = {"use_beam_search": False, "skip_special_tokens": True, "logit_bias": {}, "bad_words": [],
+               "min_p": 0.0, "best_of": None}
+    assert row_params(neutral, base, None, 1) == base
+    p = row_params('{"stop": ["a b", "c"], "include_stop_str_in_output": true, "n": 3, "logprobs": 2, '
+                   '"presence_penalty": 0.5, "min_tokens": 2, "temperature": 1.0}', base, 7, "x")
+    assert (p.stop, p.include_stop_str_in_output, p.n, p.logprobs, p.min_tokens) == (("a b", "c"), True, 3, 2, 2)
+    assert sample_count({"n": 3}, base) == 3 and sample_count(None, replace(base, n=2)) == 2
+    # sample 0 is the n = 1 row; the others get seeds of their own, the same on every run
+    seeds = [p.for_sample(i).seed for i in range(3)]
+    assert seeds[0] == p.seed and len(set(seeds)) == 3
+    assert [row_params({"n": 3, "temperature": 1.0}, base, 7, "x").for_sample(i).seed for i in range(3)] == seeds
+
+
+def test_logprobs_column_from_a_completion():
+    """Issue 44: the `logprobs` column, per generated token the generated token's (id, logprob) first, then the top
+    N, as list<list<struct<token_id: int64, logprob: float32>>>; null when not asked. Read back with pandas."""
+    import pandas as pd
+
+    schema = output_schema(pa.schema([("id", pa.int64())]), "id", generated_id=False)
+    assert schema.field("logprobs").type == pa.list_(pa.list_(pa.struct([("token_id", pa.int64()),
+                                                                          ("logprob", pa.float32())])))
+    asked = _completion([4, 9])
+    asked.logprobs = [[(4, -0.25), (4, -0.25), (7, -2.0)], [(9, -3.5), (2, -0.5), (9, -3.5)]]
+    rows = [ok_row(asked), ok_row(_completion([1, 2])), error_row("bad", num_spec_tokens=2)]
+    table = output_table(with_columns(pa.table({"id": [1, 2, 3]}), {
+        **engine_columns(rows), "sample_index": [0, 0, 0], "prompt": ["p"] * 3, "generated_text": ["t"] * 3}), schema)
+    cells = table.column("logprobs").to_pylist()
+    assert cells[0] == [[{"token_id": 4, "logprob": -0.25}, {"token_id": 4, "logprob": -0.25},
+                         {"token_id": 7, "logprob": -2.0}],
+                        [{"token_id": 9, "logprob": -3.5}, {"token_id": 2, "logprob": -0.5},
+                         {"token_id": 9, "logprob": -3.5}]]
+    assert cells[1] is None and cells[2] is None  # not asked; an error row
+    buffer = pa.BufferOutputStream()
+    pq.write_table(table, buffer)
+    df = pd.read_parquet(pa.BufferReader(buffer.getvalue()))
+    first = df["logprobs"][0]
+    assert [[(int(e["token_id"]), float(e["logprob"])) for e in token] for token in first] == asked.logprobs
+    assert df["logprobs"][1] is None and df["sample_index"].tolist() == [0, 0, 0]

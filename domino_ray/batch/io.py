@@ -36,7 +36,7 @@ class Location:
 @dataclass
 class OutputScan:
     files: list[str]          # complete Parquet files already in the output directory
-    done_ids: pa.Array        # ids of the rows in them (may hold duplicates if ids were not unique)
+    done: pa.Table            # (id, sample_index) of their rows, the resume key (duplicates if ids were not unique)
     removed: list[str]        # partial files from an interrupted write, deleted
 
 
@@ -115,12 +115,12 @@ def list_parquet_files(loc: Location, *, missing_ok: bool = False) -> list[str]:
 
 
 def scan_output(loc: Location, id_column: str) -> OutputScan:
-    """Ids already written to the output directory; deletes partial files left by an interrupted run.
+    """The keys already written to the output directory; deletes partial files left by an interrupted run.
 
     Only a file whose footer does not read is partial; a complete file without the id column is not
     ours and stops the job (ValueError) rather than being touched.
     """
-    files, ids, removed = [], [], []
+    files, keys, removed = [], [], []
     for path in list_parquet_files(loc, missing_ok=True):
         with loc.fs.open_input_file(path) as f:
             try:
@@ -130,14 +130,36 @@ def scan_output(loc: Location, id_column: str) -> OutputScan:
             if parquet is not None:
                 if id_column not in parquet.schema_arrow.names:
                     raise ValueError(f"{path} has no {id_column!r} column: it is not this job's output")
-                ids.append(parquet.read(columns=[id_column]).column(id_column))
+                keys.append(_keys(parquet, id_column))
         if parquet is None:
             loc.fs.delete_file(path)
             removed.append(path)
         else:
             files.append(path)
-    done = pa.chunked_array(ids).combine_chunks() if ids else pa.array([], pa.null())
-    return OutputScan(files=files, done_ids=done, removed=removed)
+    return OutputScan(files=files, done=concat_keys(keys, id_column), removed=removed)
+
+
+def read_keys(loc: Location, files: list[str], id_column: str) -> pa.Table:
+    """(id, sample_index) of the rows of these output files."""
+    keys = []
+    for path in files:
+        with loc.fs.open_input_file(path) as f:
+            keys.append(_keys(pq.ParquetFile(f), id_column))
+    return concat_keys(keys, id_column)
+
+
+def _keys(parquet: pq.ParquetFile, id_column: str) -> pa.Table:
+    """A file's (id, sample_index); a file written before `sample_index` existed holds sample 0 of its rows."""
+    if "sample_index" in parquet.schema_arrow.names:
+        return parquet.read(columns=[id_column, "sample_index"]).combine_chunks()
+    ids = parquet.read(columns=[id_column]).column(id_column).combine_chunks()
+    return pa.table({id_column: ids, "sample_index": pa.array([0] * len(ids), pa.int32())})
+
+
+def concat_keys(keys: list[pa.Table], id_column: str) -> pa.Table:
+    if not keys:
+        return pa.table({id_column: pa.array([], pa.null()), "sample_index": pa.array([], pa.int32())})
+    return pa.concat_tables(keys, promote_options="permissive").combine_chunks()
 
 
 def rows_in_complete_parts(fs: pafs.FileSystem, directory: str, name_template: str) -> int | None:

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -24,48 +26,62 @@ from ray.data.block import BlockAccessor
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from domino_ray.batch.io import (SETTINGS_NAME, SUMMARY_NAME, Location, delete_if_exists, list_parquet_files, read_json,
-                                 rows_in_complete_parts, scan_output, write_json_atomic)
+                                 read_keys, rows_in_complete_parts, scan_output, write_json_atomic)
 from domino_ray.batch.pair_probe import probe_pair
 from domino_ray.batch.predictor import DominoPredictor, RowCrashesEngine, RunStats, key_name
 from domino_ray.batch.preflight import (InputPlan, check_input, check_models, check_output, check_settings,
                                         output_settings)
 from domino_ray.batch.processor import LIGHT_CPUS, Processor, engine_resources
-from domino_ray.batch.schema import generated_ids, output_schema, row_params
+from domino_ray.batch.schema import generated_ids, output_schema, row_params, sample_count
 from domino_ray.batch.summary import (STATS_COLUMNS, busy_throughput, human_summary, run_stats, summarize,
                                       throughput_ratio)
-from domino_ray.batch.text_stages import tokenize_batch
+from domino_ray.batch.text_stages import SAMPLES_TO_DO, tokenize_batch
 from domino_ray.config import ConfigError, JobConfig, generation_defaults, to_dict
 
 
-def _prepare(table: pa.Table, done_ids, id_column: str, generated_id: bool) -> pa.Table:
-    """Give every row its id and drop rows whose id is already in the output (resume)."""
+def _prepare(table: pa.Table, done_keys, cfg: JobConfig, generated_id: bool) -> pa.Table:
+    """Give every row its id; a row with samples already in the output (resume) keeps only the ones still to do
+    (text_stages.SAMPLES_TO_DO), a row with none left is dropped: a resumed job neither repeats nor loses a sample."""
+    ic = cfg.input
     if generated_id:
-        table = table.append_column(id_column, generated_ids(table.column("row_hash"))).drop_columns(["row_hash"])
-    done_ids = ray.get(done_ids)  # Ray Data passes fn_args through unresolved; the object store caches it
-    if len(done_ids):
-        ids = table.column(id_column)
-        done = done_ids.cast(ids.type) if done_ids.type != ids.type else done_ids
-        table = table.filter(pc.invert(pc.is_in(ids, value_set=done, skip_nulls=False)))
-    return table
+        table = table.append_column(ic.id_column, generated_ids(table.column("row_hash"))).drop_columns(["row_hash"])
+    done = ray.get(done_keys)  # Ray Data passes fn_args through unresolved; the object store caches it
+    if not len(done):  # nothing written yet: every row gets all its samples (no SAMPLES_TO_DO column in any block)
+        return table
+    ids = table.column(ic.id_column)
+    done_ids = done.column(ic.id_column)
+    done_ids = done_ids.cast(ids.type) if done_ids.type != ids.type else done_ids
+    mine = pc.is_in(done_ids, value_set=ids, skip_nulls=False)
+    have: dict = {}
+    indices = pc.filter(done.column("sample_index"), mine).to_pylist()
+    for row_id, index in zip(pc.filter(done_ids, mine).to_pylist(), indices):
+        have.setdefault(row_id, set()).add(index)
+    overrides = (table.column(ic.sampling_column).to_pylist() if ic.sampling_column in table.column_names
+                 else [None] * table.num_rows)
+    base = generation_defaults(cfg.generation)
+    todo = [None if row_id not in have else [i for i in range(sample_count(o, base)) if i not in have[row_id]]
+            for row_id, o in zip(ids.to_pylist(), overrides)]
+    table = table.append_column(SAMPLES_TO_DO, pa.array(todo, pa.list_(pa.int32())))
+    return table.filter(pa.array([t is None or len(t) > 0 for t in todo]))
 
 
-def read_inputs(cfg: JobConfig, plan: InputPlan, done_ids_ref) -> ray.data.Dataset:
+def read_inputs(cfg: JobConfig, plan: InputPlan, done_keys_ref) -> ray.data.Dataset:
     """Input rows with their ids, minus the rows already in the output."""
     # Reading prompts is light: a fraction of a CPU leaves room for the engine and text stages on a small machine.
     ds = ray.data.read_parquet(plan.files, filesystem=plan.location.fs, include_row_hash=plan.generated_id,
                                num_cpus=LIGHT_CPUS)
     if cfg.input.limit is not None:
         ds = ds.limit(cfg.input.limit)
-    return ds.map_batches(_prepare, batch_format="pyarrow", fn_args=(done_ids_ref,), num_cpus=LIGHT_CPUS,
-                          fn_kwargs={"id_column": cfg.input.id_column, "generated_id": plan.generated_id})
+    return ds.map_batches(_prepare, batch_format="pyarrow", fn_args=(done_keys_ref, cfg), num_cpus=LIGHT_CPUS,
+                          fn_kwargs={"generated_id": plan.generated_id})
 
 
-def build_dataset(cfg: JobConfig, plan: InputPlan, schema: pa.Schema, done_ids_ref, *, use_draft: bool = True,
+def build_dataset(cfg: JobConfig, plan: InputPlan, schema: pa.Schema, done_keys_ref, *, use_draft: bool = True,
                   stats_sink=None, predictor: type = DominoPredictor) -> ray.data.Dataset:
     """Input rows -> the processor with `predictor` as its engine stage (DominoPredictor, or a subclass of it:
     the fault tests pass one) -> rows of the job's output `schema`."""
     processor = Processor(cfg, use_draft=use_draft, stats_sink=stats_sink, predictor=predictor, schema=schema)
-    return processor(read_inputs(cfg, plan, done_ids_ref))
+    return processor(read_inputs(cfg, plan, done_keys_ref))
 
 
 def _not_the_stale_cpu_warning(record: logging.LogRecord) -> bool:
@@ -92,29 +108,40 @@ def init_ray(cfg: JobConfig):
 
 
 def read_output(out: Location, columns: list[str], files: list[str] | None = None) -> pa.Table:
+    """These columns of the output files; a column a file lacks (`sample_index` of an output written before it) is
+    null there."""
     tables = []
     for path in list_parquet_files(out, missing_ok=True) if files is None else files:
         with out.fs.open_input_file(path) as f:
-            tables.append(pq.read_table(f, columns=columns))
-    return pa.concat_tables(tables) if tables else pa.table({c: [] for c in columns})
+            parquet = pq.ParquetFile(f)
+            tables.append(parquet.read(columns=[c for c in columns if c in parquet.schema_arrow.names]))
+    if not tables:
+        return pa.table({c: [] for c in columns})
+    return pa.concat_tables(tables, promote_options="permissive")
 
 
-def _missing_ids(plan: InputPlan, done_ids: pa.Array) -> pa.Array:
-    """Input ids with no output row yet (explicit ids only)."""
-    if not len(done_ids):
-        return plan.ids
-    done = done_ids.cast(plan.ids.type) if done_ids.type != plan.ids.type else done_ids
-    return pc.filter(plan.ids, pc.invert(pc.is_in(plan.ids, value_set=done)))
+def _missing_keys(plan: InputPlan, done: pa.Table) -> pa.Table:
+    """(id, sample_index) of the input's samples with no output row yet (explicit ids only)."""
+    counts = plan.samples.to_numpy()
+    starts = np.repeat(np.cumsum(counts) - counts, counts)
+    expected = pa.table({"id": plan.ids.take(pa.array(np.repeat(np.arange(len(counts)), counts))),
+                         "sample_index": pa.array(np.arange(len(starts)) - starts, pa.int32())})
+    if not len(done):
+        return expected
+    ids = done.column(0)
+    done = pa.table({"id": ids.cast(plan.ids.type) if ids.type != plan.ids.type else ids,
+                     "sample_index": done.column("sample_index").cast(pa.int32())})
+    return expected.join(done, keys=["id", "sample_index"], join_type="left anti")
 
 
-def rows_to_do(plan: InputPlan, done_ids: pa.Array, previous_summary: dict | None) -> int | None:
-    """Input rows without an output row; None when only the pipeline can tell (generated ids)."""
+def rows_to_do(plan: InputPlan, done: pa.Table, previous_summary: dict | None) -> int | None:
+    """Output rows (samples of input rows) not written yet; None when only the pipeline can tell (generated ids)."""
     if not plan.generated_id:
-        return len(_missing_ids(plan, done_ids))
+        return _missing_keys(plan, done).num_rows
     # Generated ids exist only inside Ray (row hashes of file path and position): counts compare only
     # for the very input files the output was made from.
     same_files = previous_summary is not None and previous_summary.get("input", {}).get("files") == plan.file_rows
-    return max(0, plan.num_rows - len(done_ids)) if same_files else None
+    return max(0, plan.num_samples - len(done)) if same_files else None
 
 
 def run_job(cfg: JobConfig, log=print, *, predictor: type = DominoPredictor) -> dict:
@@ -134,10 +161,11 @@ def run_job(cfg: JobConfig, log=print, *, predictor: type = DominoPredictor) -> 
     recorded = read_json(out, SETTINGS_NAME)
     differ = check_settings(recorded and recorded["settings"], settings, cfg.output.path,
                             cfg.output.allow_mixed_settings)
-    input_rows, previous = plan.num_rows, read_json(out, SUMMARY_NAME)
-    todo = rows_to_do(plan, scan.done_ids, previous)
+    # Output rows: each input row's samples (n of them; 1 each unless `n` is set).
+    output_rows, previous = plan.num_samples, read_json(out, SUMMARY_NAME)
+    todo = rows_to_do(plan, scan.done, previous)
     if previous is not None and not scan.removed and todo == 0:
-        log(f"nothing to do: all {input_rows} rows are already in {cfg.output.path}; its {SUMMARY_NAME}:")
+        log(f"nothing to do: all {output_rows} rows are already in {cfg.output.path}; its {SUMMARY_NAME}:")
         log(human_summary(previous))
         return previous
     if recorded is None or differ:
@@ -146,21 +174,22 @@ def run_job(cfg: JobConfig, log=print, *, predictor: type = DominoPredictor) -> 
         earlier = (recorded or {}).get("earlier", []) + ([recorded["settings"]] if recorded else [])
         write_json_atomic(out, SETTINGS_NAME, {"settings": settings, "earlier": earlier})
     delete_if_exists(out, SUMMARY_NAME)  # written again once every row is done
-    done_rows = min(len(scan.done_ids), input_rows) if todo is None else input_rows - todo
+    done_rows = min(len(scan.done), output_rows) if todo is None else output_rows - todo
     if done_rows:
-        log(f"resuming: {done_rows} of {input_rows} rows are already in {cfg.output.path}")
+        log(f"resuming: {done_rows} of {output_rows} rows are already in {cfg.output.path}")
     run = run_stats(0.0, done_rows, [])
     if todo != 0:  # else every row was written before the summary: only the summary is missing
         run = generate_missing(cfg, plan, out, scan, done_rows, predictor)
-    rows = read_output(out, [id_column, *STATS_COLUMNS])
+    rows = read_output(out, [id_column, "sample_index", *STATS_COLUMNS])
     if plan.generated_id:
-        missing = input_rows - rows.num_rows
+        missing = output_rows - rows.num_rows
     else:
-        missing = len(_missing_ids(plan, rows.column(id_column).combine_chunks()))
+        missing = _missing_keys(plan, read_keys(out, list_parquet_files(out, missing_ok=True), id_column)).num_rows
     if missing > 0:
-        raise RuntimeError(f"{missing} input rows have no output row in {cfg.output.path}: rerun to complete them")
+        raise RuntimeError(f"{missing} output rows (samples of input rows) are not in {cfg.output.path}: rerun to "
+                           "complete them")
     summary = summarize(rows, id_column, run=run, config=to_dict(cfg), output_uri=cfg.output.path)
-    summary["input"] = {"path": cfg.input.path, "rows": input_rows, "files": plan.file_rows}
+    summary["input"] = {"path": cfg.input.path, "rows": plan.num_rows, "files": plan.file_rows}
     write_json_atomic(out, SUMMARY_NAME, summary)
     log(human_summary(summary))
     return summary
@@ -171,7 +200,7 @@ def generate_missing(cfg: JobConfig, plan: InputPlan, out: Location, scan, done_
     """Run the rows not yet in the output through the engine actors and write them; returns run stats."""
     init_ray(cfg)
     schema = output_schema(plan.schema, cfg.input.id_column, plan.generated_id)
-    done_ref = ray.put(scan.done_ids)
+    done_ref = ray.put(scan.done)
     sink = _run_stats_actor()
     parquet = ParquetSinkKeepingFinishedFiles(out.path, filesystem=out.fs, arrow_parquet_args={"schema": schema},
                                               min_rows_per_file=cfg.output.min_rows_per_file,
@@ -233,18 +262,17 @@ def compare_baseline(cfg: JobConfig, plan: InputPlan, schema: pa.Schema, done_re
     sink = _run_stats_actor()
     start = time.perf_counter()
     ds = build_dataset(cfg, plan, schema, done_ref, use_draft=False, stats_sink=sink, predictor=predictor)
-    base = ds.select_columns([id_column, "generated_tokens", "finish_reason"]).to_arrow_refs()
-    base = pa.concat_tables(ray.get(base)).to_pydict() if base else {id_column: [], "generated_tokens": [],
-                                                                       "finish_reason": []}
+    columns = [id_column, "sample_index", "generated_tokens", "finish_reason"]
+    base = ds.select_columns(columns).to_arrow_refs()
+    base = pa.concat_tables(ray.get(base)).to_pydict() if base else {c: [] for c in columns}
     wall = time.perf_counter() - start
-    ours = read_output(out, [id_column, "generated_tokens"], new_files).to_pydict()
-    ours = dict(zip(ours[id_column], ours["generated_tokens"]))
-    compared = [(i, tokens) for i, tokens, reason in zip(base[id_column], base["generated_tokens"],
-                                                         base["finish_reason"]) if reason != "error"]
+    ours = read_output(out, columns[:3], new_files).to_pydict()
+    ours = dict(zip(zip(ours[id_column], ours["sample_index"]), ours["generated_tokens"]))
+    compared = [(key, tokens) for *key, tokens, reason in zip(*(base[c] for c in columns)) if reason != "error"]
     base_actors = ray.get(sink.snapshot.remote())
     result = {"wall_time_s": wall, "tokens_per_s": busy_throughput(base_actors),
               **throughput_ratio(run["actors"], base_actors), "wall_time_ratio": wall / run["wall_time_s"],
-              "compared": len(compared), "identical": sum(ours.get(i) == tokens for i, tokens in compared)}
+              "compared": len(compared), "identical": sum(ours.get(tuple(key)) == tokens for key, tokens in compared)}
     if cfg.draft.source:
         result["probe"] = run_probe(cfg, plan, max(a.get("max_rows", 1) for a in run["actors"]))
     return result
@@ -266,7 +294,9 @@ def run_probe(cfg: JobConfig, plan: InputPlan, rows: int) -> dict:
 @ray.remote
 def _probe_task(cfg: JobConfig, first_rows: pa.Table, rows: int) -> dict:
     ic, base = cfg.input, generation_defaults(cfg.generation)
-    prompts = [(row["prompt_token_ids"], row_params(row.get(ic.sampling_column), base, cfg.generation.seed,
-                                                    row.get(ic.id_column)))
+    # Token ids only: the measurement runs without stop strings (a row ends at a stop id or its budget).
+    prompts = [(row["prompt_token_ids"], replace(row_params(row.get(ic.sampling_column), base, cfg.generation.seed,
+                                                            row.get(ic.id_column)).for_sample(row["sample_index"]),
+                                                 stop=()))
                for row in tokenize_batch(first_rows, cfg).to_pylist() if row["error"] is None]
     return probe_pair(cfg.model, cfg.draft, cfg.generation, cfg.runtime, prompts, rows)

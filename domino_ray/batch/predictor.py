@@ -22,6 +22,7 @@ from domino_ray.batch.schema import RowError, engine_columns, error_row, ok_row,
 from domino_ray.config import JobConfig, generation_defaults
 from domino_ray.engine.loop import EngineDead
 from domino_ray.engine.request import Request
+from domino_ray.model.text_stream import StopStrings
 
 
 class RowCrashesEngine(RuntimeError):
@@ -47,7 +48,7 @@ class DominoPredictor:
         from domino_ray.engine.loop import EngineLoop
         from domino_ray.llm import load_engine
 
-        engine, _ = load_engine(cfg.model, cfg.draft if use_draft else None, cfg.generation, cfg.runtime)
+        engine, self.tokenizer = load_engine(cfg.model, cfg.draft if use_draft else None, cfg.generation, cfg.runtime)
         if engine.device.type == "cpu":
             torch.set_num_threads(max(1, int(cfg.runtime.cpus_per_actor)))  # the CPUs Ray reserved for us
         if engine.slot_report:
@@ -87,7 +88,7 @@ class DominoPredictor:
 
     async def _generate(self, batch: pa.Table) -> pa.Table:
         ic = self.cfg.input
-        rows = batch.select([c for c in (ic.id_column, ic.sampling_column, "prompt_token_ids", "error")
+        rows = batch.select([c for c in (ic.id_column, ic.sampling_column, "sample_index", "prompt_token_ids", "error")
                              if c in batch.column_names]).to_pylist()
         generated: list = [None] * len(rows)
         runnable = []
@@ -95,12 +96,11 @@ class DominoPredictor:
             try:
                 if row["error"] is not None:
                     raise RowError(row["error"])
-                params = row_params(row.get(ic.sampling_column), self.base, self.cfg.generation.seed,
-                                    row.get(ic.id_column))
+                params = self._params(row)
             except RowError as exc:
                 generated[i] = error_row(str(exc), num_spec_tokens=self.num_spec_tokens)
                 continue
-            key = row_key(row, ic.id_column)
+            key = row_key(row, ic.id_column)  # the row's samples share it: a crash names the input row
             if key in self._culprits:
                 raise RowCrashesEngine(
                     f"input row {key_name(key, ic.id_column)} crashes the engine ({self._culprits[key]}); it did so "
@@ -121,8 +121,23 @@ class DominoPredictor:
                    key_positions=sum(r["num_input_tokens"] + r["num_generated_tokens"] / 2 for r in ok))
         return with_columns(batch, engine_columns(generated))
 
+    def _params(self, row: dict):
+        """Sample `sample_index` of the row: its parameters after the seed derivation (schema.row_params), then
+        `for_sample` (sample 0 is the n = 1 row; a rerun draws the same n samples)."""
+        ic = self.cfg.input
+        params = row_params(row.get(ic.sampling_column), self.base, self.cfg.generation.seed, row.get(ic.id_column))
+        if params.stop and self.tokenizer is None:
+            raise RowError("sampling_params.stop: stop strings need a tokenizer (model.tokenizer or model.source), "
+                           "and this engine has none")
+        try:
+            return params.for_sample(row.get("sample_index") or 0)
+        except ValueError as exc:  # a sample_index column of the caller's, outside the row's n
+            raise RowError(f"sample_index: {exc}") from None
+
     async def _complete(self, key, ids: list[int], params) -> object:
-        request = Request(next(self.request_ids), ids, params)
+        # Stop strings as Serve matches them: the engine ends the row on the step its string completes.
+        stop = StopStrings(self.tokenizer, params.stop) if params.stop else None
+        request = Request(next(self.request_ids), ids, params, stop_strings=stop)
         if key in self._suspects:  # inside the engine when one crashed: run it alone to find the culprit
             async with self._alone:
                 while self._in_engine:

@@ -15,8 +15,8 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from domino_ray.batch.io import Location, list_parquet_files, overlap, resolve
-from domino_ray.batch.schema import GENERATED_NAMES, OVERRIDE_KEYS
-from domino_ray.config import ConfigError, InputConfig, JobConfig, to_dict
+from domino_ray.batch.schema import GENERATED_NAMES, OVERRIDE_KEYS, sample_count
+from domino_ray.config import ConfigError, InputConfig, JobConfig, generation_defaults, to_dict
 from domino_ray.spec.checkpoint import check_draft
 from domino_ray.spec.checkpoint_sources import CheckpointError, open_draft
 from domino_ray.spec.draft import resolve_num_spec_tokens
@@ -25,7 +25,7 @@ from domino_ray.spec.draft import resolve_num_spec_tokens
 # Per-row columns users name like OpenAI / vLLM fields; only `input.sampling_column` overrides sampling.
 FLAT_SAMPLING_COLUMNS = ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "max_new_tokens",
                          "stop", "stop_token_ids", "ignore_eos", "presence_penalty", "frequency_penalty",
-                         "repetition_penalty")
+                         "repetition_penalty", "min_tokens", "logprobs")
 
 
 @dataclass
@@ -37,6 +37,8 @@ class InputPlan:
     file_rows: dict[str, int] = field(default_factory=dict)  # rows per file, from the footers
     num_rows: int = 0        # rows the job reads (input.limit applied)
     ids: pa.Array | None = None  # their ids, unique and non-null (None for generated ids)
+    samples: pa.Array | None = None  # output rows of each of them: its n (schema.sample_count), in read order
+    num_samples: int = 0     # output rows the job writes: their sum
     warnings: list[str] = field(default_factory=list)
 
 
@@ -64,6 +66,8 @@ def check_input(cfg: JobConfig) -> InputPlan:
     plan.num_rows = total if ic.limit is None else min(total, ic.limit)
     if not plan.generated_id:
         plan.ids = _unique_ids(loc, files, ic.id_column, plan.num_rows, ic.path)
+    plan.samples = _sample_counts(loc, files, ic.sampling_column, plan.num_rows, generation_defaults(cfg.generation))
+    plan.num_samples = int(pc.sum(plan.samples).as_py() or 0)
     flat = [c for c in schema.names if c in FLAT_SAMPLING_COLUMNS and c != ic.sampling_column]
     if flat:
         plan.warnings.append(
@@ -143,6 +147,26 @@ def _unique_ids(loc: Location, files: list[str], id_column: str, num_rows: int, 
             f"never all be written: make the ids unique, or drop the {id_column!r} column to have ids generated "
             "from (file path, row position)")
     return ids
+
+
+def _sample_counts(loc: Location, files: list[str], column: str, num_rows: int, base) -> pa.Array:
+    """n of each of the first `num_rows` rows (schema.sample_count of its overrides)."""
+    counts, cache = [], {}
+    for path in files:
+        if len(counts) >= num_rows:
+            break
+        with loc.fs.open_input_file(path) as f:
+            parquet = pq.ParquetFile(f)
+            if column not in parquet.schema_arrow.names:
+                counts += [base.n] * min(parquet.metadata.num_rows, num_rows - len(counts))
+                continue
+            overrides = parquet.read(columns=[column]).column(column).to_pylist()[:num_rows - len(counts)]
+        for o in overrides:  # rows mostly share a few overrides: count each once
+            key = repr(o)
+            if key not in cache:
+                cache[key] = sample_count(o, base)
+            counts.append(cache[key])
+    return pa.array(counts, pa.int64())
 
 
 def check_output(cfg: JobConfig) -> Location:

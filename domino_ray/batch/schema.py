@@ -1,13 +1,14 @@
 """The batch rows: input parsing and validation, the explicit Arrow output schema, error rows.
 
-One output row per input row, always (DESIGN.md §5). The input columns are carried through (the id
+n output rows per input row, always (DESIGN.md §5): its samples, `sample_index` 0..n-1, n from its
+sampling parameters (`sample_count`: 1 when they are bad). The input columns are carried through (the id
 first), then the generated columns below. A row that cannot run (bad prompt, bad messages, bad
-per-row sampling overrides, too long for the model) becomes an error row: same schema, typed
+per-row sampling overrides, too long for the model) becomes error rows: same schema, typed
 defaults (zeros, empty strings and lists, `finish_reason = "error"`) and the reason in `error`.
 
-The processor's stages (processor.py) each fill their own columns: the tokenize stage `prompt`,
-`prompt_token_ids` and `error`; the engine stage the token and statistics columns (`error` for rows
-the engine refused); the detokenize stage `generated_text`.
+The processor's stages (processor.py) each fill their own columns: the tokenize stage `sample_index`,
+`prompt`, `prompt_token_ids` and `error` (a row becomes its samples there); the engine stage the token,
+logprob and statistics columns (`error` for rows the engine refused); the detokenize stage `generated_text`.
 """
 
 from __future__ import annotations
@@ -21,10 +22,14 @@ from domino_ray.config import InputConfig
 from domino_ray.model.target import check_messages
 from domino_ray.spec.sampling_params import SamplingParams, derive_seed
 
+# Each generated token's logprob and the top N: [{token_id, logprob}, ...] with the generated token first.
+TOKEN_LOGPROBS = pa.list_(pa.struct([("token_id", pa.int64()), ("logprob", pa.float32())]))
 GENERATED_FIELDS = [
+    pa.field("sample_index", pa.int32()),                 # 0..n-1: the row's samples; (id, sample_index) is the key
     pa.field("prompt", pa.string()),
     pa.field("generated_text", pa.string()),
     pa.field("generated_tokens", pa.list_(pa.int32())),
+    pa.field("logprobs", pa.list_(TOKEN_LOGPROBS)),       # one per generated token; null unless logprobs was asked
     pa.field("num_input_tokens", pa.int32()),
     pa.field("num_generated_tokens", pa.int32()),
     pa.field("finish_reason", pa.string()),               # stop | length | error
@@ -41,14 +46,22 @@ GENERATED_FIELDS = [
     pa.field("error", pa.string()),                       # null on success
 ]
 GENERATED_NAMES = [f.name for f in GENERATED_FIELDS]
-# What the engine stage fills (error_row / ok_row); the text stages fill `prompt` and `generated_text`.
-ENGINE_NAMES = [n for n in GENERATED_NAMES if n not in ("prompt", "generated_text")]
+# What the engine stage fills (error_row / ok_row); the text stages fill `sample_index`, `prompt` and `generated_text`.
+ENGINE_NAMES = [n for n in GENERATED_NAMES if n not in ("sample_index", "prompt", "generated_text")]
 # The tokenize stage's token ids: in the processor's output rows (as in Ray Data LLM's), not in the job's files.
 PROMPT_IDS_FIELD = pa.field("prompt_token_ids", pa.list_(pa.int32()))
 COLUMN_TYPES = {f.name: f.type for f in [*GENERATED_FIELDS, PROMPT_IDS_FIELD]}
 OVERRIDE_KEYS = tuple(f.name for f in fields(SamplingParams))
 # Ray Data LLM's (vLLM's) names for the same overrides; its top_k=-1 means off, our 0.
 OVERRIDE_ALIASES = {"max_tokens": "max_new_tokens"}
+# vLLM SamplingParams fields we do not have, with the value that asks for nothing (accepted; any other is an error
+# naming the field): beam search, guided decoding, logit edits, prompt logprobs, detokenization options.
+UNSUPPORTED_OVERRIDES = {"best_of": None, "use_beam_search": False, "length_penalty": 1.0, "early_stopping": False,
+                         "min_p": 0.0, "logit_bias": None, "allowed_token_ids": None, "bad_words": None,
+                         "guided_decoding": None, "structured_outputs": None, "logits_processors": None,
+                         "prompt_logprobs": None, "truncate_prompt_tokens": None, "detokenize": True,
+                         "skip_special_tokens": True, "spaces_between_special_tokens": True, "output_kind": None,
+                         "extra_args": None}
 
 
 class RowError(ValueError):
@@ -145,18 +158,34 @@ def row_params(overrides, base: SamplingParams, base_seed: int | None, row_id) -
             overrides[name] = overrides.pop(alias)
     if overrides.get("top_k") == -1:
         overrides["top_k"] = 0
+    for name in sorted(set(overrides) & set(UNSUPPORTED_OVERRIDES)):
+        value, neutral = overrides.pop(name), UNSUPPORTED_OVERRIDES[name]
+        if value != neutral and not (neutral is None and value in ([], {})):
+            raise RowError(f"sampling_params.{name} is not supported" if neutral is None else
+                           f"sampling_params.{name}={value!r} is not supported (only {neutral!r})")
     unknown = sorted(set(overrides) - set(OVERRIDE_KEYS))
     if unknown:
         raise RowError(f"sampling_params has unknown keys {unknown}; allowed: {list(OVERRIDE_KEYS)} "
                        f"(and {list(OVERRIDE_ALIASES)})")
-    if "stop_token_ids" in overrides and isinstance(overrides["stop_token_ids"], list):
-        overrides["stop_token_ids"] = tuple(overrides["stop_token_ids"])
+    for name in ("stop_token_ids", "stop"):
+        if isinstance(overrides.get(name), list):
+            overrides[name] = tuple(overrides[name])
     if overrides.get("seed") is None and base_seed is not None and row_id is not None:
         overrides["seed"] = derive_seed(base_seed, row_id)
     try:
         return replace(base, **overrides)
     except (TypeError, ValueError) as exc:
         raise RowError(f"sampling_params: {exc}") from None
+
+
+def sample_count(overrides, base: SamplingParams) -> int:
+    """Output rows of an input row: its `n`, or 1 when its sampling_params are bad (n unknown: one error row,
+    sample_index 0). A bad prompt with a good n gives n error rows: the count depends on the overrides alone, so
+    the driver (resume) and the stages agree on it."""
+    try:
+        return row_params(overrides, base, None, None).n
+    except RowError:
+        return 1
 
 
 # ---- output rows -----------------------------------------------------------------------------------
@@ -166,7 +195,7 @@ def error_row(reason: str, *, num_spec_tokens: int) -> dict:
     800k-token prompt that was refused processed nothing; the reason says how long it was), so job totals
     count only work done."""
     return {
-        "generated_tokens": [], "num_input_tokens": 0,
+        "generated_tokens": [], "logprobs": None, "num_input_tokens": 0,
         "num_generated_tokens": 0, "finish_reason": "error", "num_spec_tokens": num_spec_tokens,
         "num_spec_steps": 0, "num_draft_tokens": 0, "num_accepted_draft_tokens": 0,
         "mean_acceptance_length": 0.0, "draft_acceptance_rate": 0.0,
@@ -179,12 +208,19 @@ def error_row(reason: str, *, num_spec_tokens: int) -> dict:
 def ok_row(completion) -> dict:
     """The engine stage's columns of a finished `request.Completion`."""
     return {
-        "generated_tokens": completion.token_ids,
+        "generated_tokens": completion.token_ids, "logprobs": logprob_column(completion.logprobs),
         "num_input_tokens": len(completion.prompt_token_ids), "num_generated_tokens": len(completion.token_ids),
         "finish_reason": completion.finish_reason, **completion.stats.to_columns(),
         "time_to_first_token_s": completion.time_to_first_token_s, "time_taken_llm_s": completion.time_taken_s,
         "error": None,
     }
+
+
+def logprob_column(logprobs) -> list | None:
+    """`Completion.logprobs` ([(id, logprob), ...] per token, the generated one first) as the `logprobs` cell."""
+    if logprobs is None:
+        return None
+    return [[{"token_id": t, "logprob": lp} for t, lp in token] for token in logprobs]
 
 
 def engine_columns(rows: list[dict]) -> dict[str, list]:

@@ -44,7 +44,7 @@ def summarize(rows: pa.Table, id_column: str, *, run: dict, config: dict, output
     return {
         "output": output_uri,
         "rows": {"total": n, "ok": n - failed, "failed": failed,
-                 "unique_ids": len(pc.unique(rows.column(id_column)))},
+                 "unique_ids": _unique_keys(rows, id_column)},
         "finish_reasons": {k: reasons.get(k, 0) for k in ("stop", "length", "error")},
         "num_spec_tokens": ks[0] if len(ks) == 1 else ks,
         "totals": totals,
@@ -59,6 +59,13 @@ def summarize(rows: pa.Table, id_column: str, *, run: dict, config: dict, output
         "run": run,
         "config": config,
     }
+
+
+def _unique_keys(rows: pa.Table, id_column: str) -> int:
+    """Distinct (id, sample_index) keys: the rows' ids when each input row has one sample."""
+    if "sample_index" not in rows.column_names:
+        return len(pc.unique(rows.column(id_column)))
+    return rows.select([id_column, "sample_index"]).group_by([id_column, "sample_index"]).aggregate([]).num_rows
 
 
 def run_stats(wall_time_s: float, rows_done_before: int, actors: list[dict],
@@ -78,7 +85,8 @@ def human_summary(s: dict) -> str:
     r, run = s["rows"], s["run"]
     lines = [f"domino-ray batch job: {r['total']} rows ({r['ok']} ok, {r['failed']} failed) -> {s['output']}"]
     if r["unique_ids"] != r["total"]:
-        lines.append(f"  WARNING: {r['total'] - r['unique_ids']} duplicate ids in the output (input ids not unique?)")
+        lines.append(f"  WARNING: {r['total'] - r['unique_ids']} duplicate (id, sample_index) keys in the output "
+                     "(input ids not unique?)")
     lines.append(f"  this run: {run['rows']} rows, {run['generated_tokens']} tokens in {run['wall_time_s']:.1f} s "
                  f"({run['tokens_per_s']:.1f} tokens/s); {run['rows_already_done']} rows were already done")
     for a in run["actors"]:

@@ -1,12 +1,14 @@
 """The processor's CPU stages around the engine: prompts to token ids before it, token ids to text after.
 
 Both are `map_batches` functions run as Ray tasks (a tokenizer cached per worker process), `pyarrow.Table`
-in and out, one row out per row in. Tasks rather than actors: Ray fuses them with the light tasks next to
-them (the job's read before, its write after), so they cost no processes of their own. Ray-free: the
-processor (processor.py) places them.
+in and out, one row out per row in (tokenize: one per sample of a row, `sampling_params.n`). Tasks rather
+than actors: Ray fuses them with the light tasks next to them (the job's read before, its write after), so
+they cost no processes of their own. Ray-free: the processor (processor.py) places them.
 
-    tokenize_batch:   prompt | messages, sampling_params -> prompt (as the engine sees it), prompt_token_ids, error
-    detokenize_batch: generated_tokens, finish_reason    -> generated_text; then the error policy and column order
+    tokenize_batch:   prompt | messages, sampling_params -> its n samples: sample_index, prompt (as the engine
+                      sees it), prompt_token_ids, error
+    detokenize_batch: generated_tokens, finish_reason    -> generated_text (cut at a stop string); then the error
+                      policy and column order
 """
 
 from __future__ import annotations
@@ -15,8 +17,13 @@ import functools
 
 import pyarrow as pa
 
-from domino_ray.batch.schema import RowError, is_null, output_table, read_row, row_params, with_columns
+from domino_ray.batch.schema import (RowError, is_null, output_table, read_row, row_params, sample_count,
+                                     with_columns)
 from domino_ray.config import JobConfig, generation_defaults
+from domino_ray.model.text_stream import cut_at_stop
+
+# The samples of a row still to generate (list<int32>), set by the job's resume (job._prepare); absent or null: all n.
+SAMPLES_TO_DO = "__samples_to_do"
 
 
 class RowFailed(RuntimeError):
@@ -34,16 +41,26 @@ def _tokenizer(source: str):
 
 def tokenize_batch(batch: pa.Table, cfg: JobConfig) -> pa.Table:
     """Chat template and tokenizer in one pass (the template's special tokens must stay apart from user
-    text: target.encode_prompt). A row that cannot run keeps `prompt_token_ids` empty and says why in
-    `error`; its sampling overrides are checked here too, so the engine stage only runs good rows."""
+    text: target.encode_prompt), then each row as its samples (`sample_index`; those of SAMPLES_TO_DO when set).
+    A row that cannot run keeps `prompt_token_ids` empty and says why in `error`; its sampling overrides are
+    checked here too, so the engine stage only runs good rows."""
     tokenizer, base = _tokenizer(cfg.model.tokenizer or cfg.model.source), generation_defaults(cfg.generation)
-    prompts, ids, errors = [], [], []
-    for row in batch.to_pylist():
+    todo = (batch.column(SAMPLES_TO_DO).to_pylist() if SAMPLES_TO_DO in batch.column_names
+            else [None] * batch.num_rows)
+    rows, samples, prompts, ids, errors = [], [], [], [], []
+    for i, row in enumerate(batch.to_pylist()):
         prompt, token_ids, error = _encode(row, cfg, tokenizer, base)
-        prompts.append(prompt)
-        ids.append(token_ids)
-        errors.append(error)
-    return with_columns(batch, {"prompt": prompts, "prompt_token_ids": ids, "error": errors})
+        indices = todo[i] if todo[i] is not None else range(sample_count(row.get(cfg.input.sampling_column), base))
+        for index in indices:
+            rows.append(i)
+            samples.append(index)
+            prompts.append(prompt)
+            ids.append(token_ids)
+            errors.append(error)
+    if SAMPLES_TO_DO in batch.column_names:
+        batch = batch.drop_columns([SAMPLES_TO_DO])
+    return with_columns(batch.take(pa.array(rows, pa.int64())),
+                        {"sample_index": samples, "prompt": prompts, "prompt_token_ids": ids, "error": errors})
 
 
 def _encode(row: dict, cfg: JobConfig, tokenizer, base) -> tuple[str | None, list[int], str | None]:
@@ -81,17 +98,29 @@ def detokenize_batch(batch: pa.Table, cfg: JobConfig, *, detokenize: bool = True
     reasons = batch.column("finish_reason").to_pylist()
     texts = [""] * batch.num_rows
     if detokenize:
-        from domino_ray.model.target import decode
-
-        tokenizer = _tokenizer(cfg.model.tokenizer or cfg.model.source)
+        tokenizer, base = _tokenizer(cfg.model.tokenizer or cfg.model.source), generation_defaults(cfg.generation)
+        column = cfg.input.sampling_column
+        overrides = batch.column(column).to_pylist() if column in batch.column_names else [None] * batch.num_rows
         for i, tokens in enumerate(batch.column("generated_tokens").to_pylist()):
-            if reasons[i] != "error":
-                # "stop" means the last token is the stop id that ended the row (spec_engine.py): the one to drop.
-                texts[i] = decode(tokenizer, tokens, frozenset(tokens[-1:]) if reasons[i] == "stop" else frozenset())
+            if reasons[i] != "error":  # its overrides are good (the tokenize stage checked them)
+                texts[i] = _text(tokenizer, tokens, reasons[i], row_params(overrides[i], base, None, None))
     table = output_table(with_columns(batch, {"generated_text": texts}), schema)
     if error_column != "error":
         table = table.rename_columns([error_column if n == "error" else n for n in table.column_names])
     return table
+
+
+def _text(tokenizer, tokens: list[int], reason: str, params) -> str:
+    """A finished row's text. A row a stop string ended (the engine keeps the tokens through the one that completed
+    it) ends before the string, or with it when `include_stop_str_in_output` (vLLM's rule); a row a stop token
+    ended drops that token (spec_engine.py: "stop" and no stop string in the text)."""
+    from domino_ray.model.target import decode
+
+    if params.stop and reason == "stop":
+        text, found = cut_at_stop(decode(tokenizer, tokens), params.stop, params.include_stop_str_in_output)
+        if found:
+            return text
+    return decode(tokenizer, tokens, frozenset(tokens[-1:]) if reason == "stop" else frozenset())
 
 
 def _stop_at_a_failed_row(batch: pa.Table, id_column: str):
