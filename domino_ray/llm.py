@@ -19,8 +19,8 @@ from typing import Sequence
 
 from domino_ray.engine.request import Request, TokenLogprobs
 from domino_ray.engine.spec_engine import SpecEngine
-from domino_ray.model.target import decode, encode_prompt, load_target, load_tokenizer, stop_token_ids
-from domino_ray.model.text_stream import StopStrings, cut_at_stop
+from domino_ray.model.target import encode_prompt, load_target, load_tokenizer, stop_token_ids
+from domino_ray.model.text_stream import row_text, stop_matcher
 from domino_ray.spec.checkpoint import load_draft
 from domino_ray.spec.draft import resolve_num_spec_tokens
 from domino_ray.spec.proposer import DominoProposer
@@ -129,18 +129,11 @@ class DominoLLM:
             if sp.stop and self.tokenizer is None:
                 raise ValueError(f"stop={list(sp.stop)!r} needs a tokenizer to match text (this DominoLLM has none); "
                                  "use stop_token_ids instead")
-            requests += [Request((i, j), ids, sp.for_sample(j), StopStrings(self.tokenizer, sp.stop) if sp.stop else None)
+            requests += [Request((i, j), ids, sp.for_sample(j), stop_matcher(self.tokenizer, sp))
                          for j in range(sp.n)]
-        eos = self.engine.eos_token_ids
         return [GenerationOutput(
-            prompt_token_ids=c.prompt_token_ids, text=self._text(c.token_ids, r.params, eos),
+            prompt_token_ids=c.prompt_token_ids, text=row_text(self.tokenizer, c.token_ids, r.params, c.finish_reason == "stop") if self.tokenizer else None,
             token_ids=c.token_ids, finish_reason=c.finish_reason, stats=c.stats.to_columns(),
             time_to_first_token_s=c.time_to_first_token_s, time_taken_s=c.time_taken_s,
             sample_index=r.request_id[1], logprobs=c.logprobs,
         ) for c, r in zip(self.engine.generate(requests), requests)]
-
-    def _text(self, token_ids: list[int], params: SamplingParams, eos) -> str | None:
-        if self.tokenizer is None:
-            return None
-        text = decode(self.tokenizer, token_ids, params.stop_ids(eos))
-        return cut_at_stop(text, params.stop, params.include_stop_str_in_output)[0] if params.stop else text

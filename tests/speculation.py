@@ -20,7 +20,7 @@ from domino_ray.engine.request import Request
 from domino_ray.engine.spec_engine import SpecEngine
 from domino_ray.llm import load_draft_for
 from domino_ray.model.target import load_target, load_tokenizer, stop_token_ids
-from domino_ray.model.text_stream import StopStrings
+from domino_ray.model.text_stream import stop_matcher
 from domino_ray.spec.proposer import DominoProposer
 from domino_ray.spec.width_costs import StepCosts
 from tiny_models import Recorder
@@ -64,7 +64,7 @@ def speculate_in_process(target_dir: str, draft_dir: str, prompts: list[list[int
     recorder = Recorder(DominoProposer(load_draft_for(target, draft_dir), target, num_spec_tokens))
 
     def requests():  # a stop-string matcher holds its row's text: one per run
-        return [Request(i, p, sp, StopStrings(tokenizer, sp.stop) if sp.stop else None)
+        return [Request(i, p, sp, stop_matcher(tokenizer, sp))
                 for i, (p, sp) in enumerate(zip(prompts, params))]
     spec = SpecEngine(target, recorder, max_rows=max_rows, eos_token_ids=stops).generate(requests())
     alone = SpecEngine(target, None, max_rows=max_rows, eos_token_ids=stops).generate(requests())

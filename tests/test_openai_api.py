@@ -197,7 +197,10 @@ def test_bad_requests_name_the_field(model, kind, body, status, param, words):
     assert set(err.body()["error"]) == {"message", "type", "param", "code"}
 
 
-def test_text_stream_equals_full_decode_cut_at_first_stop(tokenizer):
+def test_text_stream_equals_full_decode_cut_at_the_first_stop_to_complete(tokenizer):
+    """Pushed in ragged chunks (as speculative steps commit 1..K+1 tokens) or one token at a time (target-only), the
+    text is the full decode cut where a stop string first completes, token by token (strings completing with the
+    same token: the earliest), and with `min_ids` both ways agree: a row stops where it would without speculation."""
     rng = random.Random(0)
     vocab = list(range(90))
     for trial in range(150):
@@ -206,18 +209,26 @@ def test_text_stream_equals_full_decode_cut_at_first_stop(tokenizer):
         # Stop strings: pieces of this very text (so they match), or strings that never occur.
         stop = tuple({full[i:i + rng.randint(1, 4)] for i in rng.sample(range(len(full)), min(2, len(full)))}
                      if full and trial % 3 else {"@@never@@"})
-        stream, out, i = TextStream(tokenizer, stop), [], 0
-        while i < len(ids):  # push in ragged chunks, as speculative steps commit 1..K+1 tokens
-            n = rng.randint(1, 5)
-            out.append(stream.push(ids[i:i + n]))
-            i += n
-            if stream.stopped:
-                break
-        out.append(stream.finish())
-        cuts = [full.find(s) for s in stop if s and full.find(s) >= 0]
-        expected = full[:min(cuts)] if cuts else full
-        assert "".join(out) == expected, (ids, stop)
-        assert stream.stopped == bool(cuts)
+        min_ids = rng.choice([0, 0, rng.randint(0, len(ids))])
+        results = []
+        for chunked in (True, False):
+            stream, out, i = TextStream(tokenizer, stop, min_ids), [], 0
+            while i < len(ids):
+                n = rng.randint(1, 5) if chunked else 1
+                out.append(stream.push(ids[i:i + n]))
+                i += n
+                if stream.stopped:
+                    break
+            out.append(stream.finish())
+            results.append(("".join(out), stream.stopped, stream.num_kept_ids, stream.matched))
+        assert results[0] == results[1], (ids, stop, min_ids)
+        if min_ids == 0:
+            first = next((k for k in range(1, len(ids) + 1)
+                          if any(s in tokenizer.decode(ids[:k], skip_special_tokens=True) for s in stop)), None)
+            text = tokenizer.decode(ids[:first or len(ids)], skip_special_tokens=True)
+            expected = text[:min(text.find(s) for s in stop if s in text)] if first else full
+            assert results[0][:2] == (expected, first is not None), (ids, stop)
+            assert results[0][2] == (first or 0)
 
 
 def test_text_stream_holds_back_a_possible_stop_string(tokenizer):

@@ -22,7 +22,7 @@ from domino_ray.batch.schema import RowError, engine_columns, error_row, ok_row,
 from domino_ray.config import JobConfig, generation_defaults
 from domino_ray.engine.loop import EngineDead
 from domino_ray.engine.request import Request
-from domino_ray.model.text_stream import StopStrings
+from domino_ray.model.text_stream import stop_matcher
 
 
 class RowCrashesEngine(RuntimeError):
@@ -136,7 +136,7 @@ class DominoPredictor:
 
     async def _complete(self, key, ids: list[int], params) -> object:
         # Stop strings as Serve matches them: the engine ends the row on the step its string completes.
-        stop = StopStrings(self.tokenizer, params.stop) if params.stop else None
+        stop = stop_matcher(self.tokenizer, params)
         request = Request(next(self.request_ids), ids, params, stop_strings=stop)
         if key in self._suspects:  # inside the engine when one crashed: run it alone to find the culprit
             async with self._alone:

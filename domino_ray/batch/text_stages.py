@@ -20,7 +20,7 @@ import pyarrow as pa
 from domino_ray.batch.schema import (RowError, is_null, output_table, read_row, row_params, sample_count,
                                      with_columns)
 from domino_ray.config import JobConfig, generation_defaults
-from domino_ray.model.text_stream import cut_at_stop
+from domino_ray.model.text_stream import row_text
 
 # The samples of a row still to generate (list<int32>), set by the job's resume (job._prepare); absent or null: all n.
 SAMPLES_TO_DO = "__samples_to_do"
@@ -103,24 +103,11 @@ def detokenize_batch(batch: pa.Table, cfg: JobConfig, *, detokenize: bool = True
         overrides = batch.column(column).to_pylist() if column in batch.column_names else [None] * batch.num_rows
         for i, tokens in enumerate(batch.column("generated_tokens").to_pylist()):
             if reasons[i] != "error":  # its overrides are good (the tokenize stage checked them)
-                texts[i] = _text(tokenizer, tokens, reasons[i], row_params(overrides[i], base, None, None))
+                texts[i] = row_text(tokenizer, tokens, row_params(overrides[i], base, None, None), reasons[i] == "stop")
     table = output_table(with_columns(batch, {"generated_text": texts}), schema)
     if error_column != "error":
         table = table.rename_columns([error_column if n == "error" else n for n in table.column_names])
     return table
-
-
-def _text(tokenizer, tokens: list[int], reason: str, params) -> str:
-    """A finished row's text. A row a stop string ended (the engine keeps the tokens through the one that completed
-    it) ends before the string, or with it when `include_stop_str_in_output` (vLLM's rule); a row a stop token
-    ended drops that token (spec_engine.py: "stop" and no stop string in the text)."""
-    from domino_ray.model.target import decode
-
-    if params.stop and reason == "stop":
-        text, found = cut_at_stop(decode(tokenizer, tokens), params.stop, params.include_stop_str_in_output)
-        if found:
-            return text
-    return decode(tokenizer, tokens, frozenset(tokens[-1:]) if reason == "stop" else frozenset())
 
 
 def _stop_at_a_failed_row(batch: pa.Table, id_column: str):

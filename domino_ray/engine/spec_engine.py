@@ -181,9 +181,9 @@ class SpecEngine:
         if not params.greedy:
             seed = params.seed if params.seed is not None else int(torch.randint(2**62, (1,), generator=self.rng))
         stop = params.stop_ids(self.eos_token_ids)
-        self._running_ids.add(request.request_id)
         if params.stop and request.stop_strings is None:
             raise ValueError("params.stop needs a stop matcher: Request(stop_strings=StopStrings(tokenizer, stop))")
+        self._running_ids.add(request.request_id)
         self.pending.append(Row(request=Request(request.request_id, list(ids), params, request.stop_strings),
                                 max_new=min(params.max_new_tokens, self.max_model_len - len(ids)),
                                 stop_ids=frozenset(stop), seed=int(seed),

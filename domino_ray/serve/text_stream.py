@@ -16,7 +16,7 @@ from typing import AsyncIterator
 
 from domino_ray.engine.loop import EngineDead, EngineLoop, QueueFull, RequestStream
 from domino_ray.engine.request import Completion, Request, TokenLogprobs
-from domino_ray.model.text_stream import StopStrings, TextStream, cut_at_stop
+from domino_ray.model.text_stream import TextStream, stop_matcher
 from domino_ray.serve.openai_api import APIError, ModelSpec, ParsedRequest
 from domino_ray.spec.sampling_params import SamplingParams
 from domino_ray.spec.stats import RowStats
@@ -50,7 +50,7 @@ async def generate(loop: EngineLoop, response_id: str, parsed: ParsedRequest, mo
     pumps: list[asyncio.Task] = []
     try:
         for rid, sample in zip(request_ids, samples):  # all before the first await: a full queue refuses them all
-            stop = StopStrings(model.tokenizer, sample.stop) if sample.stop else None
+            stop = stop_matcher(model.tokenizer, sample)
             streams.append(_submit(loop, Request(rid, parsed.prompt_token_ids, sample, stop)))
         queue: asyncio.Queue = asyncio.Queue()
         pumps = [asyncio.create_task(_pump(_choice(i, stream, samples[i], model), queue))
@@ -94,7 +94,7 @@ async def _choice(index: int, stream: RequestStream, params: SamplingParams, mod
                   ) -> AsyncIterator[Piece]:
     """One choice's Pieces, one per engine event. Log-probabilities travel with the text: those of tokens whose
     text is held back (a stop string may be forming) wait for the next piece that releases text, or the last."""
-    text, stop_ids = TextStream(model.tokenizer, params.stop), params.stop_ids(model.eos_token_ids)
+    text, stop_ids = TextStream(model.tokenizer, params.stop, params.min_tokens), params.stop_ids(model.eos_token_ids)
     count, held = 0, []
     try:
         async for update in stream.events():
@@ -106,8 +106,7 @@ async def _choice(index: int, stream: RequestStream, params: SamplingParams, mod
                 ids = ids[:-1]  # the stop token ends the row but is not text
             delta = text.push(ids, final=done is not None)
             if done is not None and text.stopped and params.include_stop_str_in_output:
-                whole = model.tokenizer.decode(text.ids, skip_special_tokens=True)
-                delta += cut_at_stop(whole, params.stop, include_stop_str=True)[0][len(text.text):]
+                delta += text.matched
             logprobs = None
             if params.logprobs is not None and (delta or done is not None):
                 logprobs, held = held, []
