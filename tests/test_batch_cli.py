@@ -91,10 +91,7 @@ def test_resume_after_killing_the_driver(ray_cluster, tiny_pair, tmp_path):
     assert summary["run"]["rows"] == n - done and summary["run"]["rows_already_done"] == done
     tokens = sum(pq.read_table(out, columns=["num_generated_tokens"]).column(0).to_pylist())
     assert summary["rows"]["total"] == n and summary["totals"]["num_generated_tokens"] == tokens
-
-    again = subprocess.run(command, capture_output=True, text=True, timeout=300)
-    assert again.returncode == 0 and "nothing to do" in again.stdout, again.stdout + again.stderr
-    assert _complete_files(out) == after
+    # A finished job's rerun ("nothing to do", files unchanged): test_batch_s3 and test_multinode run it.
 
 
 def _free_port():

@@ -33,7 +33,7 @@ pytestmark = pytest.mark.ray
 MAX_NEW = 12
 SAMPLED = 4  # rows at temperature 0.8, each with its own seed
 OVERRIDE_TYPE = pa.struct([("max_new_tokens", pa.int64()), ("temperature", pa.float64()), ("seed", pa.int64()),
-                           ("temprature", pa.float64())])
+                           ("temprature", pa.float64()), ("logprobs", pa.int64())])
 SCHEMA = pa.schema([("id", pa.int64()), ("prompt", pa.binary()),
                     ("messages", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))),
                     ("sampling_params", OVERRIDE_TYPE), ("topic", pa.string())])
@@ -56,7 +56,8 @@ BAD_ROWS = [
 def _input_rows():
     rows = [(p.encode(), None, None) for p in make_prompts(16)]
     rows += [(None, [{"role": "user", "content": p}], None) for p in make_prompts(3, seed=1)]
-    rows += [(b"a batch of prompts", None, {"max_new_tokens": 3}), (b"the lazy dog", None, {"max_new_tokens": 5})]
+    rows += [(b"a batch of prompts", None, {"max_new_tokens": 3, "logprobs": 2}),  # the one row asking for logprobs
+             (b"the lazy dog", None, {"max_new_tokens": 5})]
     rows += [(p.encode(), None, {"temperature": 0.8, "seed": 11 + i}) for i, p in enumerate(make_prompts(SAMPLED, seed=2))]
     good = len(rows)
     rows += [(p, m, s) for p, m, s, _ in BAD_ROWS]
@@ -202,7 +203,10 @@ def test_read_back_with_pandas_and_duckdb(job):
     df = pd.read_parquet(job["out"])
     assert len(df) == len(job["ids"]) and df["id"].is_unique
     assert (df["num_generated_tokens"] == df["generated_tokens"].map(len)).all()
-    assert df["logprobs"].isna().all() and (df["sample_index"] == 0).all()  # no row asked for logprobs; n = 1
+    asked = df["sampling_params"].map(lambda s: s is not None and s["logprobs"] is not None)
+    assert asked.sum() == 1 and df["logprobs"][~asked].isna().all() and (df["sample_index"] == 0).all()  # n = 1
+    entries = df["logprobs"][asked].iloc[0]
+    assert [e[0]["token_id"] for e in entries] == list(df["generated_tokens"][asked].iloc[0]) and len(entries[0]) == 3
     con = duckdb.connect()
     q = f"SELECT count(*), count(DISTINCT id), sum(num_spec_steps), sum(num_generated_tokens), " \
         f"sum(CASE WHEN finish_reason = 'error' THEN 1 ELSE 0 END) FROM read_parquet('{job['out']}/*.parquet')"
@@ -228,7 +232,10 @@ def test_read_back_with_spark(job):
         assert types["num_spec_steps"] == "int" and types["mean_acceptance_length"] == "double"
         assert types["sample_index"] == "int"
         assert types["logprobs"] == "array<array<struct<token_id:bigint,logprob:float>>>"
-        assert df.filter("logprobs IS NOT NULL OR sample_index != 0").count() == 0
+        assert df.filter("sample_index != 0").count() == 0
+        asked = df.filter("logprobs IS NOT NULL").select("logprobs", "generated_tokens").collect()
+        assert len(asked) == 1 and [t[0].token_id for t in asked[0].logprobs] == list(asked[0].generated_tokens)
+        assert all(len(t) == 3 and t[1].logprob >= t[2].logprob for t in asked[0].logprobs)
         df.createOrReplaceTempView("out")
         row = spark.sql("SELECT count(*) n, count(DISTINCT id) ids, sum(num_accepted_draft_tokens) acc, "
                         "sum(size(generated_tokens)) toks, sum(num_generated_tokens) gen FROM out").collect()[0]

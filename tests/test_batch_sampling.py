@@ -213,27 +213,6 @@ def test_logprobs_and_penalties_end_to_end(job):
     assert row["generated_tokens"] == generated and row["num_generated_tokens"] >= PENALTIES["min_tokens"]
 
 
-@pytest.mark.slow
-def test_logprobs_read_back_with_spark(job):
-    """Needs the engine's logprobs (issue 44): the column as Spark reads it, non-null for the row that asked."""
-    from pyspark.sql import SparkSession
-
-    spark = (SparkSession.builder.master("local[1]").appName("domino-ray-logprobs")
-             .config("spark.ui.enabled", "false").config("spark.sql.shuffle.partitions", "1").getOrCreate())
-    try:
-        df = spark.read.parquet(str(job["dir"]))
-        assert dict(df.dtypes)["logprobs"] == "array<array<struct<token_id:bigint,logprob:float>>>"
-        rows = {(r.id, r.sample_index): r
-                for r in df.select("id", "sample_index", "logprobs", "generated_tokens").collect()}
-        lp = rows[("lp", 0)]
-        assert lp.logprobs is not None and len(lp.logprobs) == len(lp.generated_tokens)
-        assert [t[0].token_id for t in lp.logprobs] == list(lp.generated_tokens)
-        assert all(len(t) == 3 and t[1].logprob >= t[2].logprob for t in lp.logprobs)
-        assert all(r.logprobs is None for key, r in rows.items() if key != ("lp", 0))
-    finally:
-        spark.stop()
-
-
 def test_resume_neither_repeats_nor_loses_a_sample(job):
     """An output missing some samples (a partial run: some of a row's samples written, others not): the rerun
     writes exactly the missing (id, sample_index) rows, each equal to the first run's. Fails if the resume key is
