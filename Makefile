@@ -22,7 +22,8 @@ export PYTHONPYCACHEPREFIX := $(abspath $(VENV))/pycache
 # Ray workers, engine actors) do not each compile them at the same time on a fresh machine.
 JOB_IMPORTS := import domino_ray.batch.job, domino_ray.llm; from transformers import AutoTokenizer, Qwen3ForCausalLM, LlamaForCausalLM
 # Our CPU kernels (domino_ray/backend/library.py: decode attention, RMSNorm, rotary), built once for this machine
-# (~10-20 s) so the first engine does not build them; where they do not build, a warning and torch's ops instead.
+# (~10-40 s) so the first engine does not build them; where they do not build, a warning and torch's ops instead.
+# The build runs beside the byte-compile of JOB_IMPORTS (each mostly one process on one core).
 BUILD_KERNEL := from domino_ray.backend.library import kernels_loaded; kernels_loaded()
 
 # --no-compile: byte-compiling every module of torch, ray and transformers at install time is half of the
@@ -32,8 +33,7 @@ $(BIN)/.installed: pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q --no-compile -e .
-	$(BIN)/python -c "$(JOB_IMPORTS)"
-	$(BIN)/python -c "$(BUILD_KERNEL)"
+	$(BIN)/python -c "$(BUILD_KERNEL)" & kernels=$$!; $(BIN)/python -c "$(JOB_IMPORTS)" && wait $$kernels
 	touch $@
 
 $(BIN)/.installed-dev: $(BIN)/.installed

@@ -3,7 +3,7 @@
 All fp32 and CPU only; CUDA, other dtypes and a machine where they do not build keep torch's ops. Built with
 the machine's C++ compiler for its own CPU (`-march=native`) into `~/.cache/domino-ray/kernels` (or
 `DOMINO_RAY_KERNEL_CACHE`), keyed by the sources, the flags, torch's version and the CPU, so a changed CPU or
-source builds again (~10-20 s; `make setup` builds them). `DOMINO_RAY_CPU_KERNELS=0` turns them off
+source builds again (~10-30 s; `make setup` builds them). `DOMINO_RAY_CPU_KERNELS=0` turns them off
 (benchmarks compare both). `DOMINO_RAY_KERNEL_MARCH` builds for another CPU than this one: `haswell` (AVX2 + FMA)
 is what an AMD EPYC of our 2-core kind compiles (the linear kernel's tiles are ISA-specific), so an AVX-512 machine
 can test that build too (the suite does: `tests/test_cpu_kernels.py`).
@@ -26,7 +26,7 @@ CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / name for name in ("registration.cpp", "decode_attention.cpp", "layer_ops.cpp", "linear.cpp",
                                      "decode_layer.cpp", "domino_head.cpp")]
 HEADERS = [CSRC / "vectors.h", CSRC / "ops.h"]
-STALE_LOCK_S = 600  # a build takes ~10-20 s; a lock this old is left by a killed one
+STALE_LOCK_S = 600  # a build takes ~10-30 s; a lock this old is left by a killed one
 
 
 def takes(x: torch.Tensor, other: torch.Tensor) -> bool:
@@ -50,7 +50,7 @@ def kernels_loaded() -> bool:
         build_dir.mkdir(parents=True, exist_ok=True)
         remove_stale_lock(build_dir / "lock")
         if not (build_dir / f"{name}.so").exists():
-            print(f"domino_ray: building our CPU kernels into {build_dir} (once, ~10-20 s)", file=sys.stderr,
+            print(f"domino_ray: building our CPU kernels into {build_dir} (once, ~10-30 s)", file=sys.stderr,
                   flush=True)
         cpp_extension.load(name, [str(source) for source in SOURCES], extra_cflags=compile_flags(),
                            extra_ldflags=["-fopenmp"], build_directory=str(build_dir), is_python_module=False)

@@ -12,7 +12,7 @@
 //
 // Vectors are GCC's generic 8-float vectors: AVX2 and AVX-512 machines both run them well (-march=native).
 
-#include <ATen/ATen.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/Parallel.h>
 
 #include "ops.h"

@@ -13,7 +13,9 @@
 // weights: input_layernorm, qkv packed, qkv bias?, o_proj packed, o_proj bias?, post_attention_layernorm,
 //          gate_up packed, gate_up bias?, down_proj packed, down_proj bias?, q_norm?, k_norm? (Qwen3)
 
-#include <ATen/ATen.h>
+#include <ATen/TensorOperators.h>
+#include <ATen/ops/cat.h>
+#include <ATen/ops/silu.h>
 
 #include <vector>
 

@@ -10,7 +10,15 @@
 //                    d2t [V]? (draft -> target id offsets), num_draft)
 //   -> drafts P..num_draft-1 [b, num_draft - P] (target ids)
 
-#include <ATen/ATen.h>
+#include <ATen/TensorOperators.h>
+#include <ATen/ops/cat.h>
+#include <ATen/ops/embedding.h>
+#include <ATen/ops/linear.h>
+#include <ATen/ops/sigmoid.h>
+#include <ATen/ops/silu.h>
+#include <ATen/ops/stack.h>
+#include <ATen/ops/tanh.h>
+#include <ATen/ops/zeros.h>
 
 #include <vector>
 

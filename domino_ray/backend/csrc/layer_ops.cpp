@@ -13,7 +13,7 @@
 //   `index_copy_` of the transposed keys does, as one op: in a decode step that was 8 ops (two transposing copies),
 //   and index_copy_'s call cost ~50 us cold after a linear layer's weights have streamed through the caches.
 
-#include <ATen/ATen.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 
 #include "ops.h"

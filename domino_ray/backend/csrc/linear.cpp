@@ -13,7 +13,8 @@
 // computes each position as a one-row step would): fused multiply-add chains over blocks of 64 k in order, the
 // blocks' sums added in order (a single chain over K = 1536 would lose accuracy), then + bias.
 
-#include <ATen/ATen.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <ATen/Parallel.h>
 
 #include "ops.h"
