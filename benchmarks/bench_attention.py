@@ -56,7 +56,7 @@ def sweep(model: str, rows: int, keys: list[int], positions: list[int], seed: in
             print(f"{t:>6} {q:>9} {sdpa:9.3g} ({gb / sdpa:4.3g}) {ours:9.3g} ({gb / ours:4.3g}) {sdpa / ours:8.2f}x")
 
 
-def engine_steps(rows: int):
+def engine_steps(rows: int, rounds: int = 4):
     def settings(engine):
         if not engine.runner.kv.kernel:
             raise SystemExit("the engine's attention is not our kernel here (not fp32 on CPU, or it did not build)")
@@ -65,7 +65,7 @@ def engine_steps(rows: int):
             engine.runner.kv.kernel = kernel  # what kv_cache.group_visibility reads each forward
         return {"our kernel": lambda: use(True), "SDPA + mask": lambda: use(False)}
 
-    alternating_decode_steps(rows, settings)
+    alternating_decode_steps(rows, settings, rounds=rounds)
 
 
 def main():
@@ -75,11 +75,12 @@ def main():
     p.add_argument("--keys", default="128,256,512,1024")
     p.add_argument("--positions", default="1,4,9", help="query positions per row: 1 = decode, W+1 = verify")
     p.add_argument("--engine", type=int, default=0, metavar="ROWS", help="time our engine's step instead")
+    p.add_argument("--rounds", type=int, default=4, help="--engine: rounds through the settings")
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     if args.engine:
-        engine_steps(args.engine)
+        engine_steps(args.engine, args.rounds)
     else:
         with torch.inference_mode():
             sweep(args.model, args.rows, [int(k) for k in args.keys.split(",")],

@@ -69,7 +69,7 @@ def sweep(rows: list[int], layers: int = LAYERS, seed: int = 0):
             print(f"{name:>16}" + "".join(f"{passes(m, kernel):8.1f}" for m in rows), flush=True)
 
 
-def engine_steps(rows: int):
+def engine_steps(rows: int, rounds: int = 4):
     from domino_ray.model import packed_linear
 
     def settings(engine):
@@ -85,19 +85,20 @@ def engine_steps(rows: int):
         return {"ours": lambda: use(packed_linear.PackedLinear), "MKL packed": lambda: use(MKLPackedLinear),
                 "plain": lambda: use(torch.nn.Linear)}
 
-    alternating_decode_steps(rows, settings, "")
+    alternating_decode_steps(rows, settings, "", rounds=rounds)
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", default="1,2,4,8,16,32,64,144,256")
     p.add_argument("--engine", type=int, default=0, metavar="ROWS", help="time our engine's step instead")
+    p.add_argument("--rounds", type=int, default=4, help="--engine: rounds through the settings")
     p.add_argument("--layers", type=int, default=LAYERS, help="sweep: decoder layers (fewer: a quick look)")
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     if args.engine:
-        engine_steps(args.engine)
+        engine_steps(args.engine, args.rounds)
     else:
         sweep([int(r) for r in args.rows.split(",")], args.layers)
 

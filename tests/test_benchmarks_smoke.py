@@ -225,9 +225,9 @@ def test_linear_benchmark_smoke():
     assert all(positive(float(x)) for kind in ("F.linear", "MKL packed", "ours") for x in table[kind])
     from domino_ray.model.smollm2 import is_converted
     if is_converted():
-        out = run_script("bench_linear.py", "--engine", "2")
+        out = run_script("bench_linear.py", "--engine", "2", "--rounds", "1")
         times = [line.split(":") for line in out.splitlines() if line.startswith("  ")]
-        assert [name.strip() for name, _ in times] == ["ours", "MKL packed", "plain"] * 4
+        assert [name.strip() for name, _ in times] == ["ours", "MKL packed", "plain"]
         assert all(positive(float(t.split()[0])) for _, t in times)
 
 
@@ -245,9 +245,9 @@ def test_attention_benchmark_smoke():
         assert float(speed_up) == pytest.approx(float(ours_rate) / float(sdpa_rate), rel=rounding)
     from domino_ray.model.smollm2 import is_converted
     if is_converted():
-        out = run_script("bench_attention.py", "--engine", "2")
+        out = run_script("bench_attention.py", "--engine", "2", "--rounds", "1")
         times = [line.split(":") for line in out.splitlines() if line.startswith("  ")]
-        assert [name.strip() for name, _ in times] == ["our kernel", "SDPA + mask"] * 4
+        assert [name.strip() for name, _ in times] == ["our kernel", "SDPA + mask"]
         assert all(positive(float(t.split()[0])) for _, t in times)
 
 
