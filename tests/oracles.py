@@ -31,17 +31,17 @@ class OracleProposer:
         self.block_size = shadow.block_size if shadow else 1
         self.calls: dict = {}
 
-    def allocate(self, max_rows: int, max_len: int):
+    def allocate(self, num_blocks: int, block_size: int, max_len: int):
         if self.shadow:
-            self.shadow.allocate(max_rows, max_len)
+            self.shadow.allocate(num_blocks, block_size, max_len)
 
-    def append_context(self, rows, target_hidden, offsets):
+    def append_context(self, tables, target_hidden, offsets):
         if self.shadow:
-            self.shadow.append_context(rows, target_hidden, offsets)
+            self.shadow.append_context(tables, target_hidden, offsets)
 
-    def propose(self, r, anchor, offsets, key_groups, width, committed, request_ids) -> torch.Tensor:
+    def propose(self, r, anchor, offsets, keys, width, committed, request_ids) -> torch.Tensor:
         if self.shadow:
-            self.shadow.propose(r, anchor, offsets, key_groups, width, committed, request_ids)
+            self.shadow.propose(r, anchor, offsets, keys, width, committed, request_ids)
         k = width
         drafts = [[0] * k for _ in range(r)]  # padding slots get zeros
         for i, (rid, done) in enumerate(zip(request_ids, committed)):
@@ -53,10 +53,6 @@ class OracleProposer:
             row = (ref[done:done + k] + [0] * k)[:k]
             drafts[i] = [t if j < wrong else (t + 1) % self.vocab_size for j, t in enumerate(row)]
         return torch.tensor(drafts, dtype=torch.long, device=anchor.device).reshape(r, k)
-
-    def move_row(self, src, dst, length):
-        if self.shadow:
-            self.shadow.move_row(src, dst, length)
 
 
 def corrected_logits_full_prefix(draft: DominoDraft, hidden: torch.Tensor, anchor: torch.Tensor,

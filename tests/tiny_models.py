@@ -174,11 +174,8 @@ class Recorder:
     def append_context(self, *a):
         self.inner.append_context(*a)
 
-    def move_row(self, *a):
-        self.inner.move_row(*a)
-
-    def propose(self, r, anchor, offsets, key_groups, width, committed, request_ids):
-        drafts = self.inner.propose(r, anchor, offsets, key_groups, width, committed, request_ids)
+    def propose(self, r, anchor, offsets, keys, width, committed, request_ids):
+        drafts = self.inner.propose(r, anchor, offsets, keys, width, committed, request_ids)
         self.records += list(zip(request_ids, committed, drafts.tolist()))  # real rows only (zip stops at them)
         return drafts
 

@@ -34,8 +34,9 @@ class ContextRing:
         # active rows first: admission feeds the ring first, so rows only leave meanwhile); they are the active rows'
         # last `len(deferred)` positions. Full, a step's append drops the oldest (drafting far off).
         self.deferred: deque[list[torch.Tensor]] | None = deque(maxlen=DEFERRED_STEPS) if defer else None
-        # Slot -> its prompt's taps `[1, m, F]` (a view: the prefill's taps stay alive meanwhile)
-        self.pending_prompts: dict[int, torch.Tensor] = {}
+        # Prompt segments' taps not fed yet, by the row they belong to: (its block table `[1, nb]`, the segment's first
+        # position, its taps `[1, m, F]` (a view: the prefill's taps stay alive meanwhile)), in prefill order
+        self.pending_prompts: dict[int, list[tuple[torch.Tensor, int, torch.Tensor]]] = {}
 
     def keeps(self, w: int, context: bool | None) -> bool:
         """Whether a step at width `w` keeps its taps for later instead of feeding them (`context` None: neither)."""
@@ -45,56 +46,59 @@ class ContextRing:
         """A W = 0 step's taps (`keeps`); a full ring drops its oldest (drafting far off)."""
         self.deferred.append(taps)
 
-    def add_prompts(self, rows: slice, taps: torch.Tensor, sizes: list[int]):
-        """The taps `[1, N, F]` of the prompts prefilled into slots `rows`, `sizes` tokens each; fed at once unless
-        W = 0 steps defer."""
-        self.pending_prompts.update(zip(range(rows.start, rows.stop), taps.split(sizes, 1)))  # [1, m, F] each
+    def add_prompts(self, owners: list, tables: list[torch.Tensor], offsets: list[int], taps: torch.Tensor,
+                    sizes: list[int]):
+        """The taps `[1, N, F]` of prompt segments just prefilled, `sizes` tokens each from position `offsets[i]` of the
+        row `owners[i]` (any key: `drop` forgets it) with block table `tables[i] [1, nb]`; fed at once unless W = 0
+        steps defer."""
+        for owner, table, offset, segment in zip(owners, tables, offsets, taps.split(sizes, 1)):
+            self.pending_prompts.setdefault(id(owner), []).append((table, offset, segment))
         if self.deferred is None:
             self.feed_prompts()
 
-    def before_step(self, w: int, context: bool | None, n: int, lens: torch.Tensor):
+    def before_step(self, w: int, context: bool | None, n: int, lens: torch.Tensor, tables: torch.Tensor):
         """Feed what a step at width `w` needs fed first (`n` active rows at lengths `lens`): the ring before drafting
         or when full, the prompts before any step that keeps the context; a step keeping no taps empties the ring (its
         taps are no longer the last positions). Timed with the step: deferred W = 0 work counts against a drafting
         width (conservative)."""
         if self.deferred and (w or (context and len(self.deferred) == DEFERRED_STEPS)):
-            self.feed_deferred(n, lens)
+            self.feed_deferred(n, lens, tables)
         elif self.deferred and context is None:
             self.deferred.clear()
         if self.pending_prompts and (w or context):
             self.feed_prompts()
 
-    def before_admission(self, n: int, lens: torch.Tensor):
-        """The active rows' deferred positions are the same count only while no row joins: fed first."""
+    def before_admission(self, n: int, lens: torch.Tensor, tables: torch.Tensor):
+        """The active rows' deferred positions are the same count only while no row joins or leaves: fed first."""
         if self.deferred:
-            self.feed_deferred(n, lens)
+            self.feed_deferred(n, lens, tables)
 
     def feed_prompts(self):
-        """The draft's context of the prompts waiting, prompt by prompt (padded together, each would take the longest
-        one's memory)."""
-        start = torch.zeros(1, dtype=torch.long, device=self.device)
-        for slot, prompt_taps in sorted(self.pending_prompts.items()):
-            self.proposer.append_context(slice(slot, slot + 1), prompt_taps, start)
+        """The draft's context of the prompt segments waiting, segment by segment (padded together, each would take the
+        longest one's memory)."""
+        for segments in self.pending_prompts.values():
+            for table, offset, taps in segments:
+                start = torch.full((1,), offset, dtype=torch.long, device=self.device)
+                self.proposer.append_context(table, taps, start)
         self.pending_prompts.clear()
 
-    def feed_deferred(self, n: int, lens: torch.Tensor):
+    def feed_deferred(self, n: int, lens: torch.Tensor, tables: torch.Tensor):
         """The deferred taps into the draft's context, at once: the active rows' last `len(deferred)` positions (every
-        one of the `n` active rows decoded all the deferred steps, one position a step: admission feeds them first)."""
+        one of the `n` active rows decoded all the deferred steps, one position a step: admission feeds
+        them first), rows with block tables `tables [n, nb]`."""
         m = len(self.deferred)
         if n:
             taps = torch.cat([torch.cat(step, -1)[:n] for step in self.deferred], 1)  # [n, m, F], oldest first
-            self.proposer.append_context(slice(0, n), taps, lens[:n] - m)
+            self.proposer.append_context(tables[:n], taps, lens[:n] - m)
         self.deferred.clear()
 
-    def drop(self, slot: int):
-        """A finished row's waiting prompt, before the last row moves into its slot."""
-        self.pending_prompts.pop(slot, None)
+    def drop(self, owner):
+        """A row giving its blocks back (finished or preempted): its prompt segments not fed yet are forgotten (their
+        blocks may go to another row)."""
+        self.pending_prompts.pop(id(owner), None)
 
-    def move(self, src: list[int], dst: list[int], src_index, dst_index):
+    def move(self, src_index, dst_index):
         """Slot `src[i]` -> `dst[i]` (the engine's `_move_rows`; `src_index`/`dst_index` as it indexes tensors)."""
-        if self.pending_prompts:
-            moved = {d: self.pending_prompts.pop(s, None) for s, d in zip(src, dst)}
-            self.pending_prompts.update((d, taps) for d, taps in moved.items() if taps is not None)
         for step_taps in self.deferred or ():  # the whole ring: its order is the same for every row
             for taps in step_taps:
                 taps[dst_index] = taps[src_index]

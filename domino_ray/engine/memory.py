@@ -1,8 +1,10 @@
-"""The engine's memory plan and its slot count: bytes beyond the weights, from the shapes alone (README "Memory").
+"""The engine's memory plan, its row cap and its KV pool: bytes beyond the weights, from the shapes alone (README
+"Memory").
 
-`memory_plan` and `plan_slots` are pure functions of the model configs and the engine's sizes, so a plan can
-be computed (and tested) for a device this machine does not have. The engine checks the plan against free
-device memory before allocating, and with `max_batch_size: auto` sizes its slots from it (`auto_slots`).
+`memory_plan`, `plan_slots` and `size_engine` are pure functions of the model configs and the engine's sizes, so a
+plan can be computed (and tested) for a device this machine does not have. The engine checks the plan against free
+device memory before allocating; with `max_batch_size: auto` and `kv_cache_tokens: auto` it sizes its rows and its
+KV pool from it (`size_engine`).
 """
 
 from __future__ import annotations
@@ -21,12 +23,26 @@ log = logging.getLogger(__name__)
 MAX_AUTO_SLOTS = 1024
 
 
+def kv_bytes_per_token(target_config, draft_config, itemsize: int) -> int:
+    """Bytes one position of a row takes in the KV pools: the target's keys and values in every layer, and the
+    draft's context (`draft_config` None: target only)."""
+    cfg = target_config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    out = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * itemsize
+    if draft_config is not None:
+        out += 2 * draft_config.num_hidden_layers * draft_config.num_key_value_heads * draft_config.head_dim * itemsize
+    return out
+
+
 def memory_plan(target_config, draft_config, *, max_rows: int, num_spec_tokens: int, capacity: int,
-                max_prefill_tokens: int, itemsize: int, cuda_graphs: bool = False,
-                verify_positions: int | None = None, deferred_positions: int = 0) -> dict[str, int]:
+                max_prefill_tokens: int, itemsize: int, kv_blocks: int = 0, block_size: int = 16,
+                cuda_graphs: bool = False, paged_kernel: bool = False, verify_positions: int | None = None,
+                deferred_positions: int = 0) -> dict[str, int]:
     """Bytes the engine preallocates or peaks at beyond the weights. `draft_config`: a DraftConfig or None
-    (target only); `capacity`: KV positions per slot; `itemsize`: bytes per element of the model dtype;
-    `cuda_graphs`: the captured steps keep their own pool (about one decode step) beside the eager cache;
+    (target only); `capacity`: KV positions a row may reach; `kv_blocks`: the KV pool's blocks of `block_size`
+    positions (0: the plan without its pool); `itemsize`: bytes per element of the model dtype; `cuda_graphs`: the
+    captured steps keep their own pool (about one decode step) beside the eager cache; `paged_kernel`: attention reads
+    the pool in place (our CPU and Triton kernels; otherwise a step gathers the longest row's keys and builds a mask);
     `verify_positions`: the most positions a verify forward takes (rows x (W+1)), default all rows at K+1;
     `deferred_positions`: per slot, the taps kept for the draft's context (`context_ring.DEFERRED_STEPS`)."""
     cfg, elt = target_config, itemsize
@@ -35,26 +51,32 @@ def memory_plan(target_config, draft_config, *, max_rows: int, num_spec_tokens: 
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     groups = cfg.num_attention_heads // cfg.num_key_value_heads
     draft = draft_config
-    draft_kv = 2 * draft.num_hidden_layers * r * draft.num_key_value_heads * t * draft.head_dim * elt if draft else 0
     # The largest decode bucket's intermediates. Logits, and when sampling fp32 probabilities + a float64
     # CDF (12 bytes); with top-k/top-p also the sort (fp32 values + int64 indices) and two fp32 masked
     # copies (20 bytes); with penalties the adjusted fp32 logits, the block's counts, one fp32 temporary and
     # three masks (15 bytes, `penalties.RowPenalties.apply`); with logprobs their fp32 log-softmax (4 bytes).
-    # The widest activations, one layer's attention scores and the additive key mask.
+    # The widest activations; without a paged kernel, one layer's gathered keys and values, its attention scores and
+    # the additive key mask (an upper bound: the longest row's keys for every row).
     logits = p * cfg.vocab_size * (elt + 12 + 20 + 15 + 4)
-    step = logits + p * 4 * cfg.intermediate_size * elt + p * cfg.num_attention_heads * t * 4 + p * groups * t * elt
+    step = logits + p * 4 * cfg.intermediate_size * elt
+    if not paged_kernel:
+        step += p * cfg.num_attention_heads * t * 4 + p * groups * t * elt + 2 * r * cfg.num_key_value_heads * t * head_dim * elt
     if draft:  # the draft block's base logits (fp32 for the correction loop) and its attention scores
         vocab = draft.draft_vocab_size or draft.vocab_size
-        step += r * draft.block_size * (vocab * (elt + 4) + draft.num_attention_heads * t * 4)
-    # Prefill: the widest activations of `max_prefill_tokens` positions, plus the draft's context inputs
-    # (the tapped hidden states, their projection and every draft layer's keys and values).
-    prefill = max_prefill_tokens * (6 * cfg.hidden_size + 3 * cfg.intermediate_size) * elt
+        step += r * draft.block_size * vocab * (elt + 4)
+        if not paged_kernel:
+            step += r * draft.block_size * draft.num_attention_heads * t * 4
+    # Prefill: the widest activations of `max_prefill_tokens` positions, a chunk's row gathered (keys and values of one
+    # layer) with its mask, plus the draft's context inputs (the tapped hidden states, their projection and every
+    # draft layer's keys and values).
+    prefill = max_prefill_tokens * (6 * cfg.hidden_size + 3 * cfg.intermediate_size + t) * elt \
+        + 2 * cfg.num_key_value_heads * t * head_dim * elt
     if draft:
         taps = len(draft.target_layer_ids) * cfg.hidden_size
         prefill += max_prefill_tokens * (taps + cfg.hidden_size
                                          + 2 * draft.num_hidden_layers * draft.num_key_value_heads * draft.head_dim) * elt
-    plan = {"target_kv": 2 * cfg.num_hidden_layers * r * cfg.num_key_value_heads * t * head_dim * elt,
-            "draft_kv": draft_kv, "decode_step": step, "prefill_peak": prefill,
+    plan = {"kv_pool": kv_blocks * block_size * kv_bytes_per_token(cfg, draft, elt),
+            "block_tables": r * (t // block_size) * 4, "decode_step": step, "prefill_peak": prefill,
             "target_rope": 2 * t * head_dim * elt,  # rotary cos/sin of every position (`target_forward.rotary_table`)
             # per slot: the penalties' counts and masks over the vocabulary, and a step's logprobs (fp32 values,
             # int64 ids: `runner.StepRunner`), both at fixed addresses
@@ -81,24 +103,50 @@ def plan_slots(budget_bytes: int, plan_for: Callable[[int], dict[str, int]], mos
     return lo
 
 
-def auto_slots(device: torch.device, utilization: float, plan_for: Callable[[int], dict[str, int]]) -> tuple[int, str]:
-    """`max_batch_size: auto`: (slots, a one-line report). CUDA: the most slots whose plan fits `utilization`
-    of the memory free after the weights. CPU: 8 slots per thread (8..64: more rows only queue behind the
-    cores) within `utilization` of a quarter of the available host memory."""
+POOL_SHARE = 0.75  # with rows and pool both `auto`, the rows take what leaves at least this share to the KV pool
+
+
+def memory_budget(device: torch.device, utilization: float) -> tuple[int, str, int]:
+    """(bytes the engine may take beyond the weights, where, most rows `auto` picks). CUDA: `utilization` of the memory
+    free after the weights, up to `MAX_AUTO_SLOTS` rows. CPU: `utilization` of a quarter of the available host memory,
+    8 rows per thread (8..64: more rows only queue behind the cores)."""
     if device.type == "cuda":
-        where, budget, most = str(device), utilization * free_device_memory(device), MAX_AUTO_SLOTS
-    else:
-        host = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        where, budget, most = "host", utilization * host / 4, min(64, max(8, 8 * torch.get_num_threads()))
-    rows = plan_slots(int(budget), plan_for, most)
-    if rows == 0:
-        raise ValueError(f"generation.max_batch_size=auto: not one slot fits {budget / 2**30:.1f} GiB on {where} "
-                         f"(runtime.gpu_memory_utilization={utilization}; one slot needs "
-                         f"{sum(plan_for(1).values()) / 2**30:.1f} GiB): lower model.max_model_len or "
-                         "generation.max_prefill_tokens")
-    report = f"max_batch_size=auto: {rows} slots on {where} (budget {budget / 2**30:.1f} GiB; plan {_gib(plan_for(rows))})"
+        return int(utilization * free_device_memory(device)), str(device), MAX_AUTO_SLOTS
+    host = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return int(utilization * host / 4), "host", min(64, max(8, 8 * torch.get_num_threads()))
+
+
+def size_engine(budget: int, where: str, most_rows: int, rows, tokens, plan_for: Callable[[int, int], dict[str, int]],
+                block_size: int, capacity: int, dense_cap: bool) -> tuple[int, int, str]:
+    """(rows, pool blocks with the null block, a one-line report) for `generation.max_batch_size` (`rows`: an int or
+    "auto") and `generation.kv_cache_tokens` (`tokens`: an int or "auto"); `plan_for(rows, blocks)` is `memory_plan`.
+    Both auto: the most rows whose plan without the pool takes at most 1 - `POOL_SHARE` of `budget`, then the pool
+    takes the rest. `dense_cap` (CPU): an auto pool holds at most every row at `capacity` (what the dense layout
+    held). Raises ValueError naming the key when the pool cannot hold one row at `capacity`."""
+    per_block = sum(plan_for(1, 1).values()) - sum(plan_for(1, 0).values())
+    row_blocks = capacity // block_size  # one row at its longest
+    fixed = None if tokens == "auto" else -(-tokens // block_size) + 1
+    if rows == "auto":
+        share = budget if fixed is not None else int(budget * (1 - POOL_SHARE))
+        rows = plan_slots(share, lambda r: plan_for(r, fixed or 0), most_rows)
+        if rows == 0:
+            raise ValueError(f"generation.max_batch_size=auto: not one row fits {share / 2**30:.1f} GiB on {where} "
+                             f"(runtime.gpu_memory_utilization; one row needs {sum(plan_for(1, 0).values()) / 2**30:.2f}"
+                             " GiB beside the KV pool): lower model.max_model_len or generation.max_prefill_tokens")
+    blocks = fixed
+    if blocks is None:
+        blocks = (budget - sum(plan_for(rows, 0).values())) // per_block
+        if dense_cap:
+            blocks = min(blocks, rows * row_blocks + 1)
+    if blocks < row_blocks + 1:
+        key = "generation.kv_cache_tokens" if fixed is not None else "runtime.gpu_memory_utilization"
+        raise ValueError(f"{key}: the KV pool holds {(blocks - 1) * block_size} tokens but one row at "
+                         f"model.max_model_len needs {row_blocks * block_size} (with its step's positions): raise "
+                         f"{key} or lower model.max_model_len")
+    report = (f"{rows} rows at most, KV pool {blocks - 1} blocks x {block_size} = {(blocks - 1) * block_size} tokens "
+              f"on {where} (budget {budget / 2**30:.1f} GiB; plan {_gib(plan_for(rows, blocks))})")
     log.info(report)
-    return rows, report
+    return rows, blocks, report
 
 
 def free_device_memory(device) -> int:
@@ -108,12 +156,12 @@ def free_device_memory(device) -> int:
 
 
 def check_memory_fits(plan: dict[str, int], free_bytes: int, device, utilization: float = 0.9) -> None:
-    """Fail with advice instead of an opaque out-of-memory error: buffers are static per slot."""
+    """Fail with advice instead of an opaque out-of-memory error: the pool and the buffers are allocated up front."""
     need = sum(plan.values())
     if need > utilization * free_bytes:
         raise ValueError(f"the engine needs {need / 2**30:.1f} GiB beyond the weights ({_gib(plan)}) but "
                          f"{free_bytes / 2**30:.1f} GiB are free on {device} (runtime.gpu_memory_utilization="
-                         f"{utilization}): lower generation.max_batch_size, model.max_model_len or "
+                         f"{utilization}): lower generation.kv_cache_tokens, generation.max_batch_size or "
                          "generation.max_prefill_tokens")
 
 

@@ -74,6 +74,12 @@ class Row:
     first_token_time: float = 0.0
     finish_reason: str | None = None
     logprobs: list[TokenLogprobs] | None = None  # per token of `tokens`, when params.logprobs is set
+    # Paged KV (`engine/blocks.py`): the row's block table, how much of `context_ids` its keys hold, how many leading
+    # blocks it published for sharing, and its admission order (a preemption takes the latest admitted).
+    blocks: list[int] = field(default_factory=list)
+    prefilled: int = 0
+    published: int = 0
+    order: int = 0
 
     def __post_init__(self):
         if self.request.params.logprobs is not None and self.logprobs is None:
@@ -82,6 +88,11 @@ class Row:
     @property
     def committed(self) -> int:
         return len(self.request.prompt_token_ids) + len(self.tokens)
+
+    def context_ids(self) -> list[int]:
+        """What a prefill writes into the KV: the prompt, and for a preempted row also its generated tokens but the
+        last (the anchor: the next step's first input, never in the KV before it)."""
+        return self.request.prompt_token_ids + self.tokens[:-1]
 
     def commit(self, new_tokens: list[int], now: float, drafted: int | None = None,
                width: int | None = None, logprobs: tuple[list, list] | None = None) -> StepEvent:

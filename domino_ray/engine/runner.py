@@ -1,11 +1,12 @@
 """The device side of the engine: the per-slot buffers at fixed addresses and the work on them.
 
-`StepRunner` holds the target's KV buffers, each slot's row state (`lens`, `anchor`, `remaining`, its sampling
-parameters) and a step's outputs, and runs the target forwards over them: a prefill into some slots, and the
-fixed-shape step over slots `0..r` (draft W tokens, verify them, accept, advance the rows). The step is pure device
-work (no host sync, no shape that varies within a bucket), so on CUDA each step key is one graph (`step_graphs.py`);
-the host reads its outcome once, through `read_packed`. Which rows sit in which slot, and when a step runs at which
-width over which key groups, is the engine's (`spec_engine.py`).
+`StepRunner` holds the target's KV pool, each slot's row state (`lens`, `anchor`, `remaining`, its block table, its
+sampling parameters) and a step's outputs, and runs the target forwards over them: a prefill of prompt segments into
+the pool, and the fixed-shape step over slots `0..r` (draft W tokens, verify them, accept, advance the rows). The step
+is pure device work (no host sync, no shape that varies with the rows' lengths: they are read from `lens` and the block
+tables), so on CUDA each step key is one graph (`step_graphs.py`); the host reads its outcome once, through
+`read_packed`. Which rows sit in which slot, which blocks they hold, and when a step runs at which width, is the
+engine's (`spec_engine.py`).
 """
 
 from __future__ import annotations
@@ -13,18 +14,19 @@ from __future__ import annotations
 import torch
 
 from domino_ray.engine.context_ring import ContextRing
-from domino_ray.model.key_groups import Groups
-from domino_ray.model.kv_cache import KVBuffers, group_visibility
+from domino_ray.model.kv_cache import KVPool, StepKeys, query_limits
 from domino_ray.model.target_forward import RowAttention, rotary_table, run_decoder
 from domino_ray.spec.sampling import RowSampling, StepMode, token_logprobs
 from domino_ray.spec.sampling_params import MAX_LOGPROBS
 
 
 class StepRunner:
-    """`rows` slots of up to `capacity` positions for `target` (its `layers` as the engine runs them, `fused_layers`)
-    and `proposer` (None: target only; its state allocated here too); W = 0 steps' taps wait in `ring`."""
+    """`rows` slots of up to `capacity` positions (a multiple of `block_size`) over a pool of `blocks` blocks, for
+    `target` (its `layers` as the engine runs them, `fused_layers`) and `proposer` (None: target only; its pool, the
+    same blocks, allocated here too); W = 0 steps' taps wait in `ring`."""
 
-    def __init__(self, target, layers, proposer, ring: ContextRing, *, rows: int, capacity: int):
+    def __init__(self, target, layers, proposer, ring: ContextRing, *, rows: int, capacity: int, blocks: int,
+                 block_size: int):
         cfg = target.config
         self.decoder, self.lm_head, self.layers = target.get_decoder(), target.get_output_embeddings(), layers
         self.proposer, self.ring = proposer, ring
@@ -34,11 +36,15 @@ class StepRunner:
         k = proposer.num_spec_tokens if proposer is not None else 0
         r = rows
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.kv = KVBuffers(cfg.num_hidden_layers, r, capacity, cfg.num_key_value_heads, head_dim, weight.dtype, dev)
+        self.kv = KVPool(cfg.num_hidden_layers, blocks, block_size, cfg.num_key_value_heads, head_dim, weight.dtype, dev)
+        self.capacity = capacity
         self.tap_layers: tuple[int, ...] = ()
         if proposer is not None:  # its target_layer_ids are in range: `checkpoint.check_against_target`
-            proposer.allocate(r, capacity)
+            proposer.allocate(blocks, block_size, capacity)
             self.tap_layers = tuple(proposer.target_layer_ids)
+        # [R, nb] each slot's blocks; a free slot's (a padding row's) are all the null block
+        self.block_tables = torch.zeros(r, capacity // block_size, dtype=torch.int32, device=dev)
+        self.splits: dict[int, int] = {}  # row bucket -> the Triton kernel's split over the keys (`StepKeys`)
         self.lens = torch.zeros(r, dtype=torch.long, device=dev)       # [R] committed positions in the KV
         self.anchor = torch.zeros(r, dtype=torch.long, device=dev)     # [R] last committed token
         self.remaining = torch.zeros(r, dtype=torch.long, device=dev)  # [R] tokens the row may still emit; 0 = free
@@ -57,24 +63,42 @@ class StepRunner:
         self.key_positions = torch.arange(capacity, device=dev)       # [T]
         self.cos_sin = rotary_table(self.decoder, capacity, weight.dtype)  # ([T, D], [T, D]) or None
 
-    def prefill(self, ids: torch.Tensor, sizes: list[int], rows: slice, ints: torch.Tensor, params: list, seeds: list,
-                stop_ids: list, mode: StepMode) -> tuple[torch.Tensor, torch.Tensor | None, tuple | None]:
-        """One target forward over prompts `ids [1, N]` laid back to back (`sizes` tokens each, no padding) into slots
-        `rows`, with their sampling `params`, `seeds` and `stop_ids` (for min_tokens); `ints [k, 3]`: each prompt's
-        length, tokens it may emit after the first, last token's index in `ids`. Returns the first tokens `[k]`, the
-        prompts' taps `[1, N, F]` (None without tap layers) and, when `mode.logprobs` is set, the first tokens'
-        logprobs (`token_logprobs`' pair at one position)."""
-        lengths, last_token = ints[:, 0], ints[:, 2]
-        ids = ids.to(self.device)
+    def prefill(self, ids: torch.Tensor, segments: list[tuple[list[int], int, int, torch.Tensor]]
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One target forward over prompt segments `ids [1, N]` laid back to back (no padding): segment i is
+        `(blocks, offset, length, table)`, `length` tokens at positions `offset..` of the row holding `blocks` (its
+        earlier positions already in the pool; `table` the same blocks as a `[1, nb]` int32 tensor on the device).
+        Returns the normed hidden states `[1, N, C]` and the taps `[1, N, F]` (None without tap layers)."""
+        bs = self.kv.block_size
+        token_blocks = [blocks[p // bs] for blocks, offset, n, _ in segments for p in range(offset, offset + n)]
+        positions = torch.cat([self.key_positions[o:o + n] for _, o, n, _ in segments])[None]  # [1, N]
+        where = torch.tensor(token_blocks, dtype=torch.long).to(self.device)                     # [N]
+        attention = RowAttention(self.kv, self.kv.flat_index_of(where, positions[0] % bs),
+                                 prefill_lengths=tuple(n for _, _, n, _ in segments),
+                                 prefill_offsets=tuple(o for _, o, _, _ in segments),
+                                 prefill_tables=tuple(table for *_, table in segments))
+        return run_decoder(self.decoder, self.layers, ids.to(self.device), positions, attention, self.tap_layers,
+                           cos_sin=self.cos_sin)
+
+    def load_rows(self, rows: slice, params: list, seeds: list, stop_ids: list, prompts: list[list[int]],
+                  mode: StepMode, generated: list[list[int]] | None = None):
+        """Rows joining slots `rows`: their sampling `params`, `seeds`, `stop_ids` (for min_tokens) and penalty state
+        from their `prompts` and, for preempted rows coming back, the tokens they had `generated`."""
         self.sampling.load(rows, params, seeds)
-        self.sampling.penalties.load(rows, params, stop_ids, ids[0], sizes, mode.penalized)
-        positions = torch.cat([self.key_positions[:m] for m in sizes])[None]  # [1, N]: every prompt starts at 0
-        hidden, taps = run_decoder(self.decoder, self.layers, ids, positions,
-                                   RowAttention(self.kv, write_index=positions, prefill_rows=rows,
-                                                prefill_lengths=tuple(sizes)), self.tap_layers, cos_sin=self.cos_sin)
-        last = hidden[0, last_token]  # [k, C]
+        ids = torch.tensor([t for p in prompts for t in p], dtype=torch.long).to(self.device)  # [N]
+        self.sampling.penalties.load(rows, params, stop_ids, ids, [len(p) for p in prompts], mode.penalized)
+        if mode.penalized and generated:
+            self.sampling.penalties.restore(rows, generated)
+
+    def first_tokens(self, rows: slice, last: torch.Tensor, ints: torch.Tensor, mode: StepMode
+                     ) -> tuple[torch.Tensor, tuple | None]:
+        """The first token of each prompt prefilled into slots `rows` from its last position's hidden state `last
+        [k, C]`, the rows loaded (`load_rows`); `ints [k, 2]`: each prompt's length and the tokens it may emit after
+        the first. Returns the first tokens `[k]` and, when `mode.logprobs` is set, their logprobs (`token_logprobs`'
+        pair at one position)."""
+        lengths = ints[:, 0]
         # The first token is an acceptance step with zero drafts at the prompt's last position.
-        no_drafts = torch.zeros(len(sizes), 0, dtype=torch.long, device=self.device)
+        no_drafts = torch.zeros(len(lengths), 0, dtype=torch.long, device=self.device)
         logits = self.lm_head(last)[:, None]  # [k, 1, V]
         zero = torch.zeros_like(lengths)
         _, first = self.sampling.accept(rows, logits, no_drafts, zero, (lengths - 1)[:, None], mode)
@@ -82,31 +106,49 @@ class StepRunner:
             self.sampling.penalties.commit(rows, first, zero, torch.ones_like(lengths, dtype=torch.bool))
         logprobs = token_logprobs(logits, first, mode.logprobs) if mode.logprobs is not None else None
         first = first[:, 0]  # [k]
-        self.lens[rows] = lengths
-        self.anchor[rows] = first
-        self.remaining[rows] = ints[:, 1]
-        return first, taps, logprobs
+        self.start(rows, torch.stack([lengths, first, ints[:, 1]], 1))
+        return first, logprobs
+
+    def start(self, rows: slice, state: torch.Tensor):
+        """Slots `rows` decode from `state [k, 3]`: KV length, anchor, tokens the row may still emit."""
+        self.lens[rows], self.anchor[rows], self.remaining[rows] = state.to(self.device).unbind(1)
+
+    def set_tables(self, slots: list[int], blocks: list[list[int]]):
+        """Slot `slots[i]` reads blocks `blocks[i]` (the rest of its table: the null block)."""
+        table = torch.zeros(len(slots), self.block_tables.shape[1], dtype=torch.int32)
+        for i, b in enumerate(blocks):
+            table[i, :len(b)] = torch.tensor(b, dtype=torch.int32)
+        self.block_tables[torch.tensor(slots, device=self.device)] = table.to(self.device)
+
+    def add_blocks(self, slots: list[int], indices: list[int], blocks: list[int]):
+        """Entry `indices[i]` of slot `slots[i]`'s table is block `blocks[i]` (rows growing into new blocks)."""
+        where = torch.tensor([slots, indices, blocks], dtype=torch.long).to(self.device)
+        self.block_tables[where[0], where[1]] = where[2].to(torch.int32)
 
     # ---- the fixed-shape step (device work only: no host syncs, no shape that varies within a bucket) ----
 
-    def draft(self, r: int, key_groups: Groups, w: int, committed=None, request_ids=None):
-        """`w` draft tokens for slots `0..r` into `self.drafts[:r, :w]`."""
-        self.drafts[:r, :w] = self.proposer.propose(r, self.anchor[:r], self.lens[:r], key_groups, w, committed,
-                                                    request_ids)
+    def keys(self, r: int, key_len: int) -> StepKeys:
+        """What the attention of a step over slots `0..r` reads (`kv_cache.StepKeys`)."""
+        return StepKeys(self.block_tables[:r], key_len, self.splits.get(r, 1))
 
-    def verify(self, r: int, key_groups: Groups, w: int, mode: StepMode, context: bool | None = True):
-        """Verify `[anchor, drafts[:w]]` for slots `0..r` over `key_groups`, accept (as `mode` asks), advance the rows
+    def draft(self, r: int, key_len: int, w: int, committed=None, request_ids=None):
+        """`w` draft tokens for slots `0..r` into `self.drafts[:r, :w]`."""
+        self.drafts[:r, :w] = self.proposer.propose(r, self.anchor[:r], self.lens[:r], self.keys(r, key_len), w,
+                                                    committed, request_ids)
+
+    def verify(self, r: int, key_len: int, w: int, mode: StepMode, context: bool | None = True):
+        """Verify `[anchor, drafts[:w]]` for slots `0..r` (their keys below `key_len`: `StepKeys`), accept (as `mode` asks), advance the rows
         and write `self.packed[:r, :w+2]` = (accepted, tokens), with `mode.logprobs` also `self.logprobs` and
         `self.logprob_ids`; `context`: also feed the draft's context (None: nor keep the taps for later,
         `ContextRing.keeps`)."""
         lens, remaining = self.lens[:r], self.remaining[:r]
         verify_ids = torch.cat([self.anchor[:r, None], self.drafts[:r, :w]], 1)  # [r, W+1]
         positions = lens[:, None] + self.verify_offsets[:w + 1]                  # [r, W+1]
-        # causal after the prefix
-        visible = group_visibility(positions + 1, self.groups, self.key_positions, key_groups, self.kv)
+        keys = self.keys(r, key_len)
+        attention = RowAttention(self.kv, self.kv.flat_index(keys.tables, positions), keys,
+                                 query_limits(positions + 1, self.groups))  # causal after the prefix
         defer = self.ring.keeps(w, context)  # a W = 0 step's taps wait in the ring, whether or not they will be fed
-        hidden, taps = run_decoder(self.decoder, self.layers, verify_ids, positions,
-                                   RowAttention(self.kv, write_index=positions, visible=visible, key_groups=key_groups),
+        hidden, taps = run_decoder(self.decoder, self.layers, verify_ids, positions, attention,
                                    self.tap_layers if context or defer else (), join_taps=not defer,
                                    cos_sin=self.cos_sin)
         logits = self.lm_head(hidden)  # [r, W+1, V]
@@ -118,7 +160,7 @@ class StepRunner:
         if defer:
             self.ring.hold(taps)
         elif taps is not None:
-            self.proposer.append_context(slice(0, r), taps, lens)
+            self.proposer.append_context(keys.tables, taps, lens)
         if mode.penalized:
             self.sampling.penalties.commit(slice(0, r), tokens, accepted, remaining > 0)
         advance = torch.where(remaining > 0, accepted + 1, 0)  # padding slots (remaining 0) stay put
@@ -144,17 +186,15 @@ class StepRunner:
 
     # ---- slots ------------------------------------------------------------------------------------
 
-    def move_slots(self, src_index, dst_index, length: int):
+    def move_slots(self, src_index, dst_index):
         """Slot `src` -> `dst` (ints), or slots `src[i]` -> `dst[i]` (index tensors `[m]`; the pairs may form cycles):
-        the first `length` KV positions, the proposer's state and the row state."""
-        self.kv.move_row(src_index, dst_index, length)
-        if self.proposer is not None:
-            self.proposer.move_row(src_index, dst_index, length)
-        for t in (self.lens, self.anchor, self.remaining):
+        the row state and the block table (the keys stay where they are)."""
+        for t in (self.lens, self.anchor, self.remaining, self.block_tables):
             t[dst_index] = t[src_index]  # an index tensor gathers the sources first
         self.sampling.move(src_index, dst_index)
 
     def free_slot(self, slot: int):
-        """A free slot is an inert padding row: it never advances."""
+        """A free slot is an inert padding row: it never advances, and writes into the null block."""
         self.lens[slot] = 0
         self.remaining[slot] = 0
+        self.block_tables[slot] = 0

@@ -24,37 +24,43 @@ does the draft's context. One step, for all active rows at once:
      strings), statistics, finished rows leave.
 Target-only decoding is the same loop with K = 0 (no proposer): the baseline.
 
-Steps 1-3 are pure device work (`runner.py`) on fixed-address buffers with fixed shapes per *bucket*: the
-attended keys are padded to a key bucket (a multiple of `kv_chunk`; `step_graphs.key_buckets`) and, with CUDA
-graphs, the active rows to a row bucket (1, 2, 4, 8, ... up to R; eager steps run the active rows alone).
-Padding slots are free slots with `remaining == 0`: they compute but never advance, and the host never
-reads them. The slots are cut into a few contiguous ranges, each attending over its own
-key bucket, so a row's attention reads about what the row holds (`model/key_groups.py`; the slots are kept
-longest first for that, moving rows when it pays). On CUDA steps 1-3 are one CUDA graph per bucket and
-width, every greedy one captured at engine start (`step_graphs.py`); with graphs the slots form one range
-over the longest row's bucket (the graph keys stay one per (r, t)). On CPU the same functions run eagerly.
+Steps 1-3 are pure device work (`runner.py`) on fixed-address buffers with fixed shapes per *bucket*: with CUDA
+graphs the active rows are padded to a row bucket (1, 2, 4, 8, ... up to R; eager steps run the active rows alone).
+Padding slots are free slots with `remaining == 0`: they compute but never advance, write into the null block, and
+the host never reads them. The KV is paged (`model/kv_cache.py`): a row holds blocks of `kv_block_size` positions,
+taken as it grows from a pool sized in tokens (`kv_cache_tokens`), and attention reads each row's own blocks up to
+its own length, so the step's shape does not depend on the rows' lengths. On CUDA steps 1-3 are one CUDA graph per
+row bucket, width and sampling mode, every greedy one captured at engine start (`step_graphs.py`). On CPU the same
+functions run eagerly.
+
+Admission is by free blocks (`_admit`): a pending request gets the blocks for its prompt and its first step (minus
+the whole blocks of its prompt another row already holds: shared, not prefilled again), then its prompt is prefilled
+in chunks of at most `max_prefill_tokens` per step, interleaved with the decode steps, and it decodes once its prompt
+is in. When the pool runs out mid-generation the latest admitted row gives its blocks back and waits at the front of
+the queue (a *preemption*); it is prefilled again from its prompt and the tokens it generated, and its output is the
+same (`_reserve`).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from bisect import bisect_left
 from collections import deque
-from itertools import accumulate
 from typing import Callable, Hashable, Iterable
 
 import torch
 
 from domino_ray.backend.malloc import keep_freed_memory
 from domino_ray.engine.context_ring import DEFERRED_STEPS, ContextRing
-from domino_ray.engine.memory import auto_slots, check_memory_fits, free_device_memory, memory_plan
+from domino_ray.engine.blocks import BlockPool
+from domino_ray.engine.memory import check_memory_fits, free_device_memory, memory_budget, memory_plan, size_engine
 from domino_ray.engine.request import Completion, Request, Row, StepEvent, check_prompt
 from domino_ray.engine.runner import StepRunner
-from domino_ray.engine.step_graphs import (StepGraphs, capture_steps, greedy_step_keys, key_buckets, row_buckets,
-                                           use_cuda_graphs, verify_positions)
+from domino_ray.engine.step_graphs import (StepGraphs, capture_steps, greedy_step_keys, row_buckets, use_cuda_graphs,
+                                           verify_positions)
+from domino_ray.backend import paged_triton
 from domino_ray.model.fused_layers import fuse_layers
-from domino_ray.model.key_groups import GROUP_COST, Groups, KeyReads, plan as plan_key_groups
+from domino_ray.model.kv_cache import kernel_enabled
 from domino_ray.model.packed_linear import pack_linears
 from domino_ray.model.target_forward import install
 from domino_ray.spec.sampling import GREEDY, StepMode, sampling_mode
@@ -68,25 +74,26 @@ log = logging.getLogger(__name__)
 class SpecEngine:
     """Batched speculative (or, without a proposer, target-only) generation on one device.
 
-    `kv_chunk`: the key buckets (the attended key lengths, `step_graphs.key_buckets`) are multiples of it:
-    every multiple eagerly (default 32: little attention over padding), doubling from 512 with CUDA graphs
-    (default 256; few buckets, so few graphs).
-    `max_key_groups`: slot ranges a decode step's attention is cut into, each over its own key bucket
-    (`model/key_groups.py`); default 4, and 1 with CUDA graphs (a graph per group structure would be unbounded).
-    `max_rows`: slots (rows decoded together), or "auto": as many as `gpu_memory_utilization` of the device
-    memory free after the weights holds (`memory.plan_slots`); on CPU a default from the cores and host memory.
+    `max_rows`: rows decoded together at most (slots), or "auto": on CUDA as many as leave `POOL_SHARE` of
+    `gpu_memory_utilization` of the memory free after the weights to the KV pool (`memory.size_engine`); on CPU a
+    default from the cores and host memory.
+    `kv_block_size`: positions per KV block (a power of two; our CPU kernel wants a multiple of 8).
+    `kv_cache_tokens`: the KV pool in tokens, or "auto": what the memory left after the rest of the plan holds (on CPU
+    at most every row at `max_model_len`).
     `cuda_graphs`: "auto" (on for CUDA), "on" or "off".
     `adaptive`: pick the verify width 0..K every step (`spec/width_policy.py`; the config's
     `num_draft_tokens: auto`, resolved by `draft.resolve_num_spec_tokens`); otherwise every step verifies K.
     `width_costs`: seconds per step by row bucket and verify width for the adaptive width, as
     `{bucket: {W: seconds}}` or a `StepCosts`; None = measure them now.
+    `max_prefill_tokens`: prompt tokens prefilled per step at most (a longer prompt is prefilled in chunks,
+    interleaved with decode steps).
     """
 
     def __init__(self, target, proposer=None, *, max_rows: int | str = 16, max_model_len: int | None = None,
                  eos_token_ids: Iterable[int] = (), seed: int = 0, max_prefill_tokens: int = 8192,
-                 kv_chunk: int | None = None, cuda_graphs: str = "auto", adaptive: bool = False,
-                 width_costs: dict | StepCosts | None = None, gpu_memory_utilization: float = 0.9,
-                 max_key_groups: int | None = None):
+                 kv_block_size: int = 16, kv_cache_tokens: int | str = "auto", cuda_graphs: str = "auto",
+                 adaptive: bool = False, width_costs: dict | StepCosts | None = None,
+                 gpu_memory_utilization: float = 0.9):
         cfg = target.config
         self.target, self.decoder, self.lm_head = target, target.get_decoder(), target.get_output_embeddings()
         self.proposer = proposer
@@ -109,61 +116,70 @@ class SpecEngine:
         graphs = use_cuda_graphs(cuda_graphs, self.device)
         # A step writes up to `span` positions past a row's committed context (verify K+1, draft block B).
         self.span = max(k + 1, proposer.block_size if proposer is not None else 1)
-        self.kv_chunk = kv_chunk or (256 if graphs else 32)
-        self.capacity = _round_up(self.max_model_len + self.span, self.kv_chunk)
-        self.key_buckets = key_buckets(self.capacity, self.kv_chunk, graphs)
+        self.block_size = kv_block_size
+        self.capacity = _round_up(self.max_model_len + self.span, kv_block_size)
         self.adaptive = adaptive and k > 0
         self.cuda_graphs = graphs
         # Graphs need fixed shapes: a step's rows padded up to a row bucket. Eager steps run the active rows alone.
         self.pad_rows = graphs
         # W = 0 steps keep their taps and feed the draft's context in batches (`DEFERRED_STEPS`): eager steps only
         self.defer_context = self.adaptive and not graphs and bool(getattr(proposer, "target_layer_ids", ()))
-        self.max_key_groups = max_key_groups or (1 if graphs else 4)
-        if graphs and self.max_key_groups != 1:
-            raise ValueError(f"max_key_groups={max_key_groups} needs eager steps (cuda_graphs=off): a graph per "
-                             "group structure would make the graph keys unbounded")
-        self.key_reads = KeyReads()  # keys read per layer by decode steps (the step's key groups)
-        self.group_cost = GROUP_COST["cpu" if self.device.type == "cpu" else "cuda"]
-        self.slot_report: str | None = None  # how `max_rows="auto"` chose, for the edge to show
-        if max_rows == "auto":
-            max_rows, self.slot_report = auto_slots(self.device, gpu_memory_utilization, self.memory_plan)
-        self.max_rows = max_rows
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.paged_kernel = kernel_enabled(self.device, self.dtype, head_dim, kv_block_size) or \
+            (self.device.type == "cuda" and paged_triton.available(self.device))
+        budget, where, most = memory_budget(self.device, gpu_memory_utilization)
+        self.max_rows, self.kv_blocks, self.slot_report = size_engine(
+            budget, where, most, max_rows, kv_cache_tokens, lambda rows, blocks: self.memory_plan(rows, blocks),
+            kv_block_size, self.capacity, dense_cap=self.device.type != "cuda")
         if self.device.type == "cuda":  # before allocating anything
             check_memory_fits(self.memory_plan(), free_device_memory(self.device), self.device, gpu_memory_utilization)
-        self._allocate(max_rows, k)
+        self.blocks = BlockPool(self.kv_blocks, kv_block_size)
+        self._allocate(self.max_rows, k)
         self.rows: list[Row] = []      # active rows; rows[i] lives in slot i
-        self.pending: deque[Row] = deque()
+        self.pending: deque[Row] = deque()  # waiting rows in order; those holding blocks are being prefilled
         self._running_ids: set = set()  # request ids of pending and active rows
+        self._admitted = 0              # rows admitted so far: each row's `order`
         self.rng = torch.Generator().manual_seed(seed)
         self.graphs = StepGraphs(self.device, required=cuda_graphs == "on") if graphs else None
         # Every greedy step key captured now, while every slot is free (padding rows: the steps leave them
         # unchanged). Host-side proposers (tests) have no graphs.
         self.graph_capture_s = capture_steps(
-            self.graphs, greedy_step_keys(self.row_buckets, self.key_buckets, self.widths),
-            lambda key: self._device_step(*key[1:])) if graphs and not self.host_drafts else 0.0
+            self.graphs, greedy_step_keys(self.row_buckets, self.widths),
+            lambda key: self._device_step(key[1], self.capacity, *key[2:])) if graphs and not self.host_drafts else 0.0
         self.width: WidthController | None = None  # None: every step verifies K
         if self.adaptive:
             costs = (width_costs if isinstance(width_costs, StepCosts) else StepCosts(width_costs) if width_costs
                      else self.measure_costs(self.widths))
-            self.width = WidthController(k, max_rows, costs, lazy_context=self.defer_context)
+            self.width = WidthController(k, self.max_rows, costs, lazy_context=self.defer_context)
 
     def _allocate(self, r: int, k: int):
-        """The per-slot state, once: the ring, the device buffers (target KV, the proposer's state, row state, step
-        outputs: `runner.py`), the step widths of each row bucket."""
+        """The per-slot state, once: the ring, the device buffers (the KV pools, the block tables, the proposer's
+        state, row state, step outputs: `runner.py`), the step widths of each row bucket."""
         self.ring = ContextRing(self.proposer, self.device, self.defer_context)  # the draft's context not fed yet
-        self.runner = StepRunner(self.target, self.layers, self.proposer, self.ring, rows=r, capacity=self.capacity)
+        self.runner = StepRunner(self.target, self.layers, self.proposer, self.ring, rows=r, capacity=self.capacity,
+                                 blocks=self.kv_blocks, block_size=self.block_size)
         self.row_buckets = row_buckets(r)
+        if self.runner.kv.triton:  # few rows: split each row's keys over more programs to fill the GPU
+            sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+            self.runner.splits = {b: paged_triton.choose_splits(b, self.runner.kv.num_kv_heads, sms)
+                                  for b in self.row_buckets}
         self.widths = step_widths(self.row_buckets, k, self.adaptive, self.cuda_graphs)  # {r: [W, ...]}
 
-    def memory_plan(self, rows: int | None = None) -> dict[str, int]:
-        """Bytes beyond the weights for this engine's sizes with `rows` slots (default: its own), `memory.memory_plan`."""
+    def memory_plan(self, rows: int | None = None, blocks: int | None = None) -> dict[str, int]:
+        """Bytes beyond the weights for this engine's sizes with `rows` rows and a pool of `blocks` blocks (default: its
+        own), `memory.memory_plan`."""
         rows = rows or self.max_rows
         return memory_plan(self.target.config, getattr(self.proposer, "config", None),
-                           max_rows=rows, num_spec_tokens=self.num_spec_tokens,
-                           capacity=self.capacity, max_prefill_tokens=self.max_prefill_tokens,
-                           itemsize=self.dtype.itemsize, cuda_graphs=self.cuda_graphs,
+                           max_rows=rows, num_spec_tokens=self.num_spec_tokens, capacity=self.capacity,
+                           kv_blocks=self.kv_blocks if blocks is None else blocks, block_size=self.block_size,
+                           max_prefill_tokens=self.max_prefill_tokens, itemsize=self.dtype.itemsize,
+                           cuda_graphs=self.cuda_graphs, paged_kernel=self.paged_kernel,
                            verify_positions=verify_positions(rows, self.num_spec_tokens, self.adaptive, self.cuda_graphs),
                            deferred_positions=DEFERRED_STEPS if self.defer_context else 0)
+
+    def kv_cache_stats(self) -> dict[str, int]:
+        """block_size, blocks, peak_blocks_used, peak_rows, preemptions, prefix_hit_tokens (`blocks.KVCacheStats`)."""
+        return self.blocks.stats.to_dict()
 
     # ---- requests ---------------------------------------------------------------------------------
 
@@ -190,10 +206,11 @@ class SpecEngine:
                                 stats=RowStats(self.num_spec_tokens), arrival=time.perf_counter()))
 
     def abort(self, request_id: Hashable) -> bool:
-        """Drop a pending request or end an active one at the next step (its slot is freed then)."""
+        """Drop a pending request (and any blocks it holds) or end an active one at the next step."""
         for row in self.pending:
             if row.request.request_id == request_id:
                 self.pending.remove(row)
+                self._release(row)
                 self._running_ids.discard(request_id)
                 return True
         for row in self.rows:
@@ -225,52 +242,149 @@ class SpecEngine:
 
     @torch.inference_mode()
     def step(self) -> list[StepEvent]:
-        """Admit pending requests into free slots, then one speculative step for all active rows."""
+        """Prefill pending prompts within the step's token budget (rows whose prompt is in join), make room for the
+        active rows' next step, then one speculative step for all active rows."""
         events: list[StepEvent] = []
         self._evict(events)  # aborted rows free their slots first
         self._admit(events)
         self._evict(events)
         if self.rows:
+            self._reserve()
             self._decode(events)
             self._evict(events)
+        stats = self.blocks.stats
+        stats.peak_rows = max(stats.peak_rows, len(self.rows) + sum(1 for row in self.pending if row.blocks))
         return events
 
     def _admit(self, events: list[StepEvent]):
-        batch, tokens = [], 0
-        while self.pending and len(self.rows) + len(batch) < self.max_rows:
-            m = len(self.pending[0].request.prompt_token_ids)
-            if batch and tokens + m > self.max_prefill_tokens:
+        """Prefill pending rows, in order, within `max_prefill_tokens` tokens this step. A row not started first takes
+        the blocks for its prompt and first step (`_take_blocks`); when the pool (beside what the active rows' next
+        steps take) or the row cap has no room, it and every row behind it wait. Rows whose prompt is then in join
+        the active rows (`_join`)."""
+        budget, segments, bs = self.max_prefill_tokens, [], self.block_size
+        growth = self._growth()
+        holders = sum(1 for row in self.pending if row.blocks)
+        for row in self.pending:
+            if budget == 0:
                 break
-            batch.append(self.pending.popleft())
-            tokens += m
-        if not batch:
+            context = row.context_ids()
+            if not row.blocks:
+                if len(self.rows) + holders >= self.max_rows or not self._take_blocks(row, context, growth):
+                    break
+                holders += 1
+            n = min(len(context) - row.prefilled, budget)
+            segments.append((row, context, row.prefilled, n))
+            budget -= n
+            # its whole blocks this forward writes serve the rows behind it in this forward already: a layer writes
+            # every segment's keys before any segment attends
+            row.published = self.blocks.publish(context, row.blocks, row.published, (row.prefilled + n) // bs)
+        if not segments:
             return
-        self.ring.before_admission(len(self.rows), self.runner.lens)
-        lo = len(self.rows)
-        first, logprobs = self._prefill(batch, slice(lo, lo + len(batch)))
-        first_tokens = first.tolist()  # host sync: the first tokens
-        logprobs = [x.tolist() for x in logprobs] if logprobs is not None else None
-        now = time.perf_counter()
-        for i, (row, token) in enumerate(zip(batch, first_tokens)):
-            row.first_token_time = now
-            self.rows.append(row)
-            events.append(row.commit([token], now, logprobs=(logprobs[0][i], logprobs[1][i]) if logprobs else None))
+        ids = torch.tensor([t for _, context, start, n in segments for t in context[start:start + n]])[None]  # [1, N]
+        tables = [torch.tensor(row.blocks, dtype=torch.int32)[None].to(self.device) for row, *_ in segments]
+        hidden, taps = self.runner.prefill(ids, [(row.blocks, start, n, table)
+                                                 for (row, _, start, n), table in zip(segments, tables)])
+        if taps is not None:
+            self.ring.add_prompts([row for row, *_ in segments], tables, [start for _, _, start, _ in segments], taps,
+                                  [n for *_, n in segments])
+        ends, done, end = [], [], 0
+        for row, context, start, n in segments:
+            end += n
+            row.prefilled = start + n
+            if row.prefilled == len(context):  # segments before the last one complete their rows
+                ends.append(end - 1)
+                done.append(self.pending.popleft())
+        if done:
+            self._join(events, done, hidden[0, ends])
 
-    def _prefill(self, batch: list[Row], rows: slice) -> tuple[torch.Tensor, tuple | None]:
-        """One target forward over the prompts back to back (no padding: every token is a prompt's) into slots
-        `rows`; returns first tokens `[k]` and, when a row asks, their logprobs (`runner.prefill`)."""
-        sizes = [len(r.request.prompt_token_ids) for r in batch]
-        ids = torch.tensor([t for r in batch for t in r.request.prompt_token_ids])[None]   # [1, N]
-        ints = torch.tensor([[m, r.max_new - 1, end - 1] for m, r, end in zip(sizes, batch, accumulate(sizes))])
+    def _join(self, events: list[StepEvent], done: list[Row], last: torch.Tensor):
+        """Rows whose prompt is in take the next slots: new rows sample their first token from their last position's
+        hidden state (`last [k, C]`, in `done`'s order); preempted rows coming back resume from their last token."""
+        self.ring.before_admission(len(self.rows), self.runner.lens, self.runner.block_tables)
+        new = [i for i, row in enumerate(done) if not row.tokens]
+        back = [i for i, row in enumerate(done) if row.tokens]
+        order = [done[i] for i in new + back]  # slot order: the new rows' slots form one range for the sampling
+        lo, f = len(self.rows), len(new)
+        rows = slice(lo, lo + len(order))
+        self.runner.set_tables(list(range(rows.start, rows.stop)), [row.blocks for row in order])
+        mode = sampling_mode(row.request.params for row in order)
+        self.runner.load_rows(rows, [row.request.params for row in order], [row.seed for row in order],
+                              [row.stop_ids for row in order], [row.request.prompt_token_ids for row in order], mode,
+                              [row.tokens for row in order] if back else None)
         if self.width is not None:
             for slot in range(rows.start, rows.stop):
                 self.width.reset_slot(slot)
-        first, taps, logprobs = self.runner.prefill(
-            ids, sizes, rows, ints.to(self.device), [r.request.params for r in batch], [r.seed for r in batch],
-            [r.stop_ids for r in batch], sampling_mode(r.request.params for r in batch))
-        if taps is not None:
-            self.ring.add_prompts(rows, taps, sizes)
-        return first, logprobs
+        first_tokens, logprobs = [], None
+        if new:
+            ints = torch.tensor([[len(done[i].request.prompt_token_ids), done[i].max_new - 1] for i in new])
+            first, logprobs = self.runner.first_tokens(slice(lo, lo + f), last[new], ints.to(self.device), mode)
+            first_tokens = first.tolist()  # host sync: the first tokens
+            logprobs = [x.tolist() for x in logprobs] if logprobs is not None else None
+        if back:
+            self.runner.start(slice(lo + f, rows.stop), torch.tensor(
+                [[len(row.context_ids()), row.tokens[-1], row.max_new - len(row.tokens)] for row in order[f:]]))
+        now = time.perf_counter()
+        for i, row in enumerate(order):
+            self.rows.append(row)
+            if i < f:
+                row.first_token_time = now
+                events.append(row.commit([first_tokens[i]], now,
+                                         logprobs=(logprobs[0][i], logprobs[1][i]) if logprobs else None))
+
+    def _take_blocks(self, row: Row, context: list[int], growth: int) -> bool:
+        """Blocks for `row`'s `context` and its first step, the published whole blocks it starts with shared (not the
+        block of its last position, which its prefill writes), if the pool has the rest beside `growth`."""
+        bs = self.block_size
+        shared = self.blocks.share_prefix(context, (len(context) - 1) // bs)
+        need = self.blocks.blocks_for(len(context) + self.span) - len(shared)
+        if need > self.blocks.free_count - growth:
+            self.blocks.release(shared)
+            return False
+        row.blocks = shared + self.blocks.take(need)
+        row.prefilled, row.published = len(shared) * bs, len(shared)
+        row.order, self._admitted = self._admitted, self._admitted + 1
+        self.blocks.stats.prefix_hit_tokens += len(shared) * bs
+        return True
+
+    def _needs(self) -> list[int]:
+        """Blocks each active row still takes for its next step (positions up to `committed - 1 + span`)."""
+        return [self.blocks.blocks_for(row.committed - 1 + self.span) - len(row.blocks) for row in self.rows]
+
+    def _growth(self) -> int:
+        return sum(max(n, 0) for n in self._needs())
+
+    def _reserve(self):
+        """Blocks for every active row's next step. When the pool runs out the latest admitted row (decoding or being
+        prefilled) gives its blocks back (`_preempt`), until the rest fit."""
+        while self._growth() > self.blocks.free_count:
+            self._preempt(max([row for row in self.pending if row.blocks] + self.rows, key=lambda row: row.order))
+        slots, indices, new = [], [], []
+        for slot, (row, n) in enumerate(zip(self.rows, self._needs())):
+            if n > 0:
+                got = self.blocks.take(n)
+                slots += [slot] * n
+                indices += range(len(row.blocks), len(row.blocks) + n)
+                new += got
+                row.blocks += got
+        if new:
+            self.runner.add_blocks(slots, indices, new)
+
+    def _preempt(self, row: Row):
+        """`row` gives its blocks back and waits at the front of the queue; prefilled again (prompt and generated
+        tokens) when it comes back, it goes on as if nothing happened (greedy tokens; per-seed samples)."""
+        if any(row is active for active in self.rows):
+            self._vacate(next(slot for slot, active in enumerate(self.rows) if active is row))
+        else:
+            self.pending.remove(row)
+        self._release(row)
+        self.pending.appendleft(row)
+        self.blocks.stats.preemptions += 1
+        log.debug("preempted request %r at %d tokens", row.request.request_id, row.committed)
+
+    def _release(self, row: Row):
+        self.ring.drop(row)  # its prompt's taps not fed yet: its blocks may go to another row
+        self.blocks.release(row.blocks)
+        row.blocks, row.prefilled, row.published = [], 0, 0
 
     def _decode(self, events: list[StepEvent]):
         n = len(self.rows)
@@ -281,14 +395,14 @@ class SpecEngine:
         if held is not None:
             w, (t, context) = 0, held
         elif self.width is not None:
-            t = sum(self._slot_buckets(r, self.span)) // r  # the mean key bucket at the widest step: the cost table's t
+            t = self._mean_keys(r)  # the mean key length at the widest step: the cost table's t
             w, context = self.width.choose(r, t, self._usable())
         # A W = 0 step writes one position (the anchor's), a drafting step up to `span` (draft block, verify)
-        key_groups = self._key_groups(r, self.span if w else 1)  # may move rows between slots first
-        usable = self._usable() if w else [0] * n  # in the slots' order after any move (the width was chosen before)
+        key_len = self.capacity if self.cuda_graphs else self._key_len(self.span if w else 1)
+        usable = self._usable() if w else [0] * n
         started = time.perf_counter()
-        self.ring.before_step(w, context, n, self.runner.lens)  # timed with the step that needs it
-        timed = self._device_step(r, key_groups, w, mode, context)
+        self.ring.before_step(w, context, n, self.runner.lens, self.runner.block_tables)  # timed with the step
+        timed = self._device_step(r, key_len, w, mode, context)
         packed, lp_values, lp_ids = self.runner.read_packed(n, w, mode.logprobs)  # the step's one host sync
         now = time.perf_counter()
         if self.width is not None:  # a step that captured a graph says nothing about its width's cost
@@ -297,100 +411,84 @@ class SpecEngine:
             events.append(row.commit(row_tokens[:a + 1], now, drafted=min(w, u), width=w,
                                      logprobs=(lp_values[i], lp_ids[i]) if lp_values is not None else None))
 
-    def _key_groups(self, r: int, span: int) -> Groups:
-        """The step's key groups for slots `0..r` (`key_groups.plan`), after moving the rows it says to move.
-        `span`: positions the step writes past `committed - 1` (the KV's length); padding slots from 0.
-        Host-side, from the rows' committed lengths: no device sync."""
-        buckets = self._slot_buckets(r, span)
-        key_groups, src, dst = plan_key_groups(buckets, len(self.rows), self.max_key_groups, self.group_cost)
-        self._move_rows(src, dst)
-        self.key_reads.observe(key_groups, sum(row.committed - 1 + span for row in self.rows), max(buckets), len(src))
-        return key_groups
+    def _mean_keys(self, r: int) -> int:
+        """The mean keys a row of a step over `r` slots attends at its widest (padding slots: `span`)."""
+        return (sum(row.committed - 1 for row in self.rows) + r * self.span) // r
 
-    def _slot_buckets(self, r: int, span: int) -> list[int]:
-        """The key bucket of each of slots `0..r` for a step writing `span` positions past `committed - 1`
-        (padding slots from 0)."""
-        buckets = [self._key_bucket(row.committed - 1 + span) for row in self.rows]
-        return buckets + [self._key_bucket(span)] * (r - len(self.rows))
+    def _key_len(self, span: int) -> int:
+        """Keys the gather path reads for a step writing `span` positions past `committed - 1`: the longest row's,
+        rounded up to a block (the kernels read each row's own)."""
+        return _round_up(max(row.committed - 1 for row in self.rows) + span, self.block_size)
 
     def _usable(self) -> list[int]:
         """Drafts each active row's budget allows, in slot order (the bonus token always comes)."""
         return [row.max_new - len(row.tokens) - 1 for row in self.rows]
 
-    def _key_bucket(self, length: int) -> int:
-        """The shortest key bucket holding `length` positions."""
-        return self.key_buckets[bisect_left(self.key_buckets, min(length, self.capacity))]
-
-    def _device_step(self, r: int, key_groups: Groups, w: int, mode: StepMode, context: bool | None) -> bool:
-        """Draft `w` tokens (none when 0), then verify and accept them as `mode` asks, for slots `0..r` over
-        `key_groups`: one CUDA graph with graphs. False when that graph was captured now (the step's time is not a
-        step's cost)."""
+    def _device_step(self, r: int, key_len: int, w: int, mode: StepMode, context: bool | None) -> bool:
+        """Draft `w` tokens (none when 0), then verify and accept them as `mode` asks, for slots `0..r` (their keys
+        below `key_len`, `kv_cache.StepKeys`): one CUDA graph with graphs, whatever the rows' lengths. False when that
+        graph was captured now (the step's time is not a step's cost)."""
         def step():
             if w and not self.host_drafts:
-                self.runner.draft(r, key_groups, w)
-            self.runner.verify(r, key_groups, w, mode, context)
+                self.runner.draft(r, key_len, w)
+            self.runner.verify(r, key_len, w, mode, context)
 
         if w and self.host_drafts:  # test proposers: drafts from the rows' ids, so the whole step runs eagerly
-            self.runner.draft(r, key_groups, w, [row.committed for row in self.rows],
+            self.runner.draft(r, key_len, w, [row.committed for row in self.rows],
                               [row.request.request_id for row in self.rows])
         if self.graphs is None or self.host_drafts:
             step()
             return True
-        return self.graphs.run(("step", r, key_groups, w, mode, context), step)
+        return self.graphs.run(("step", r, w, mode, context), step)
 
     @torch.inference_mode()
     def measure_costs(self, widths: dict[int, list[int]], repeats: int = 3) -> StepCosts:
         """Step costs for the adaptive width, timed on `_device_step` (what real steps run) while every slot is
-        free: padding rows, which the steps leave unchanged. Their lengths are set to fill the key bucket timed,
-        since attention reads only the keys a row holds (the CPU kernel's key limits), then set back to 0."""
+        free: padding rows, which the steps leave unchanged. Their lengths are set to fill the keys timed and their
+        tables to distinct blocks (all on the null block they would read one block from the cache), since attention
+        reads only the keys a row holds, then set back."""
         def run_step(r: int, t: int, w: int):
             self.runner.lens[:r] = t - self.span  # a step writes `span` positions past a row's length
-            self._device_step(r, ((r, t),), w, GREEDY, True)
+            self._device_step(r, t, w, GREEDY, True)
             self.runner.read_packed(0, w)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
 
-        lengths = (self._key_bucket(self.span), self.capacity)
+        tables = self.runner.block_tables
+        ids = 1 + torch.arange(tables.numel()) % (self.kv_blocks - 1)
+        tables.copy_(ids.view(tables.shape))
         try:
-            return measure_step_costs(run_step, widths, lengths, repeats)
+            return measure_step_costs(run_step, widths, (_round_up(self.span, self.block_size), self.capacity), repeats)
         finally:
             self.runner.lens.zero_()  # free slots are inert padding rows
+            tables.zero_()
 
     # ---- host bookkeeping -------------------------------------------------------------------------
 
     def _evict(self, events: list[StepEvent]):
-        """Free the slots of finished rows, moving the last active row into each hole."""
+        """Free the slots and blocks of finished rows, moving the last active row into each hole."""
         for slot in reversed(range(len(self.rows))):
             row = self.rows[slot]
             if row.finish_reason is None:
                 continue
             if row.finish_reason == "abort":
                 events.append(StepEvent(row.request.request_id, [], row.completion(time.perf_counter())))
-            self.ring.drop(slot)
-            last = len(self.rows) - 1
-            if slot != last:
-                self._move_rows([last], [slot])
-            self.rows.pop()
-            self.runner.free_slot(last)
+            self._vacate(slot)
+            self._release(row)
             self._running_ids.discard(row.request.request_id)
 
-    def _move_rows(self, src: list[int], dst: list[int]):
-        """Row in slot `src[i]` -> slot `dst[i]`, everything a slot holds (the pairs may form cycles)."""
-        if not src:
-            return
-        length = max(self.rows[s].committed for s in src)  # positions [0, committed - 1) are live; one more is harmless
-        if len(src) == 1:  # ints: plain copies between two slots
-            src_index, dst_index = src[0], dst[0]
-        else:  # index tensors, copied once without a sync (a list index is copied, synchronously, at every use)
-            pairs = torch.tensor([src, dst], pin_memory=self.device.type == "cuda")
-            src_index, dst_index = pairs.to(self.device, non_blocking=True)
-        self.runner.move_slots(src_index, dst_index, length)
-        self.ring.move(src, dst, src_index, dst_index)
-        if self.width is not None:
-            self.width.move_slots(src, dst)
-        moved = [self.rows[s] for s in src]
-        for d, row in zip(dst, moved):
-            self.rows[d] = row
+    def _vacate(self, slot: int):
+        """The row in `slot` leaves the active rows; the last one moves into its slot (its state and block table: the
+        keys stay where they are)."""
+        last = len(self.rows) - 1
+        if slot != last:
+            self.runner.move_slots(last, slot)
+            self.ring.move(last, slot)
+            if self.width is not None:
+                self.width.move_slots([last], [slot])
+            self.rows[slot] = self.rows[last]
+        self.rows.pop()
+        self.runner.free_slot(last)
 
 
 def _round_up(x: int, multiple: int) -> int:

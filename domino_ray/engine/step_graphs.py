@@ -4,23 +4,21 @@ A decode step (`SpecEngine._device_step`: the draft block + correction loop for 
 verify forward over W+1 positions and the acceptance) reads and writes only the engine's preallocated
 buffers, with shapes fixed by its key, and makes no host sync, so its kernels are recorded once, as one
 graph, and replayed. The key:
-  ("step", r, groups, W, mode, context)
-with r the row bucket (`row_buckets`), groups the key groups (`model/key_groups.py`; with graphs always the one
-range `((r, t),)`, t a key bucket from `key_buckets`: several ranges would make the keys combinatorial), W
-the verify width (`width_costs.step_widths`), `mode` what the rows ask beyond greedy decoding (sampling, top-k/p,
-penalties, logprobs: `sampling.StepMode`) and `context` whether the step feeds the draft's context (off only while the
-adaptive width has written the draft off).
+  ("step", r, W, mode, context)
+with r the row bucket (`row_buckets`), W the verify width (`width_costs.step_widths`), `mode` what the rows ask
+beyond greedy decoding (sampling, top-k/p, penalties, logprobs: `sampling.StepMode`) and `context` whether the step
+feeds the draft's context (off only while the adaptive width has written the draft off). The rows' lengths are not
+in the key: attention reads each row's length and blocks from tensors (the paged Triton kernel,
+`backend/paged_triton.py`), so one graph serves every key length.
 
-Bounded up front: with graphs the key buckets double (512, 1024, 2048, ... then the capacity: a row reads
-under 2x what it holds, against 1x plus a chunk eagerly) and wide verifies are left out where the rows make
-them compute-bound (`width_costs.MAX_VERIFY_POSITIONS`), so the greedy keys (`greedy_step_keys`) are a
-couple of hundred for the production config and the engine captures all of them at start (count and time
-logged): no greedy step stalls on a capture. Any other key (sampling, penalties, logprobs, a written-off
-draft) is captured at its first use: that step runs eagerly (it is also the capture's warm-up: lazy
-kernels, cuBLAS workspaces) and its time is kept out of the width policy's costs. The capture itself only
-records (kernels do not run while capturing), so it changes no state. All graphs share one memory pool,
-captured on one stream; a capture that fails raises under `cuda_graphs: on`, and otherwise turns graphs
-off for the engine (logged once).
+Bounded up front: wide verifies are left out where the rows make them compute-bound
+(`width_costs.MAX_VERIFY_POSITIONS`), so the greedy keys (`greedy_step_keys`) are a few dozen for the production
+config and the engine captures all of them at start (count and time logged): no greedy step stalls on a capture.
+Any other key (sampling, penalties, logprobs, a written-off draft) is captured at its first use: that step runs
+eagerly (it is also the capture's warm-up: lazy kernels, cuBLAS workspaces) and its time is kept out of the width
+policy's costs. The capture itself only records (kernels do not run while capturing), so it changes no state. All
+graphs share one memory pool, captured on one stream; a capture that fails raises under `cuda_graphs: on`, and
+otherwise turns graphs off for the engine (logged once).
 """
 
 from __future__ import annotations
@@ -46,9 +44,6 @@ def use_cuda_graphs(setting: str, device: torch.device) -> bool:
     return device.type == "cuda" and setting != "off"
 
 
-MIN_GRAPH_KEYS = 512  # the shortest key bucket with graphs: below it a step is bound by the weights, not keys
-
-
 def row_buckets(max_rows: int) -> list[int]:
     """The row counts a step is padded to: 1, 2, 4, ... and `max_rows`."""
     return sorted({min(1 << i, max_rows) for i in range(max_rows.bit_length() + 1)})
@@ -61,27 +56,10 @@ def verify_positions(max_rows: int, num_spec_tokens: int, adaptive: bool, graphs
     return max(r * (max(ws) + 1) for r, ws in widths.items())
 
 
-def key_buckets(capacity: int, kv_chunk: int, graphs: bool) -> list[int]:
-    """The key lengths a step attends over (`capacity` is a multiple of `kv_chunk`). Eager: every multiple of
-    `kv_chunk`. Graphs: `kv_chunk` doubled from `MIN_GRAPH_KEYS` on, then `capacity` (a doubling within 25%
-    of it is dropped): few buckets, so few graphs, at under 2x the keys a row holds."""
-    if not graphs:
-        return list(range(kv_chunk, capacity + 1, kv_chunk))
-    out, t = [], kv_chunk
-    while t < MIN_GRAPH_KEYS:
-        t *= 2
-    while t < capacity:
-        out.append(t)
-        t *= 2
-    if out and capacity <= 1.25 * out[-1]:
-        out.pop()
-    return out + [capacity]
-
-
-def greedy_step_keys(rows: Sequence[int], keys: Sequence[int], widths: Mapping[int, Sequence[int]]) -> list[tuple]:
-    """The step keys greedy decoding can meet: every row bucket x key bucket x that bucket's widths (with the
-    draft's context fed: the written-off state is rare and captured when met)."""
-    return [("step", r, ((r, t),), w, GREEDY, True) for r in rows for t in keys for w in widths[r]]
+def greedy_step_keys(rows: Sequence[int], widths: Mapping[int, Sequence[int]]) -> list[tuple]:
+    """The step keys greedy decoding can meet: every row bucket x that bucket's widths (with the draft's context fed:
+    the written-off state is rare and captured when met)."""
+    return [("step", r, w, GREEDY, True) for r in rows for w in widths[r]]
 
 
 @torch.inference_mode()

@@ -1,37 +1,57 @@
-"""Per-row KV buffers and the attention over them: every row writes at its own offset, nothing is cropped.
+"""Paged KV: one pool of fixed-size blocks per model, each row reading its own blocks through its block table.
 
-Rows of a batch occupy slots `0..n` of preallocated buffers `[R, Hkv, T, D]`. A decode forward runs on
-the first `r` slots (`r` = the row bucket, padding slots included); each contiguous range of them attends
-over the first `t` positions, its own key bucket (`key_groups.py`: `((stop, t), ...)`). A query sees the
-keys of its own row below its *key limit*: for a verify block at `lens[b] + i` that is `lens[b] + i + 1`
-(causal after the committed prefix); for a draft block it is `lens[b] + B` for every slot (non-causal
-over `[context ; block]`). Positions beyond a row's committed length hold stale keys from rejected
-drafts; the limit hides them and the next step overwrites them, so a rejection costs nothing.
+A model's keys and values live in `[L, N, Hkv, bs, D]` (N blocks of `bs` positions). A row holds a *block table*, the
+ids of its blocks in order: its position p is block `table[p // bs]`, offset `p % bs`. Rows take blocks as they grow
+and give them back when they end, so the pool holds what the rows hold, not `max_model_len` per row; rows whose
+prompts share whole blocks share those blocks (`engine/blocks.py`). Block 0 is the *null block*: padding rows (a CUDA
+graph's row bucket above the active rows) and free slots point every entry there and write into it; no real row ever
+reads it. The target and the draft's context use the same table (the same positions), each in its own pool.
 
-Attention is GQA-native: the query heads that share a K/V head are folded into the query axis
-(`[b, Hkv, G*q, D]`), so K and V are read as stored, never repeated per query head. On CPU in fp32 it is our
-kernel (`backend/ops.py`), which takes each query's key limit; elsewhere SDPA with an additive mask.
+A decode step's queries see their own row's keys below their *key limit*: for a verify block at `lens[b] + i` that is
+`lens[b] + i + 1` (causal after the committed prefix); for a draft block it is `lens[b] + S` for every slot
+(non-causal over `[context ; block]`). Positions beyond a row's committed length hold stale keys from rejected drafts;
+the limit hides them and the next step overwrites them, so a rejection costs nothing.
+
+Attention is GQA-native: the query heads that share a K/V head are folded into the query axis (`[r, Hkv, G*q, D]`),
+so K and V are read as stored. Three paths compute the same function (`paged_attention`): our CPU kernel in fp32
+(`backend/ops.py`), our Triton kernel on CUDA (`backend/paged_triton.py`: lengths and tables as tensors, so one CUDA
+graph serves every key length), and elsewhere a gather of the rows' blocks into dense keys and SDPA with a mask.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
-from domino_ray.backend import ops
+from domino_ray.backend import ops, paged_triton
 from domino_ray.backend.library import kernels_loaded, takes
 
+NULL_BLOCK = 0
 
-def kernel_enabled(device: torch.device | str, dtype: torch.dtype, head_dim: int) -> bool:
-    """Whether attention over K/V of `head_dim` on `device` in `dtype` runs our kernel (fp32 on CPU, head sizes
-    in multiples of its 8-float vectors, where it built)."""
-    return torch.device(device).type == "cpu" and dtype == torch.float32 and head_dim % 8 == 0 and kernels_loaded()
+
+@dataclass(frozen=True)
+class StepKeys:
+    """What a decode step's attention reads: the rows' block tables `[r, nb]` (int32), and for the gather path
+    (`paged_attention`) `key_len`, the keys to gather (a multiple of the block size covering every row's limit; the
+    kernels read each row's own), and the Triton kernel's split over the keys."""
+    tables: torch.Tensor
+    key_len: int
+    splits: int = 1
+
+
+def kernel_enabled(device: torch.device | str, dtype: torch.dtype, head_dim: int, block_size: int = 16) -> bool:
+    """Whether attention over K/V of `head_dim` on `device` in `dtype` runs our CPU kernel (fp32 on CPU, head sizes and
+    blocks in multiples of its 8-float vectors, where it built)."""
+    return torch.device(device).type == "cpu" and dtype == torch.float32 and head_dim % 8 == 0 and \
+        block_size % 8 == 0 and kernels_loaded()
 
 
 def kv_write(key_buffer: torch.Tensor, value_buffer: torch.Tensor, at: torch.Tensor, keys: torch.Tensor,
              values: torch.Tensor) -> bool:
-    """`keys/values [b, Hkv, q, D]` into rows `at` of the buffers seen as `[rows, D]` (`KVBuffers.write`) as our one
-    op, on fp32 CPU tensors with the last dims contiguous; False (nothing written) otherwise."""
+    """`keys/values [b, Hkv, q, D]` into rows `at` of the buffers seen as `[rows, D]` (`KVPool.write`) as our one op,
+    on fp32 CPU tensors with the last dims contiguous; False (nothing written) otherwise."""
     if not (takes(keys, values) and key_buffer.dtype == keys.dtype and key_buffer.is_contiguous()
             and value_buffer.is_contiguous() and keys.stride(-1) == 1 and values.stride(-1) == 1):
         return False
@@ -39,148 +59,137 @@ def kv_write(key_buffer: torch.Tensor, value_buffer: torch.Tensor, at: torch.Ten
     return True
 
 
-class KVBuffers:
-    """Static key/value storage for one model: per layer `[R, Hkv, T, D]`."""
+class KVPool:
+    """Paged key/value storage for one model: per layer `[N, Hkv, bs, D]`, block 0 the null block."""
 
-    def __init__(self, num_layers: int, max_rows: int, max_len: int, num_kv_heads: int, head_dim: int,
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str):
-        shape = (num_layers, max_rows, num_kv_heads, max_len, head_dim)
-        self.all_keys = torch.zeros(shape, dtype=dtype, device=device)    # [L, R, Hkv, T, D]
+        if block_size < 1 or block_size & (block_size - 1):
+            raise ValueError(f"kv_block_size={block_size} must be a power of two")
+        shape = (num_layers, num_blocks, num_kv_heads, block_size, head_dim)
+        self.all_keys = torch.zeros(shape, dtype=dtype, device=device)    # [L, N, Hkv, bs, D]
         self.all_values = torch.zeros(shape, dtype=dtype, device=device)
         # Per-layer views by indexing (not unbind, whose views refuse in-place writes outside inference mode).
         self.keys = [self.all_keys[i] for i in range(num_layers)]
         self.values = [self.all_values[i] for i in range(num_layers)]
-        self.max_len = max_len
-        # Attended by our CPU kernel (key limits) or SDPA (masks): `group_visibility`. Decided (and the kernel
-        # built or loaded) here, once, before any step is timed.
-        self.kernel = kernel_enabled(device, dtype, head_dim)
+        self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim = num_blocks, block_size, num_kv_heads, head_dim
+        # Which attention path reads the pool (`paged_attention`), decided (the kernel built or loaded) here, once,
+        # before any step is timed.
+        self.kernel = kernel_enabled(device, dtype, head_dim, block_size)
+        self.triton = torch.device(device).type == "cuda" and paged_triton.available(torch.device(device))
 
     @property
     def nbytes(self) -> int:
         return 2 * self.all_keys.numel() * self.all_keys.element_size()
 
-    def flat_index(self, rows: slice, index: torch.Tensor) -> torch.Tensor:
-        """Where `write` puts positions `index [b, q]` of slots `rows`: `[b * q * Hkv]` rows of a layer's buffer
-        seen as `[R * Hkv * T, D]`, in (slot, position, head) order. Computed once per forward, for every layer."""
-        b, q = index.shape
-        slots = torch.arange(rows.start, rows.start + b, device=index.device)[:, None].expand(b, q)  # [b, q]
-        return self.flat_index_of(slots, index)
+    @staticmethod
+    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, itemsize: int) -> int:
+        return 2 * num_layers * block_size * num_kv_heads * head_dim * itemsize
 
-    def flat_index_of(self, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """`flat_index` for tokens given one by one: token i (of any shape, flattened in order) goes to position
-        `positions[i]` of slot `slots[i]`."""
-        _, heads, length, _ = self.keys[0].shape
-        head = torch.arange(heads, device=positions.device)  # [Hkv]
-        return ((slots[..., None] * heads + head) * length + positions[..., None]).reshape(-1)
+    def flat_index(self, tables: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Where `write` puts positions `positions [b, q]` of rows with block tables `tables [b, nb]`: `[b * q * Hkv]`
+        rows of a layer's pool seen as `[N * Hkv * bs, D]`, in (row, position, head) order. On the device, from the
+        tables as tensors (no host sync, CUDA-graph safe); computed once per forward, for every layer."""
+        bs = self.block_size
+        blocks = tables.gather(1, torch.div(positions, bs, rounding_mode="floor")).long()  # [b, q]
+        return self.flat_index_of(blocks, positions % bs)
+
+    def flat_index_of(self, blocks: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """`flat_index` for tokens given one by one: token i (any shape, flattened in order) goes to offset `offsets[i]`
+        of block `blocks[i]`."""
+        head = torch.arange(self.num_kv_heads, device=blocks.device)  # [Hkv]
+        return ((blocks[..., None] * self.num_kv_heads + head) * self.block_size + offsets[..., None]).reshape(-1)
 
     def write(self, layer: int, at: torch.Tensor, keys: torch.Tensor, values: torch.Tensor):
-        """`keys/values [b, Hkv, q, D]` to the positions `at` of layer `layer` (`flat_index`): one op of ours on fp32
-        CPU tensors (`kv_write`), torch's otherwise."""
+        """`keys/values [b, Hkv, q, D]` to rows `at` of layer `layer` (`flat_index`): one op of ours on fp32 CPU tensors
+        (`kv_write`), torch's otherwise."""
         if kv_write(self.keys[layer], self.values[layer], at, keys, values):
             return
         d = keys.shape[-1]
         self.keys[layer].view(-1, d).index_copy_(0, at, keys.transpose(1, 2).reshape(-1, d))
         self.values[layer].view(-1, d).index_copy_(0, at, values.transpose(1, 2).reshape(-1, d))
 
-    def write_all_layers(self, rows: slice, index: torch.Tensor, keys: torch.Tensor, values: torch.Tensor):
-        """`keys/values [L, b, Hkv, q, D]` of every layer to positions `index [b, q]` of slots `rows`, at once."""
-        n, b, h, q, d = keys.shape
-        idx = index[None, :, None, :, None].expand(n, b, h, q, d)
-        self.all_keys[:, rows].scatter_(3, idx, keys)
-        self.all_values[:, rows].scatter_(3, idx, values)
+    def write_all_layers(self, at: torch.Tensor, keys: torch.Tensor, values: torch.Tensor):
+        """`keys/values [L, b, Hkv, q, D]` of every layer to rows `at` (`flat_index`) of each layer, at once."""
+        n, d = keys.shape[0], keys.shape[-1]
+        self.all_keys.view(n, -1, d).index_copy_(1, at, keys.transpose(2, 3).reshape(n, -1, d))
+        self.all_values.view(n, -1, d).index_copy_(1, at, values.transpose(2, 3).reshape(n, -1, d))
 
-    def view(self, layer: int, rows: slice, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values `[b, Hkv, kv_len, D]` of slots `rows` (views, no copy)."""
-        return self.keys[layer][rows, :, :kv_len], self.values[layer][rows, :, :kv_len]
-
-    def move_row(self, src: int | torch.Tensor, dst: int | torch.Tensor, length: int, block: int = 256):
-        """Copy the first `length` positions of slot `src` into slot `dst` (compaction), or of slots `src[i]`
-        into `dst[i]` (index tensors `[m]`, regrouping). The pairs may form cycles: each block of positions is
-        read for every pair before any is written, so the scratch is one layer's `[m, Hkv, block, D]`."""
-        if isinstance(src, int):
-            for buf in (self.all_keys, self.all_values):
-                buf[:, dst, :, :length] = buf[:, src, :, :length]
-            return
-        for buf in (*self.keys, *self.values):
-            for p in range(0, length, block):
-                end = min(p + block, length)
-                buf[dst, :, p:end] = buf[src, :, p:end]
-
-
-def visible_keys(limits: torch.Tensor, key_positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Additive mask `[r, 1, M, T]` in `dtype` for SDPA (0 where visible, -inf elsewhere): folded query m of a
-    row sees key positions below `limits [r, M]` (`query_limits`); `key_positions` = `arange(T)`. Built once
-    per forward and shared by its layers: SDPA would turn a bool mask into this in every layer's call."""
-    hidden = key_positions >= limits[:, None, :, None]  # [r, 1, M, T]
-    return torch.zeros(hidden.shape, dtype=dtype, device=hidden.device).masked_fill_(hidden, float("-inf"))
+    def gather(self, layer: int, tables: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values `[b, Hkv, length, D]` of the rows with `tables [b, nb]` (copies), `length` a multiple of
+        the block size within the tables."""
+        b, blocks = tables.shape[0], length // self.block_size
+        ids = tables[:, :blocks].long()  # [b, nb']
+        out = []
+        for pool in (self.keys[layer], self.values[layer]):
+            dense = pool[ids]  # [b, nb', Hkv, bs, D]
+            out.append(dense.transpose(1, 2).reshape(b, self.num_kv_heads, length, self.head_dim))
+        return out[0], out[1]
 
 
 def query_limits(key_limit: torch.Tensor, groups: int) -> torch.Tensor:
-    """`key_limit [r, q]` for the folded queries of a K/V group (`row_attention`) -> `[r, G*q]`."""
+    """`key_limit [r, q]` for the folded queries of a K/V group (`paged_attention`) -> `[r, G*q]`."""
     r, q = key_limit.shape
     return key_limit[:, None, :].expand(r, groups, q).reshape(r, groups * q)
 
 
-def group_visibility(key_limit: torch.Tensor, groups: int, key_positions: torch.Tensor, key_groups: tuple,
-                     buffers: KVBuffers) -> tuple[torch.Tensor, ...]:
-    """What each range of `key_groups` (`((stop, t), ...)`) attends under in `buffers`, for `row_attention`: the
-    key limits of its folded queries `[stop - start, G*q]` (int64) where our CPU kernel reads them
-    (`buffers.kernel`), else the additive masks of `visible_keys` `[stop - start, 1, G*q, t]`. Once per forward,
-    shared by its layers. One range (the graphs' case) takes the limits whole: no slicing call."""
-    out, start = [], 0
-    for stop, t in key_groups:
-        limit = key_limit if len(key_groups) == 1 else key_limit[start:stop]
-        limits = query_limits(limit, groups)
-        out.append(limits if buffers.kernel else visible_keys(limits, key_positions[:t], buffers.all_keys.dtype))
-        start = stop
-    return tuple(out)
+def paged_attention(query: torch.Tensor, pool: KVPool, layer: int, tables: torch.Tensor, limits: torch.Tensor,
+                    scale: float, key_len: int, splits: int = 1) -> torch.Tensor:
+    """Attention of each row's queries over its own blocks, GQA-native.
 
-
-def decode_layer_groups(key_groups: tuple, visible: tuple[torch.Tensor, ...]
-                        ) -> tuple[list[int], list[int], list[torch.Tensor]]:
-    """`key_groups` and their key limits (`group_visibility`) as `decode_layer` takes them: group stops, key lengths,
-    key limits."""
-    return [stop for stop, _ in key_groups], [t for _, t in key_groups], list(visible)
-
-
-def grouped_attention(query: torch.Tensor, buffers: KVBuffers, layer: int, key_groups: tuple,
-                      visible: tuple[torch.Tensor, ...], scale: float) -> torch.Tensor:
-    """`row_attention` of query `[r, H, q, D]` over layer `layer` of `buffers`, one call per range of
-    `key_groups` over that range's own key bucket (views: no copy), visibility from `group_visibility` ->
-    `[r, q, H, D]`. One range (the graphs' case) takes the queries whole and concatenates nothing."""
-    out, start = [], 0
-    for (stop, t), seen in zip(key_groups, visible):
-        keys, values = buffers.view(layer, slice(start, stop), t)
-        rows = query if len(key_groups) == 1 else query[start:stop]
-        out.append(row_attention(rows, keys, values, seen, scale))
-        start = stop
-    return out[0] if len(out) == 1 else torch.cat(out)
-
-
-def row_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor,
-                  scale: float) -> torch.Tensor:
-    """Attention of each row's queries over its own keys, GQA-native.
-
-    query `[r, H, q, D]`, keys/values `[r, Hkv, T, D]`, visible: the additive mask `[r, 1, G*q, T]`
-    (`visible_keys`: SDPA) or the key limits `[r, G*q]` (`query_limits`: our CPU kernel) -> `[r, q, H, D]`
-    (the layout HF's attention functions return). The G query heads of a K/V group are folded into the
-    query axis, so the keys are attended as stored: no per-head copies.
+    query `[r, H, q, D]`; `tables [r, nb]` int32; `limits [r, G*q]` int64 (`query_limits`) -> `[r, q, H, D]` (the layout
+    HF's attention functions return). `key_len`: a multiple of the block size covering every limit, read only by the
+    gather path (the kernels read each row's limits); `splits`: the Triton kernel's split over the keys.
     """
     r, h, q, d = query.shape
-    folded = query.reshape(r, keys.shape[1], -1, d)  # [r, Hkv, G*q, D]: heads of a group are adjacent
-    if visible.dtype == torch.int64:
-        out = ops.decode_attention(folded, keys, values, visible, scale)
+    folded = query.reshape(r, pool.num_kv_heads, -1, d)  # [r, Hkv, G*q, D]: heads of a group are adjacent
+    if pool.kernel:
+        out = ops.decode_attention(folded, pool.keys[layer], pool.values[layer], tables, limits, scale)
+    elif pool.triton:
+        out = paged_triton.paged_attention(folded, pool.keys[layer], pool.values[layer], tables, limits, scale, splits)
     else:
+        keys, values = pool.gather(layer, tables, key_len)
+        visible = visible_keys(limits, torch.arange(key_len, device=query.device), query.dtype)
         out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=visible, scale=scale)
     return out.reshape(r, h, q, d).transpose(1, 2)
 
 
-def causal_prefill_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
-                             lengths: tuple[int, ...]) -> torch.Tensor:
-    """Prefill over prompts laid back to back in one row (no padding), each from position 0: causal attention
-    within each prompt, one call per prompt. query `[1, H, N, D]`, keys/values `[1, Hkv, N, D]`, `lengths`
-    the prompts' (summing to N) -> `[1, N, H, D]`."""
+def visible_keys(limits: torch.Tensor, key_positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Additive mask `[r, 1, M, T]` in `dtype` for SDPA (0 where visible, -inf elsewhere): folded query m of a row sees
+    key positions below `limits [r, M]`; `key_positions` = `arange(T)`."""
+    hidden = key_positions >= limits[:, None, :, None]  # [r, 1, M, T]
+    return torch.zeros(hidden.shape, dtype=dtype, device=hidden.device).masked_fill_(hidden, float("-inf"))
+
+
+def prefill_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
+                      lengths: tuple[int, ...], offsets: tuple[int, ...], tables: tuple, pool: KVPool,
+                      layer: int) -> torch.Tensor:
+    """Prefill over prompt segments laid back to back in one row (no padding): segment i is `lengths[i]` tokens at
+    positions `offsets[i]..`, its row's earlier positions already in the pool (a shared prefix, earlier chunks) and its
+    own keys written there by this layer. Causal within each segment's row. query `[1, H, N, D]`, keys/values
+    `[1, Hkv, N, D]` (the segments' own), `tables[i]` segment i's block table `[1, nb]` -> `[1, N, H, D]`."""
     gqa = query.shape[1] != keys.shape[1]
-    out = [F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
-           for q, k, v in zip(query.split(lengths, 2), keys.split(lengths, 2), values.split(lengths, 2))]
+    out = []
+    for q, k, v, offset, table in zip(query.split(lengths, 2), keys.split(lengths, 2), values.split(lengths, 2),
+                                      offsets, tables):
+        if offset == 0:  # a whole prompt from its start: its own keys, causal
+            out.append(F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa))
+            continue
+        n = q.shape[2]
+        length = -(-(offset + n) // pool.block_size) * pool.block_size
+        k, v = pool.gather(layer, table, length)  # [1, Hkv, length, D]: the prefix and this segment
+        limits = torch.arange(offset + 1, offset + n + 1, device=q.device)[None]  # [1, n]: causal after the prefix
+        mask = visible_keys(limits, torch.arange(length, device=q.device), q.dtype)  # [1, 1, n, length]
+        out.append(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa))
     return (out[0] if len(out) == 1 else torch.cat(out, 2)).transpose(1, 2)
+
+
+def row_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor,
+                  scale: float) -> torch.Tensor:
+    """Dense attention of each row's queries over its own keys under an additive or bool mask, GQA-native (the
+    draft's stateless forward: training and the tests' oracle). query `[r, H, q, D]`, keys/values `[r, Hkv, T, D]`,
+    `visible [r, 1, G*q, T]` -> `[r, q, H, D]`."""
+    r, h, q, d = query.shape
+    folded = query.reshape(r, keys.shape[1], -1, d)  # [r, Hkv, G*q, D]
+    out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=visible, scale=scale)
+    return out.reshape(r, h, q, d).transpose(1, 2)

@@ -1,8 +1,8 @@
-"""Our own pass over a stock HF decoder (Qwen3, Llama): per-row KV buffers, hidden-state taps, no masks.
+"""Our own pass over a stock HF decoder (Qwen3, Llama): a paged KV pool, hidden-state taps, no masks.
 
 We run `embed_tokens`, the model's rotary embedding, each decoder layer and `norm` ourselves, so the
-hidden states the draft needs are taken between layers (no `output_hidden_states` capture), and no
-4-D mask is ever built. The layers are the engine's (`fused_layers.py`: our forward for the Llama family
+hidden states the draft needs are taken between layers (no `output_hidden_states` capture), and the keys
+and values go to the engine's paged pool (`kv_cache.py`). The layers are the engine's (`fused_layers.py`: our forward for the Llama family
 over the same weights, HF's own layer otherwise); the attention function is ours either way, installed
 through transformers' attention-function registration under the name `domino_ray`. It reads the
 `RowAttention` passed through the layers' keyword arguments; any other caller of the model (HF
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from domino_ray.backend import ops
-from domino_ray.model.kv_cache import KVBuffers, causal_prefill_attention, decode_layer_groups, grouped_attention
+from domino_ray.model.kv_cache import KVPool, StepKeys, paged_attention, prefill_attention
 from domino_ray.model.layer_ops import rms_norm
 from domino_ray.model.packed_linear import one_op_layers
 
@@ -30,42 +30,29 @@ ATTENTION = "domino_ray"
 class RowAttention:
     """What one forward's attention needs, shared by every layer.
 
-    Decode: new keys go to `write_index [r, q]` of slots `0..r`; each slot range of `key_groups`
-    (`((stop, t), ...)`, `key_groups.py`) attends over its first `t` buffer positions as its entry of
-    `visible` says (`kv_cache.group_visibility`: key limits or a mask). Prefill (`prefill_rows` set): the
-    prompts of slots `prefill_rows`, `prefill_lengths` tokens each, back to back in one row of queries
-    (`write_index [1, N]`: each prompt's positions from 0), attention causal within each prompt.
+    Every layer writes its new keys at `write_at` (`KVPool.flat_index`: flat rows of its pool) first. Decode: slots
+    `0..r` attend over their own blocks (`keys`, `kv_cache.StepKeys`), each folded query below its key limit
+    (`limits [r, G*q]`, `kv_cache.query_limits`). Prefill (`prefill_lengths` set): prompt segments back to back in one
+    row of queries, segment i `prefill_lengths[i]` tokens from position `prefill_offsets[i]`, reading its row's
+    earlier positions through `prefill_tables[i]` (`kv_cache.prefill_attention`).
     """
-    buffers: KVBuffers
-    write_index: torch.Tensor
-    visible: tuple[torch.Tensor, ...] = ()
-    key_groups: tuple[tuple[int, int], ...] = ()
-    prefill_rows: slice | None = None
+    pool: KVPool
+    write_at: torch.Tensor
+    keys: StepKeys | None = None
+    limits: torch.Tensor | None = None
     prefill_lengths: tuple[int, ...] = ()
+    prefill_offsets: tuple[int, ...] = ()
+    prefill_tables: tuple = ()
     native: bool | None = None  # whether the step's fused layers run as our one op (`one_op_step`), decided once
-
-    @functools.cached_property
-    def key_group_args(self) -> tuple[list[int], list[int], list[torch.Tensor]]:
-        """`kv_cache.decode_layer_groups` of the step, for every layer."""
-        return decode_layer_groups(self.key_groups, self.visible)
-
-    def __post_init__(self):  # every layer writes at `write_at`
-        if self.prefill_rows is None:
-            self.write_at = self.buffers.flat_index(slice(0, self.write_index.shape[0]), self.write_index)
-            return
-        device, start = self.write_index.device, self.prefill_rows.start
-        slots = torch.arange(start, start + len(self.prefill_lengths), device=device).repeat_interleave(
-            torch.tensor(self.prefill_lengths, device=device))  # [N] each token's slot
-        self.write_at = self.buffers.flat_index_of(slots, self.write_index[0])
 
 
 def one_op_step(hidden: torch.Tensor, step: RowAttention | None) -> bool:
     """Whether a layer's forward over `hidden` may be our one op: an engine decode step (not a prefill) that
     `packed_linear.one_op_layers` takes. The same for every layer of a forward: decided once."""
-    if step is None or step.prefill_rows is not None:
+    if step is None or step.prefill_lengths:
         return False
     if step.native is None:
-        step.native = one_op_layers(step.buffers.kernel, hidden.shape[0] * hidden.shape[1])
+        step.native = one_op_layers(step.pool.kernel, hidden.shape[0] * hidden.shape[1])
     return step.native
 
 
@@ -87,7 +74,7 @@ def one_op_args(layers, hidden: torch.Tensor, step: RowAttention) -> tuple | Non
     cached = _ONE_OP.get(layers)
     if cached is None or len(cached[0]) != len(per_layer) or any(a is not b for a, b in zip(cached[0], per_layer)):
         cached = _ONE_OP[layers] = (per_layer, decode_layers_args(per_layer))
-    return (*cached[1], step.buffers.keys, step.buffers.values)  # layer i's KV is buffers' i-th
+    return (*cached[1], step.pool.keys, step.pool.values)  # layer i's KV is the pool's i-th
 
 
 def decode_layers_args(per_layer) -> tuple[list, list, list]:
@@ -105,10 +92,12 @@ def engine_attention(module, query, key, value, attention_mask, scaling=None, dr
                                       **kwargs)
     step, layer = domino_rows, module.layer_idx
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    step.buffers.write(layer, step.write_at, key, value)
-    if step.prefill_rows is not None:
-        return causal_prefill_attention(query, key, value, scale, step.prefill_lengths), None
-    return grouped_attention(query, step.buffers, layer, step.key_groups, step.visible, scale), None
+    step.pool.write(layer, step.write_at, key, value)
+    if step.prefill_lengths:
+        return prefill_attention(query, key, value, scale, step.prefill_lengths, step.prefill_offsets,
+                                 step.prefill_tables, step.pool, layer), None
+    keys = step.keys
+    return paged_attention(query, step.pool, layer, keys.tables, step.limits, scale, keys.key_len, keys.splits), None
 
 
 def install(target) -> None:
@@ -159,8 +148,8 @@ def run_decoder(decoder, layers, input_ids: torch.Tensor, positions: torch.Tenso
     one_op = one_op_args(layers, hidden, attention)
     if one_op is not None:  # every layer in one call; the last layer's tap is the normed output (below)
         inner = _inner_taps(tap_layers, len(layers))
-        hidden, *outputs = ops.decode_layers(hidden, *one_op, attention.write_at, *rotary, *attention.key_group_args,
-                                             inner)
+        hidden, *outputs = ops.decode_layers(hidden, *one_op, attention.write_at, *rotary, attention.keys.tables,
+                                             attention.limits, inner)
         taps.update(zip(inner, outputs))
     else:
         for i, layer in enumerate(layers):

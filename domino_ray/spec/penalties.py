@@ -72,6 +72,14 @@ class RowPenalties:
             slot, token = torch.tensor(pairs).to(self.device).unbind(1)
             self.stop[rows][slot, token] = True
 
+    def restore(self, rows: slice, generated: Sequence[Sequence[int]]):
+        """Rows coming back after a preemption (`load`ed): the counts of the tokens they had generated."""
+        pairs = [(i, t) for i, tokens in enumerate(generated) for t in tokens]
+        if pairs:
+            slot, token = torch.tensor(pairs).to(self.device).unbind(1)
+            self.counts[rows].index_put_((slot, token), torch.ones_like(token, dtype=torch.int32), accumulate=True)
+        self.generated[rows] = torch.tensor([len(g) for g in generated]).to(self.device)
+
     def move(self, src, dst):
         for t in (self.counts, self.prompt, self.stop, self.repetition, self.frequency, self.presence,
                   self.min_tokens, self.generated):

@@ -5,16 +5,15 @@ A proposer is any object with these members (duck-typed; the engine needs nothin
   `block_size`: positions its block writes past a row's context.
 - `target_layer_ids`: target layers whose outputs it needs as context (empty: none).
 - `graph_safe`: its `propose` is device work on fixed shapes (CUDA-graph capturable).
-- `allocate(max_rows, max_len)`: reserve per-row state once.
-- `append_context(rows, target_hidden, offsets)`: new target hidden states `[b, q, L*C]` of positions
-  `offsets[b] + arange(q)` of slots `rows`; entries past a row's committed length are junk it must
-  tolerate (they are overwritten later).
-- `propose(r, anchor, offsets, key_groups, width, committed, request_ids) -> [r, width]`: `width <= K`
-  drafts after `anchor [r]` at positions `offsets [r]` for slots `0..r` (padding slots included), each slot
-  range of `key_groups` (`((stop, t), ...)`, `model/key_groups.py`) attending over its first `t` buffer positions;
-  `committed`/`request_ids` are the host's view of the real rows (test proposers use them).
-- `move_row(src, dst, length)`: slot `src` -> `dst` (ints: compaction), or slots `src[i]` -> `dst[i]`
-  (index tensors `[m]`: regrouping; the pairs may form cycles).
+- `allocate(num_blocks, block_size, capacity)`: its own KV pool of the engine's blocks (the rows' block tables serve
+  it too: `model/kv_cache.py`), rows of up to `capacity` positions.
+- `append_context(tables, target_hidden, offsets)`: new target hidden states `[b, q, L*C]` of positions
+  `offsets[b] + arange(q)` of the rows with block tables `tables [b, nb]`; entries past a row's committed length are
+  junk it must tolerate (they are overwritten later).
+- `propose(r, anchor, offsets, keys, width, committed, request_ids) -> [r, width]`: `width <= K`
+  drafts after `anchor [r]` at positions `offsets [r]` for slots `0..r` (padding slots included), reading
+  their own blocks (`keys`, `kv_cache.StepKeys`); `committed`/`request_ids` are the host's view of the real rows
+  (test proposers use them).
 - optionally `draft`: its model (an `nn.Module`), whose linear layers the engine packs like the target's on
   CPU (`model/packed_linear.py`).
 
@@ -26,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from domino_ray.backend import ops
-from domino_ray.model.kv_cache import KVBuffers, decode_layer_groups, group_visibility, grouped_attention
+from domino_ray.model.kv_cache import KVPool, StepKeys, paged_attention, query_limits
 from domino_ray.model.packed_linear import one_op_layers, packed_states
 from domino_ray.model.target_forward import decode_layers_args
 from domino_ray.spec.checkpoint import check_against_target
@@ -58,35 +57,35 @@ class DominoProposer:
         # All layers' context k/v projections fused (a copy: build the proposer after the draft's last update).
         self.context_weights = context_key_value_weights(draft.layers)
         self.groups = cfg.num_attention_heads // cfg.num_key_value_heads
-        self.kv: KVBuffers | None = None
+        self.kv: KVPool | None = None
         self.key_positions: torch.Tensor | None = None
         self._native: tuple | None = None  # (the draft linears' weight states, `decode_layers`' arguments from them)
         self._linears: list | None = None  # the draft layers' 14 linears (`_native_layers`), listed at first use
         self._context_native: tuple | None = None  # (fc's weight state, `context_update`'s arguments from it)
 
-    def allocate(self, max_rows: int, max_len: int):
+    def allocate(self, num_blocks: int, block_size: int, max_len: int):
         cfg = self.config
-        self.kv = KVBuffers(cfg.num_hidden_layers, max_rows, max_len, cfg.num_key_value_heads, cfg.head_dim,
-                            self.dtype, self.device)
+        self.kv = KVPool(cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim,
+                         self.dtype, self.device)
         self.key_positions = torch.arange(max_len, device=self.device)  # [T]
         # Every position's rotary cos/sin, looked up by each call (computed per call they were ~10 ops: ~45 us of a
         # demo draft's one-row step on CPU, twice a drafting step)
         cos, sin = self.draft.rope(self.key_positions[None], self.dtype)
         self.rope_cos, self.rope_sin = cos[0], sin[0]  # [T, D]
 
-    def append_context(self, rows: slice, target_hidden: torch.Tensor, offsets: torch.Tensor):
+    def append_context(self, tables: torch.Tensor, target_hidden: torch.Tensor, offsets: torch.Tensor):
         taps = target_hidden.to(self.device)  # [b, q, F]
         positions = offsets[:, None] + self.key_positions[:taps.shape[1]]  # [b, q]
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # [b, q, D]
         ours = one_op_layers(self.kv.kernel, taps.shape[0] * taps.shape[1]) and taps.dtype == torch.float32
         native = self._native_context() if ours else None
         if native is not None:  # one op of ours for ~25 torch ops (`decode_layer.cpp`; demo pair, 1 row: 356 -> 200 us)
-            ops.context_update(taps, *native, self.kv.keys, self.kv.values, self.kv.flat_index(rows, positions), cos,
-                               sin)
+            ops.context_update(taps, *native, self.kv.keys, self.kv.values, self.kv.flat_index(tables, positions),
+                               cos, sin)
             return
         context = self.draft.project_context(taps)  # [b, q, C]
         k, v = context_keys_values(context, self.context_weights, self.config.rms_norm_eps, self.config.head_dim, cos, sin)
-        self.kv.write_all_layers(rows, positions, k, v)
+        self.kv.write_all_layers(self.kv.flat_index(tables, positions), k, v)
 
     def _native_context(self) -> tuple[list, list[int], list[float]] | None:
         """`context_update`'s weights, shape and scalars: `fc` packed, and every layer's k/v projections packed from
@@ -103,31 +102,31 @@ class DominoProposer:
                                             [norm.eps, cfg.rms_norm_eps]))
         return self._context_native[1]
 
-    def propose(self, r: int, anchor: torch.Tensor, offsets: torch.Tensor, key_groups: tuple, width: int,
+    def propose(self, r: int, anchor: torch.Tensor, offsets: torch.Tensor, keys: StepKeys, width: int,
                 committed=None, request_ids=None) -> torch.Tensor:
-        slots, rows = block_slots(self.block_size, width, self.config.shift_label), slice(0, r)
+        slots = block_slots(self.block_size, width, self.config.shift_label)
         block = torch.cat([self.embed(anchor)[:, None].to(self.dtype),
                            self.mask_embedding.expand(r, slots - 1, -1)], 1)  # [r, S, C]
         positions = offsets[:, None] + self.block_offsets[:slots]  # [r, S]
         # Non-causal: every slot sees the whole context and every slot of the step.
-        key_limit = (offsets + slots)[:, None].expand(r, slots)  # [r, S]
-        visible = group_visibility(key_limit, self.groups, self.key_positions, key_groups, self.kv)
+        limits = query_limits((offsets + slots)[:, None].expand(r, slots), self.groups)  # [r, G*S]
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # [r, S, D]
-        write_at = self.kv.flat_index(rows, positions)
+        write_at = self.kv.flat_index(keys.tables, positions)
 
         def attend_layer(i, layer, x, cos, sin):
             attn = layer.self_attn
             q = attn.query(x, cos, sin)
             k, v = attn.key_value(x, cos, sin)
             self.kv.write(i, write_at, k, v)
-            return attn.output(grouped_attention(q, self.kv, i, key_groups, visible, attn.head_dim ** -0.5))
+            return attn.output(paged_attention(q, self.kv, i, keys.tables, limits, attn.head_dim ** -0.5, keys.key_len,
+                                               keys.splits))
 
         native = self._native_layers() if one_op_layers(self.kv.kernel, r * slots) else None
         if native is None:
             hidden = self.draft.run_layers(block, cos, sin, attend_layer)  # [r, S, C]
         else:  # the layers as our one op, all in one call (`csrc/decode_layer.cpp`): the draft's layers are Qwen3's
-            hidden, = ops.decode_layers(block, *native, self.kv.keys, self.kv.values, write_at, cos, sin,
-                                        *decode_layer_groups(key_groups, visible), [])
+            hidden, = ops.decode_layers(block, *native, self.kv.keys, self.kv.values, write_at, cos, sin, keys.tables,
+                                        limits, [])
             hidden = self.draft.norm(hidden)
         return self.draft.draft_tokens(hidden, anchor, width, self.embed, self.lm_head)  # the GRU loop stops at W
 
@@ -147,9 +146,6 @@ class DominoProposer:
         if self._native is None or self._native[0] != state:
             self._native = (state, decode_layers_args([_decode_layer_args(layer) for layer in layers]))
         return self._native[1]
-
-    def move_row(self, src: int | torch.Tensor, dst: int | torch.Tensor, length: int):
-        self.kv.move_row(src, dst, length)
 
 
 def _decode_layer_args(layer) -> tuple[list, list[int], list[float]]:
