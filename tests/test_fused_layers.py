@@ -8,7 +8,7 @@ from domino_ray.engine.request import Request
 from domino_ray.engine.spec_engine import SpecEngine
 from domino_ray.model import kv_cache, target_forward
 from domino_ray.model.fused_layers import FusedLayer, fuse_layers, fuse_linears
-from domino_ray.model.kv_cache import KVBuffers, group_visibility
+from domino_ray.model.kv_cache import KVPool, StepKeys, query_limits
 from domino_ray.model.packed_linear import pack_linears
 from domino_ray.model.target_forward import RowAttention, install, rotary_table, run_decoder
 from domino_ray.spec.proposer import DominoProposer
@@ -24,33 +24,46 @@ def family(name: str, dtype=torch.float32):
     return tiny_target(name.split("-")[0], dtype=dtype, **FAMILIES[name])
 
 
-def forward_both(target, rows: int, prompt: int, width: int, key_groups=None, runs=None):
-    """The decoder over HF's layers and over `fuse_layers`, prefill then one decode step of `width` positions
-    (attended in `key_groups`, default one), each into its own KV buffers: (hidden states, KV buffers) of each.
-    `runs`: instead, (layers, whether a `FusedLayer` may run a decode step as our one op) pairs to run."""
+BLOCK = 8
+
+
+def scattered_tables(rows: int, blocks_per_row: int, seed: int = 0) -> torch.Tensor:
+    """Block tables `[rows, nb]` naming blocks 1.. in a shuffled order (block 0 is the null block): rows' keys
+    interleaved through the pool, as a paged engine's rows are."""
+    g = torch.Generator().manual_seed(seed)
+    return (1 + torch.randperm(rows * blocks_per_row, generator=g)).view(rows, blocks_per_row).to(torch.int32)
+
+
+def forward_both(target, rows: int, prompt: int, width: int, runs=None):
+    """The decoder over HF's layers and over `fuse_layers`, prefill then one decode step of `width` positions, each
+    into its own paged KV pool (the same shuffled block tables; ragged prompts of `prompt - row % 3` tokens): (hidden
+    states, KV pool, tables, prompt lengths) of each. `runs`: instead, (layers, whether a `FusedLayer` may run a decode
+    step as our one op) pairs to run."""
     cfg, decoder = target.config, target.get_decoder()
     install(target)
     g = torch.Generator().manual_seed(0)
-    prompt_ids = torch.randint(0, cfg.vocab_size, (rows, prompt), generator=g)
+    lengths = [prompt - row % 3 for row in range(rows)]
+    prompt_ids = torch.randint(0, cfg.vocab_size, (1, sum(lengths)), generator=g)
     step_ids = torch.randint(0, cfg.vocab_size, (rows, width), generator=g)
-    key_positions = torch.arange(64)
+    tables = scattered_tables(rows, 64 // BLOCK)
     results = []
     for layers, native in runs or ((decoder.layers, False), (fuse_layers(decoder), False)):
         for layer in layers:
             if isinstance(layer, FusedLayer):
                 layer.native = native
-        kv = KVBuffers(cfg.num_hidden_layers, rows, 64, cfg.num_key_value_heads, cfg.head_dim, torch.float32, "cpu")
-        positions = key_positions[:prompt].repeat(rows)[None]  # [1, rows * prompt]: the prompts back to back
+        kv = KVPool(cfg.num_hidden_layers, 1 + tables.numel(), BLOCK, cfg.num_key_value_heads, cfg.head_dim,
+                    torch.float32, "cpu")
+        positions = torch.cat([torch.arange(m) for m in lengths])[None]  # [1, N]: the prompts back to back
+        blocks = torch.cat([tables[row, torch.arange(m) // BLOCK] for row, m in enumerate(lengths)]).long()
         with torch.inference_mode():
-            first, _ = run_decoder(decoder, layers, prompt_ids.reshape(1, -1), positions,
-                                   RowAttention(kv, positions, prefill_rows=slice(0, rows),
-                                                prefill_lengths=(prompt,) * rows), ())
-            positions = prompt + torch.arange(width).expand(rows, width)
-            groups = key_groups or ((rows, 32),)
-            visible = group_visibility(positions + 1, cfg.num_attention_heads // cfg.num_key_value_heads, key_positions,
-                                       groups, kv)
-            second, taps = run_decoder(decoder, layers, step_ids, positions,  # tap layers as a config may list them
-                                       RowAttention(kv, positions, visible=visible, key_groups=groups), (2, 0, 2))
+            prefill = RowAttention(kv, kv.flat_index_of(blocks, positions[0] % BLOCK), prefill_lengths=tuple(lengths),
+                                   prefill_offsets=(0,) * rows, prefill_tables=tuple(tables[row:row + 1]
+                                                                                      for row in range(rows)))
+            first, _ = run_decoder(decoder, layers, prompt_ids, positions, prefill, ())
+            positions = torch.tensor(lengths)[:, None] + torch.arange(width)  # [rows, W]
+            limits = query_limits(positions + 1, cfg.num_attention_heads // cfg.num_key_value_heads)
+            step = RowAttention(kv, kv.flat_index(tables, positions), StepKeys(tables, 64), limits)
+            second, taps = run_decoder(decoder, layers, step_ids, positions, step, (2, 0, 2))  # tap layers as listed
         results.append(((first, second, taps), kv))
     return results
 
@@ -65,14 +78,19 @@ def test_fused_layers_compute_what_hf_layers_compute(name):
         torch.testing.assert_close(ours, hf, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(ours_kv.all_keys, hf_kv.all_keys, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(ours_kv.all_values, hf_kv.all_values, rtol=1e-5, atol=1e-5)
-    assert ours_kv.all_keys[:, :, :, :10].abs().sum() > 0 and ours_kv.all_keys[:, :, :, 10:].abs().sum() == 0
+    tables = scattered_tables(5, 64 // BLOCK)
+    for row in range(5):  # each row's positions below its prompt + the step's 3 written, nothing past them
+        keys, _ = ours_kv.gather(1, tables[row:row + 1], 64)  # [1, Hkv, 64, D]
+        held = 7 - row % 3 + 3
+        assert keys[:, :, :held].abs().sum(-1).gt(0).all() and keys[:, :, held:].abs().sum() == 0
+    assert ours_kv.all_keys[:, 0].abs().sum() == 0  # the null block: no real row writes there
 
 
 @pytest.mark.parametrize("all_layers", [True, False])
 @pytest.mark.parametrize("width", [1, 3])
 @pytest.mark.parametrize("name", FAMILIES)
 def test_a_decode_step_as_our_one_op_computes_what_hf_layers_compute(name, width, all_layers, monkeypatch):
-    """`FusedLayer`'s decode steps as `decode_layer` (packed weights, our CPU ops, two key groups), all layers in one
+    """`FusedLayer`'s decode steps as `decode_layer` (packed weights, our CPU ops, ragged rows over shuffled blocks), all layers in one
     `decode_layers` call or each on its own, against HF's layers and against the same fused layers in Python (hidden
     states, the taps of layers 2, 0 and 2, the KV written)."""
     target = family(name)
@@ -87,7 +105,7 @@ def test_a_decode_step_as_our_one_op_computes_what_hf_layers_compute(name, width
                         lambda *a: one_op_calls.append(args := one_op_args(*a) if all_layers else None) or args)
     runs = ((decoder.layers, False), (layers, False), (layers, True))
     (hf_out, hf_kv), (python_out, python_kv), (ours_out, ours_kv) = forward_both(
-        target, rows=5, prompt=7, width=width, key_groups=((2, 32), (5, 64)), runs=runs)
+        target, rows=5, prompt=7, width=width, runs=runs)
     ran_as_one_op = [args is not None for args in one_op_calls]  # six forwards: a prefill and a decode step each
     if all_layers:  # the decode step only, every layer in one call
         assert ran_as_one_op == [False] * 5 + [True] and not native_calls
@@ -121,19 +139,20 @@ def test_our_one_op_follows_weights_changed_in_place():
 @pytest.mark.parametrize("width", [1, 3])
 def test_the_draft_layers_as_our_one_op_compute_what_their_python_forward_computes(width, monkeypatch):
     """Where the engine packed the draft's linears, the draft block's layers run as `decode_layer` (q/k/v and gate/up
-    fused copies): the block's hidden states and the keys and values it writes are the Python layers', for rows in two
-    key groups; a weight changed in place reaches the op."""
+    fused copies): the block's hidden states and the keys and values it writes are the Python layers', for ragged rows
+    over shuffled blocks; a weight changed in place reaches the op."""
     target = family("qwen3-d16")
     draft = tiny_draft(target, block_size=4)
     pack_linears(draft)
     proposer = DominoProposer(draft, target)
     rows, g = 3, torch.Generator().manual_seed(0)
-    proposer.allocate(rows, 64)
+    tables = scattered_tables(rows, 64 // BLOCK)
+    proposer.allocate(1 + tables.numel(), BLOCK, 64)
     taps = torch.randn(rows, 9, len(draft.config.target_layer_ids) * target.config.hidden_size, generator=g)
     anchor = torch.randint(0, target.config.vocab_size, (rows,), generator=g)
     lens = torch.tensor([5, 9, 7])
     with torch.inference_mode():
-        proposer.append_context(slice(0, rows), taps, torch.zeros(rows, dtype=torch.long))
+        proposer.append_context(tables, taps, torch.zeros(rows, dtype=torch.long))
     seen = []
     draft_tokens = draft.draft_tokens
     monkeypatch.setattr(draft, "draft_tokens", lambda hidden, *args: seen.append(hidden) or draft_tokens(hidden, *args))
@@ -142,7 +161,7 @@ def test_the_draft_layers_as_our_one_op_compute_what_their_python_forward_comput
     def block(native: bool):
         monkeypatch.setattr(proposer, "_native_layers", native_layers if native else lambda: None)
         with torch.inference_mode():
-            proposer.propose(rows, anchor, lens, ((1, 32), (3, 32)), width)
+            proposer.propose(rows, anchor, lens, StepKeys(tables, 32), width)
         return seen[-1], [b.clone() for b in (*proposer.kv.keys, *proposer.kv.values)]
 
     python, ours = block(False), block(True)
@@ -171,7 +190,8 @@ def test_the_draft_context_update_as_our_one_op_writes_what_its_python_forward_w
             norm.weight.copy_(torch.rand(norm.weight.shape, generator=g) + 0.5)
     pack_linears(draft)
     proposer = DominoProposer(draft, target)
-    proposer.allocate(4, 64)
+    tables = scattered_tables(4, 64 // BLOCK)
+    proposer.allocate(1 + tables.numel(), BLOCK, 64)
     taps = torch.randn(2, 3, len(draft.config.target_layer_ids) * target.config.hidden_size, generator=g)  # [b, q, F]
     offsets = torch.tensor([7, 20])
     native_context, calls = proposer._native_context, []
@@ -183,16 +203,18 @@ def test_the_draft_context_update_as_our_one_op_writes_what_its_python_forward_w
         for buffer in (proposer.kv.all_keys, proposer.kv.all_values):
             buffer.fill_(float("nan"))
         with torch.inference_mode():
-            proposer.append_context(slice(1, 3), taps, offsets)  # slots 1 and 2
+            proposer.append_context(tables[1:3], taps, offsets)  # rows 1 and 2
         return proposer.kv.all_keys.clone(), proposer.kv.all_values.clone()
 
     python, ours = update(False), update(True)
     assert len(calls) == 1
-    for theirs, mine in zip(python, ours):  # [L, R, Hkv, T, D]; fp32, one GEMM either way
+    for theirs, mine in zip(python, ours):  # [L, N, Hkv, bs, D]; fp32, one GEMM either way
         written = ~theirs.isnan()
         assert written.sum() == theirs.shape[0] * 2 * theirs.shape[2] * 3 * theirs.shape[4]  # 2 rows x 3 positions
         assert torch.equal(written, ~mine.isnan())
-        assert written[:, 1, :, 7:10].all() and written[:, 2, :, 20:23].all()
+        for row, offset in ((1, 7), (2, 20)):
+            for p in range(offset, offset + 3):
+                assert written[:, tables[row, p // BLOCK], :, p % BLOCK].all()
         torch.testing.assert_close(mine[written], theirs[written], rtol=1e-5, atol=1e-5)
     with torch.no_grad():
         draft.fc.weight.add_(0.1)  # (a scale alone would not show: `hidden_norm` follows)
@@ -273,14 +295,16 @@ def test_kv_write_puts_each_row_at_its_own_positions(op, monkeypatch):
     else:
         ours = kv_cache.kv_write
         monkeypatch.setattr(kv_cache, "kv_write", lambda *args: ran.append(ours(*args)) or ran[-1])
-    kv = KVBuffers(2, 4, 16, 2, 3, torch.float32, "cpu")
-    index = torch.tensor([[5, 6], [0, 1], [9, 10]])        # [b, q] for slots 1..3
+    kv = KVPool(2, 9, 8, 2, 3, torch.float32, "cpu")
+    tables = scattered_tables(4, 2)[1:]                     # rows 1..3 of 4, 2 blocks of 8 each
+    index = torch.tensor([[5, 8], [0, 1], [9, 15]])         # [b, q]: across a block boundary too
     keys = torch.randn(3, 2, 2, 3)                          # [b, Hkv, q, D]
-    kv.write(1, kv.flat_index(slice(1, 4), index), keys, -keys)
-    expected = torch.zeros(4, 2, 16, 3)
+    kv.write(1, kv.flat_index(tables, index), keys, -keys)
+    expected = torch.zeros(9, 2, 8, 3)
     for b in range(3):
         for i in range(2):
-            expected[1 + b, :, index[b, i]] = keys[b, :, i]
+            p = int(index[b, i])
+            expected[tables[b, p // 8], :, p % 8] = keys[b, :, i]
     assert torch.equal(kv.keys[1], expected) and torch.equal(kv.values[1], -expected)
     assert kv.keys[0].abs().sum() == 0
     assert ran == ([True] if op == "ours" else [])  # our op wrote it, not torch's fallback

@@ -127,7 +127,7 @@ def test_compiled_steps_are_one_graph_without_recompiles(target):
         return gm.forward
 
     draft = tiny_draft(target, block_size=4)
-    engine = SpecEngine(target, DominoProposer(draft, target), max_rows=4, max_model_len=200, kv_chunk=256)
+    engine = SpecEngine(target, DominoProposer(draft, target), max_rows=4, max_model_len=200)
     engine.runner.draft = torch.compile(engine.runner.draft, fullgraph=True, backend=backend)
     engine.runner.verify = torch.compile(engine.runner.verify, fullgraph=True, backend=backend)
     params = SamplingParams(max_new_tokens=100, ignore_eos=True)
@@ -138,7 +138,7 @@ def test_compiled_steps_are_one_graph_without_recompiles(target):
     with torch._dynamo.config.patch(allow_rnn=True):
         for _ in range(21):
             engine.step()
-    assert len(engine.rows) == 3  # every step ran in bucket (4 rows, 256 keys)
+    assert len(engine.rows) == 3  # every step ran with the same 3 rows (their lengths grew: not in the graphs)
     assert len(compiles) == 2, [len(g.graph.nodes) for g in compiles]
     torch._dynamo.reset()
 
@@ -180,12 +180,13 @@ def test_memory_plan_counts_every_preallocation_and_names_the_keys(target):
                         max_model_len=100)
     plan = engine.memory_plan()
     kv = engine.runner.kv
-    assert plan["target_kv"] == sum(t.numel() * t.element_size() for t in (*kv.keys, *kv.values))
-    assert plan["draft_kv"] == engine.proposer.kv.nbytes > 0
+    assert plan["kv_pool"] == sum(t.numel() * t.element_size() for t in (*kv.keys, *kv.values)) \
+        + engine.proposer.kv.nbytes and engine.proposer.kv.nbytes > 0
+    assert plan["block_tables"] == engine.runner.block_tables.nbytes
     assert plan["draft_rope"] == engine.proposer.rope_cos.nbytes + engine.proposer.rope_sin.nbytes > 0
     assert plan["target_rope"] == sum(t.nbytes for t in engine.runner.cos_sin) > 0
     assert plan["decode_step"] > 0 and plan["prefill_peak"] > 0
     check_memory_fits(plan, 2 * sum(plan.values()), "cuda:0")
-    with pytest.raises(ValueError, match="lower generation.max_batch_size, model.max_model_len or "
+    with pytest.raises(ValueError, match="lower generation.kv_cache_tokens, generation.max_batch_size or "
                                          "generation.max_prefill_tokens"):
         check_memory_fits(plan, sum(plan.values()), "cuda:0")

@@ -172,7 +172,7 @@ class FeedRecorder(DominoProposer):
         self.feeds = []
 
     def append_context(self, rows, target_hidden, offsets):
-        self.feeds.append((range(rows.start, rows.stop), target_hidden.shape[1], offsets.tolist()))
+        self.feeds.append((target_hidden.shape[0], target_hidden.shape[1], offsets.tolist()))
         super().append_context(rows, target_hidden, offsets)
 
 
@@ -202,8 +202,8 @@ def test_an_admitted_prompt_reaches_the_draft_only_before_a_step_that_keeps_its_
         engine = SpecEngine(target, proposer, max_rows=2, adaptive=True,
                             width_costs={r: {w: 1.0 + w for w in range(K + 1)} for r in (1, 2)})
         engine.width.choose = lambda r, t, usable: (0, context)
-        prefill, waiting = engine._prefill, []
-        engine._prefill = lambda *a: (first := prefill(*a), waiting.append(len(engine.ring.pending_prompts)))[0]
+        join, waiting = engine._join, []  # rows join right after their prompts' taps reach the ring
+        engine._join = lambda *a: (waiting.append(len(engine.ring.pending_prompts)), join(*a))[1]
         out = engine.generate([Request(i, p, params) for i, p in enumerate(prompts)])
         assert [c.token_ids for c in out] == [hf_greedy(target, p, 12) for p in prompts]
         assert all(waiting) and not engine.ring.pending_prompts
@@ -224,10 +224,14 @@ class ContextRecorder(DominoProposer):
         self.updates.append(target_hidden.shape[1])
         super().append_context(rows, target_hidden, offsets)
 
-    def propose(self, r, anchor, offsets, *args):
-        self.seen.append([buf[slot, :, :length].clone() for slot, length in enumerate(offsets.tolist())
-                          for buf in (*self.kv.keys, *self.kv.values)])
-        return super().propose(r, anchor, offsets, *args)
+    def propose(self, r, anchor, offsets, keys, *args):
+        held = []
+        for slot, length in enumerate(offsets.tolist()):
+            for layer in range(len(self.kv.keys)):
+                k, v = self.kv.gather(layer, keys.tables[slot:slot + 1], keys.tables.shape[1] * self.kv.block_size)
+                held += [k[0, :, :length], v[0, :, :length]]
+        self.seen.append(held)
+        return super().propose(r, anchor, offsets, keys, *args)
 
 
 def test_deferred_context_gives_the_draft_what_an_update_every_step_gives(target):
@@ -269,21 +273,26 @@ class ContextChecker(DominoProposer):
         super().__init__(draft, target)
         self.target, self.engine, self.checked = target, None, []
 
-    def propose(self, r, anchor, offsets, *args):
+    def propose(self, r, anchor, offsets, keys, *args):
+        bs, nb = self.kv.block_size, keys.tables.shape[1]
         for slot, length in enumerate(offsets.tolist()):
             row = self.engine.rows[slot]
             ids = (list(row.request.prompt_token_ids) + row.tokens)[:length]  # the context; the anchor comes next
             hidden = self.target(torch.tensor([ids]), output_hidden_states=True).hidden_states
             oracle = DominoProposer(self.draft, self.target)
-            oracle.allocate(1, self.kv.keys[0].shape[2])
-            oracle.append_context(slice(0, 1), torch.cat([hidden[i + 1] for i in self.target_layer_ids], -1),
+            oracle.allocate(1 + nb, bs, nb * bs)
+            table = torch.arange(1, 1 + nb, dtype=torch.int32)[None]
+            oracle.append_context(table, torch.cat([hidden[i + 1] for i in self.target_layer_ids], -1),
                                   torch.zeros(1, dtype=torch.long))
-            buffers = zip((*self.kv.keys, *self.kv.values), (*oracle.kv.keys, *oracle.kv.values))
-            pairs = [(mine[slot], theirs[0]) for mine, theirs in buffers]  # [Hkv, T, D] each
+            pairs = []  # [Hkv, T, D] each
+            for layer in range(len(self.kv.keys)):
+                mine = self.kv.gather(layer, keys.tables[slot:slot + 1], nb * bs)
+                theirs = oracle.kv.gather(layer, table, nb * bs)
+                pairs += [(mine[0][0], theirs[0][0]), (mine[1][0], theirs[1][0])]
             for p in range(length):  # fp32 from other shapes (one GEMM over a prompt or a few positions): a tolerance
                 match = all(torch.allclose(mine[:, p], theirs[:, p], rtol=1e-4, atol=1e-5) for mine, theirs in pairs)
                 self.checked.append((p, len(row.request.prompt_token_ids), length, match))
-        return super().propose(r, anchor, offsets, *args)
+        return super().propose(r, anchor, offsets, keys, *args)
 
 
 @torch.inference_mode()
@@ -306,8 +315,8 @@ def test_while_drafting_is_far_off_the_draft_context_keeps_the_prompt_and_the_la
         proposer.engine = engine
         steps = iter(schedule * 20)
         engine.width.choose = lambda r, t, usable: next(steps) if skip else (next(steps)[0], True)
-        prefill, waiting = engine._prefill, []
-        engine._prefill = lambda *a: (first := prefill(*a), waiting.append(len(engine.ring.pending_prompts)))[0]
+        join, waiting = engine._join, []  # rows join right after their prompts' taps reach the ring
+        engine._join = lambda *a: (waiting.append(len(engine.ring.pending_prompts)), join(*a))[1]
         out = engine.generate([Request(i, p, sp) for i, (p, sp) in enumerate(zip(prompts, params))])
         assert all(waiting) and not engine.ring.pending_prompts  # each admission's prompts wait for a step, then none
         assert [c.token_ids for c in out] == [hf_greedy(target, p, sp.max_new_tokens) for p, sp in zip(prompts, params)]
@@ -358,21 +367,26 @@ def test_deferred_taps_are_in_the_memory_plan_of_eager_adaptive_engines_only(tar
 
 
 def test_start_up_costs_time_rows_that_fill_the_keys_timed(target):
-    """The CPU attention reads only the keys a row holds: the start-up timing gives its padding rows the lengths of
-    the key bucket it times (so a step at t keys reads t keys, as a real one would), and leaves them at 0."""
+    """Attention reads only the keys a row holds: the start-up timing gives its padding rows the lengths it times (so
+    a step at t keys reads t keys, as a real one would) over distinct blocks (on the null block alone they would read
+    one block from the cache), and leaves them at 0 on the null block."""
     engine = SpecEngine(target, DominoProposer(tiny_draft(target, block_size=K), target), max_rows=2, adaptive=True,
                         width_costs={r: {w: 1.0 + w for w in range(K + 1)} for r in (1, 2)})
     seen, device_step = [], engine._device_step
 
-    def recording(r, key_groups, *args):
-        seen.append((key_groups[0][1], engine.runner.lens[:r].tolist()))
-        return device_step(r, key_groups, *args)
+    def recording(r, key_len, *args):
+        tables = engine.runner.block_tables[:r]
+        seen.append((key_len, engine.runner.lens[:r].tolist(), len(set(tables.flatten().tolist()))))
+        return device_step(r, key_len, *args)
 
     engine._device_step = recording
     engine.measure_costs({1: [0, 2], 2: [0, 2]}, repeats=1)
-    assert {t for t, _ in seen} == {engine._key_bucket(engine.span), engine.capacity}
-    assert all(lens == [t - engine.span] * len(lens) for t, lens in seen), seen
-    assert engine.runner.lens.tolist() == [0, 0]
+    shortest = -(-engine.span // engine.block_size) * engine.block_size
+    assert {t for t, *_ in seen} == {shortest, engine.capacity}
+    assert all(lens == [t - engine.span] * len(lens) for t, lens, _ in seen), seen
+    assert all(distinct == min(len(lens) * engine.capacity // engine.block_size, engine.kv_blocks - 1)
+               for _, lens, distinct in seen), seen
+    assert engine.runner.lens.tolist() == [0, 0] and not engine.runner.block_tables.any()
 
 
 def full_acceptance_run(target, width_costs):

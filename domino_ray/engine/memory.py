@@ -61,9 +61,9 @@ def memory_plan(target_config, draft_config, *, max_rows: int, num_spec_tokens: 
     step = logits + p * 4 * cfg.intermediate_size * elt
     if not paged_kernel:
         step += p * cfg.num_attention_heads * t * 4 + p * groups * t * elt + 2 * r * cfg.num_key_value_heads * t * head_dim * elt
-    if draft:  # the draft block's base logits (fp32 for the correction loop) and its attention scores
+    if draft:  # the drafts' base logits (fp32 for the correction loop: W <= the verify's positions) and attention scores
         vocab = draft.draft_vocab_size or draft.vocab_size
-        step += r * draft.block_size * vocab * (elt + 4)
+        step += p * vocab * (elt + 4)
         if not paged_kernel:
             step += r * draft.block_size * draft.num_attention_heads * t * 4
     # Prefill: the widest activations of `max_prefill_tokens` positions, a chunk's row gathered (keys and values of one
@@ -91,19 +91,24 @@ def memory_plan(target_config, draft_config, *, max_rows: int, num_spec_tokens: 
 
 
 def plan_slots(budget_bytes: int, plan_for: Callable[[int], dict[str, int]], most: int = MAX_AUTO_SLOTS) -> int:
-    """The most slots (1..`most`) whose plan fits `budget_bytes`; 0 when not even one does. `plan_for(rows)`
-    is a memory plan, which grows with the rows: a bisection."""
-    fits = lambda rows: sum(plan_for(rows).values()) <= budget_bytes  # noqa: E731
-    if not fits(1):
+    """The most rows (1..`most`) whose plan fits `budget_bytes`; 0 when not even one does. `plan_for(rows)`
+    is a memory plan, which grows with the rows."""
+    return _most(lambda rows: sum(plan_for(rows).values()) <= budget_bytes, most)
+
+
+def _most(holds: Callable[[int], bool], most: int) -> int:
+    """The largest n in 1..`most` for which `holds(n)`, for a `holds` true up to some n and false after (a
+    bisection); 0 when `holds(1)` is false."""
+    if not holds(1):
         return 0
     lo, hi = 1, most
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+        lo, hi = (mid, hi) if holds(mid) else (lo, mid - 1)
     return lo
 
 
-POOL_SHARE = 0.75  # with rows and pool both `auto`, the rows take what leaves at least this share to the KV pool
+AUTO_ROW_TOKENS = 1024  # with rows and pool both `auto`: as many rows as the pool holds at this mean row length
 
 
 def memory_budget(device: torch.device, utilization: float) -> tuple[int, str, int]:
@@ -120,22 +125,27 @@ def size_engine(budget: int, where: str, most_rows: int, rows, tokens, plan_for:
                 block_size: int, capacity: int, dense_cap: bool) -> tuple[int, int, str]:
     """(rows, pool blocks with the null block, a one-line report) for `generation.max_batch_size` (`rows`: an int or
     "auto") and `generation.kv_cache_tokens` (`tokens`: an int or "auto"); `plan_for(rows, blocks)` is `memory_plan`.
-    Both auto: the most rows whose plan without the pool takes at most 1 - `POOL_SHARE` of `budget`, then the pool
-    takes the rest. `dense_cap` (CPU): an auto pool holds at most every row at `capacity` (what the dense layout
-    held). Raises ValueError naming the key when the pool cannot hold one row at `capacity`."""
+    Both auto: the most rows (up to `most_rows`) that the pool left beside them holds at `AUTO_ROW_TOKENS` tokens each
+    (rows cost activations, mostly logits: more rows, a smaller pool), then the pool takes the rest; a fixed pool: the
+    most rows that fit beside it. `dense_cap` (CPU): an auto pool holds at most every row at `capacity` (what the
+    dense layout held). Raises ValueError naming the key when the pool cannot hold one row at `capacity`."""
     per_block = sum(plan_for(1, 1).values()) - sum(plan_for(1, 0).values())
     row_blocks = capacity // block_size  # one row at its longest
     fixed = None if tokens == "auto" else -(-tokens // block_size) + 1
+    pool_blocks = lambda r: (budget - sum(plan_for(r, 0).values())) // per_block  # noqa: E731
     if rows == "auto":
-        share = budget if fixed is not None else int(budget * (1 - POOL_SHARE))
-        rows = plan_slots(share, lambda r: plan_for(r, fixed or 0), most_rows)
+        if fixed is not None:
+            rows = plan_slots(budget, lambda r: plan_for(r, fixed), most_rows)
+        else:
+            rows = _most(lambda r: r * AUTO_ROW_TOKENS <= pool_blocks(r) * block_size, most_rows) or \
+                (1 if pool_blocks(1) > row_blocks else 0)
         if rows == 0:
-            raise ValueError(f"generation.max_batch_size=auto: not one row fits {share / 2**30:.1f} GiB on {where} "
+            raise ValueError(f"generation.max_batch_size=auto: not one row fits {budget / 2**30:.1f} GiB on {where} "
                              f"(runtime.gpu_memory_utilization; one row needs {sum(plan_for(1, 0).values()) / 2**30:.2f}"
                              " GiB beside the KV pool): lower model.max_model_len or generation.max_prefill_tokens")
     blocks = fixed
     if blocks is None:
-        blocks = (budget - sum(plan_for(rows, 0).values())) // per_block
+        blocks = pool_blocks(rows)
         if dense_cap:
             blocks = min(blocks, rows * row_blocks + 1)
     if blocks < row_blocks + 1:

@@ -3,8 +3,11 @@ the engine's host-side state of a request while it runs (`Row`)."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Hashable, Protocol
+
+import torch
 
 from domino_ray.spec.sampling_params import SamplingParams
 from domino_ray.spec.stats import RowStats
@@ -127,3 +130,24 @@ class Row:
                           time_to_first_token_s=(self.first_token_time or now) - self.arrival,
                           time_taken_s=now - self.arrival,
                           logprobs=list(self.logprobs) if self.logprobs is not None else None)
+
+
+def new_row(request: Request, *, vocab_size: int, max_model_len: int, eos_token_ids: frozenset, num_spec_tokens: int,
+            rng: torch.Generator) -> Row:
+    """A request as the engine runs it, checked (ValueError naming the field); a sampled request without a seed gets
+    one from `rng`."""
+    ids, params = request.prompt_token_ids, request.params
+    check_prompt(ids, vocab_size, max_model_len)
+    params.validate()
+    if params.n != 1:
+        raise ValueError(f"n={params.n}: the engine runs one sample per request; expand n at the edge "
+                         "(SamplingParams.for_sample)")
+    seed = 0
+    if not params.greedy:
+        seed = params.seed if params.seed is not None else int(torch.randint(2**62, (1,), generator=rng))
+    if params.stop and request.stop_strings is None:
+        raise ValueError("params.stop needs a stop matcher: Request(stop_strings=StopStrings(tokenizer, stop))")
+    return Row(request=Request(request.request_id, list(ids), params, request.stop_strings),
+               max_new=min(params.max_new_tokens, max_model_len - len(ids)),
+               stop_ids=frozenset(params.stop_ids(eos_token_ids)), seed=int(seed), stats=RowStats(num_spec_tokens),
+               arrival=time.perf_counter())

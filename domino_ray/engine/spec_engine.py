@@ -1,11 +1,7 @@
-"""The batched speculative engine: ragged rows, per-row KV offsets, continuous batching.
+"""The batched speculative engine: ragged rows over a paged KV pool, continuous batching.
 
-Token ids in, token ids out: no text, no IO, no Ray. One engine serves a list of requests with a fixed
-number of slots; a finished row frees its slot and the next pending request is prefilled into it.
-
-Glossary (shape comments): n active rows (at most R slots), r = the rows a step runs (n, or with CUDA
-graphs n padded up to a row bucket), q query positions, T buffer positions (the key bucket), K draft
-tokens per step, B draft block size (S <= B the slots a step runs), V vocabulary, C hidden size,
+Token ids in, token ids out: no text, no IO, no Ray. Glossary (shape comments): n active rows (at most R slots),
+r = the rows a step runs (n, or with CUDA graphs n padded up to a row bucket), q query positions, K draft tokens per step, B draft block size (S <= B the slots a step runs), V vocabulary, C hidden size,
 F = len(target_layer_ids) * C.
 Speculative-decoding words (draft tokens, accepted, bonus, step) are defined in `spec/verify.py`.
 
@@ -33,19 +29,15 @@ its own length, so the step's shape does not depend on the rows' lengths. On CUD
 row bucket, width and sampling mode, every greedy one captured at engine start (`step_graphs.py`). On CPU the same
 functions run eagerly.
 
-Admission is by free blocks (`_admit`): a pending request gets the blocks for its prompt and its first step (minus
-the whole blocks of its prompt another row already holds: shared, not prefilled again), then its prompt is prefilled
-in chunks of at most `max_prefill_tokens` per step, interleaved with the decode steps, and it decodes once its prompt
-is in. When the pool runs out mid-generation the latest admitted row gives its blocks back and waits at the front of
-the queue (a *preemption*); it is prefilled again from its prompt and the tokens it generated, and its output is the
-same (`_reserve`).
+Admission is by free blocks, prompts are prefilled in chunks within a per-step budget between decode steps, whole
+prompt blocks are shared, and a row preempted when the pool runs out is prefilled again later from its prompt and
+generated tokens, its output unchanged (`scheduler.py`, `_reserve`).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 from typing import Callable, Hashable, Iterable
 
 import torch
@@ -54,17 +46,17 @@ from domino_ray.backend.malloc import keep_freed_memory
 from domino_ray.engine.context_ring import DEFERRED_STEPS, ContextRing
 from domino_ray.engine.blocks import BlockPool
 from domino_ray.engine.memory import check_memory_fits, free_device_memory, memory_budget, memory_plan, size_engine
-from domino_ray.engine.request import Completion, Request, Row, StepEvent, check_prompt
+from domino_ray.engine.request import Completion, Request, Row, StepEvent, new_row
 from domino_ray.engine.runner import StepRunner
+from domino_ray.engine.scheduler import Scheduler
 from domino_ray.engine.step_graphs import (StepGraphs, capture_steps, greedy_step_keys, row_buckets, use_cuda_graphs,
                                            verify_positions)
 from domino_ray.backend import paged_triton
 from domino_ray.model.fused_layers import fuse_layers
-from domino_ray.model.kv_cache import kernel_enabled
+from domino_ray.model.kv_cache import KVPool, kernel_enabled
 from domino_ray.model.packed_linear import pack_linears
 from domino_ray.model.target_forward import install
 from domino_ray.spec.sampling import GREEDY, StepMode, sampling_mode
-from domino_ray.spec.stats import RowStats
 from domino_ray.spec.width_costs import StepCosts, measure_step_costs, step_widths
 from domino_ray.spec.width_policy import WidthController
 
@@ -134,11 +126,12 @@ class SpecEngine:
         if self.device.type == "cuda":  # before allocating anything
             check_memory_fits(self.memory_plan(), free_device_memory(self.device), self.device, gpu_memory_utilization)
         self.blocks = BlockPool(self.kv_blocks, kv_block_size)
+        self.scheduler = Scheduler(self.blocks, max_rows=self.max_rows, span=self.span,
+                                   max_prefill_tokens=max_prefill_tokens)
+        self.pending = self.scheduler.pending  # waiting rows in order; those holding blocks are being prefilled
         self._allocate(self.max_rows, k)
         self.rows: list[Row] = []      # active rows; rows[i] lives in slot i
-        self.pending: deque[Row] = deque()  # waiting rows in order; those holding blocks are being prefilled
         self._running_ids: set = set()  # request ids of pending and active rows
-        self._admitted = 0              # rows admitted so far: each row's `order`
         self.rng = torch.Generator().manual_seed(seed)
         self.graphs = StepGraphs(self.device, required=cuda_graphs == "on") if graphs else None
         # Every greedy step key captured now, while every slot is free (padding rows: the steps leave them
@@ -164,6 +157,8 @@ class SpecEngine:
             self.runner.splits = {b: paged_triton.choose_splits(b, self.runner.kv.num_kv_heads, sms)
                                   for b in self.row_buckets}
         self.widths = step_widths(self.row_buckets, k, self.adaptive, self.cuda_graphs)  # {r: [W, ...]}
+        pools = [self.runner.kv] + ([self.proposer.kv] if isinstance(getattr(self.proposer, "kv", None), KVPool) else [])
+        self.gathers = not all(pool.kernel or pool.triton for pool in pools)  # a step gathers keys up to its key_len
 
     def memory_plan(self, rows: int | None = None, blocks: int | None = None) -> dict[str, int]:
         """Bytes beyond the weights for this engine's sizes with `rows` rows and a pool of `blocks` blocks (default: its
@@ -185,25 +180,12 @@ class SpecEngine:
 
     def add_request(self, request: Request):
         """Queue a request; raises ValueError (naming the field) for a request that cannot run."""
-        ids, params = request.prompt_token_ids, request.params
-        check_prompt(ids, self.vocab_size, self.max_model_len)
         if request.request_id in self._running_ids:
             raise ValueError(f"request_id {request.request_id!r} is already running")
-        params.validate()
-        if params.n != 1:
-            raise ValueError(f"n={params.n}: the engine runs one sample per request; expand n at the edge "
-                             "(SamplingParams.for_sample)")
-        seed = 0
-        if not params.greedy:
-            seed = params.seed if params.seed is not None else int(torch.randint(2**62, (1,), generator=self.rng))
-        stop = params.stop_ids(self.eos_token_ids)
-        if params.stop and request.stop_strings is None:
-            raise ValueError("params.stop needs a stop matcher: Request(stop_strings=StopStrings(tokenizer, stop))")
+        row = new_row(request, vocab_size=self.vocab_size, max_model_len=self.max_model_len, rng=self.rng,
+                      eos_token_ids=self.eos_token_ids, num_spec_tokens=self.num_spec_tokens)
         self._running_ids.add(request.request_id)
-        self.pending.append(Row(request=Request(request.request_id, list(ids), params, request.stop_strings),
-                                max_new=min(params.max_new_tokens, self.max_model_len - len(ids)),
-                                stop_ids=frozenset(stop), seed=int(seed),
-                                stats=RowStats(self.num_spec_tokens), arrival=time.perf_counter()))
+        self.pending.append(row)
 
     def abort(self, request_id: Hashable) -> bool:
         """Drop a pending request (and any blocks it holds) or end an active one at the next step."""
@@ -253,31 +235,13 @@ class SpecEngine:
             self._decode(events)
             self._evict(events)
         stats = self.blocks.stats
-        stats.peak_rows = max(stats.peak_rows, len(self.rows) + sum(1 for row in self.pending if row.blocks))
+        stats.peak_rows = max(stats.peak_rows, len(self.rows) + len(self.scheduler.holders()))
         return events
 
     def _admit(self, events: list[StepEvent]):
-        """Prefill pending rows, in order, within `max_prefill_tokens` tokens this step. A row not started first takes
-        the blocks for its prompt and first step (`_take_blocks`); when the pool (beside what the active rows' next
-        steps take) or the row cap has no room, it and every row behind it wait. Rows whose prompt is then in join
-        the active rows (`_join`)."""
-        budget, segments, bs = self.max_prefill_tokens, [], self.block_size
-        growth = self._growth()
-        holders = sum(1 for row in self.pending if row.blocks)
-        for row in self.pending:
-            if budget == 0:
-                break
-            context = row.context_ids()
-            if not row.blocks:
-                if len(self.rows) + holders >= self.max_rows or not self._take_blocks(row, context, growth):
-                    break
-                holders += 1
-            n = min(len(context) - row.prefilled, budget)
-            segments.append((row, context, row.prefilled, n))
-            budget -= n
-            # its whole blocks this forward writes serve the rows behind it in this forward already: a layer writes
-            # every segment's keys before any segment attends
-            row.published = self.blocks.publish(context, row.blocks, row.published, (row.prefilled + n) // bs)
+        """Prefill pending prompts within this step's token budget (`Scheduler.prefill_segments`); rows whose prompt is
+        then in join the active rows (`_join`)."""
+        segments = self.scheduler.prefill_segments(self.rows)
         if not segments:
             return
         ids = torch.tensor([t for _, context, start, n in segments for t in context[start:start + n]])[None]  # [1, N]
@@ -287,13 +251,7 @@ class SpecEngine:
         if taps is not None:
             self.ring.add_prompts([row for row, *_ in segments], tables, [start for _, _, start, _ in segments], taps,
                                   [n for *_, n in segments])
-        ends, done, end = [], [], 0
-        for row, context, start, n in segments:
-            end += n
-            row.prefilled = start + n
-            if row.prefilled == len(context):  # segments before the last one complete their rows
-                ends.append(end - 1)
-                done.append(self.pending.popleft())
+        done, ends = self.scheduler.finish_segments(segments)
         if done:
             self._join(events, done, hidden[0, ends])
 
@@ -331,35 +289,13 @@ class SpecEngine:
                 events.append(row.commit([first_tokens[i]], now,
                                          logprobs=(logprobs[0][i], logprobs[1][i]) if logprobs else None))
 
-    def _take_blocks(self, row: Row, context: list[int], growth: int) -> bool:
-        """Blocks for `row`'s `context` and its first step, the published whole blocks it starts with shared (not the
-        block of its last position, which its prefill writes), if the pool has the rest beside `growth`."""
-        bs = self.block_size
-        shared = self.blocks.share_prefix(context, (len(context) - 1) // bs)
-        need = self.blocks.blocks_for(len(context) + self.span) - len(shared)
-        if need > self.blocks.free_count - growth:
-            self.blocks.release(shared)
-            return False
-        row.blocks = shared + self.blocks.take(need)
-        row.prefilled, row.published = len(shared) * bs, len(shared)
-        row.order, self._admitted = self._admitted, self._admitted + 1
-        self.blocks.stats.prefix_hit_tokens += len(shared) * bs
-        return True
-
-    def _needs(self) -> list[int]:
-        """Blocks each active row still takes for its next step (positions up to `committed - 1 + span`)."""
-        return [self.blocks.blocks_for(row.committed - 1 + self.span) - len(row.blocks) for row in self.rows]
-
-    def _growth(self) -> int:
-        return sum(max(n, 0) for n in self._needs())
-
     def _reserve(self):
         """Blocks for every active row's next step. When the pool runs out the latest admitted row (decoding or being
         prefilled) gives its blocks back (`_preempt`), until the rest fit."""
-        while self._growth() > self.blocks.free_count:
-            self._preempt(max([row for row in self.pending if row.blocks] + self.rows, key=lambda row: row.order))
+        while self.scheduler.growth(self.rows) > self.blocks.free_count:
+            self._preempt(self.scheduler.victim(self.rows))
         slots, indices, new = [], [], []
-        for slot, (row, n) in enumerate(zip(self.rows, self._needs())):
+        for slot, (row, n) in enumerate(zip(self.rows, self.scheduler.needs(self.rows))):
             if n > 0:
                 got = self.blocks.take(n)
                 slots += [slot] * n
@@ -374,17 +310,13 @@ class SpecEngine:
         tokens) when it comes back, it goes on as if nothing happened (greedy tokens; per-seed samples)."""
         if any(row is active for active in self.rows):
             self._vacate(next(slot for slot, active in enumerate(self.rows) if active is row))
-        else:
-            self.pending.remove(row)
         self._release(row)
-        self.pending.appendleft(row)
-        self.blocks.stats.preemptions += 1
+        self.scheduler.requeue(row)
         log.debug("preempted request %r at %d tokens", row.request.request_id, row.committed)
 
     def _release(self, row: Row):
         self.ring.drop(row)  # its prompt's taps not fed yet: its blocks may go to another row
-        self.blocks.release(row.blocks)
-        row.blocks, row.prefilled, row.published = [], 0, 0
+        self.scheduler.release(row)
 
     def _decode(self, events: list[StepEvent]):
         n = len(self.rows)
@@ -398,7 +330,7 @@ class SpecEngine:
             t = self._mean_keys(r)  # the mean key length at the widest step: the cost table's t
             w, context = self.width.choose(r, t, self._usable())
         # A W = 0 step writes one position (the anchor's), a drafting step up to `span` (draft block, verify)
-        key_len = self.capacity if self.cuda_graphs else self._key_len(self.span if w else 1)
+        key_len = self._key_len(self.span if w else 1) if self.gathers and not self.cuda_graphs else self.capacity
         usable = self._usable() if w else [0] * n
         started = time.perf_counter()
         self.ring.before_step(w, context, n, self.runner.lens, self.runner.block_tables)  # timed with the step
@@ -417,7 +349,8 @@ class SpecEngine:
 
     def _key_len(self, span: int) -> int:
         """Keys the gather path reads for a step writing `span` positions past `committed - 1`: the longest row's,
-        rounded up to a block (the kernels read each row's own)."""
+        rounded up to a block. (The kernels read each row's own: their steps pass the capacity, a constant, so a
+        compiled step is not specialized on it.)"""
         return _round_up(max(row.committed - 1 for row in self.rows) + span, self.block_size)
 
     def _usable(self) -> list[int]:
