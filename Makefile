@@ -75,8 +75,9 @@ test-multinode: smollm2
 test-fast: smollm2
 	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile -m "not slow"
 
-# The GPU check (benchmarks/bench_gpu.py): one command on a CUDA machine, ~5-8 min on an H100/H200;
-# it needs torch and transformers only (GPU_PYTHON: an interpreter that has them), writes $$OUT/bench_gpu.json.
+# The GPU check (benchmarks/bench_gpu.py): one command on a CUDA machine, ~3-5 min on an H100/H200 (an estimate: not run
+# on a GPU yet); it needs torch and transformers only (GPU_PYTHON: an interpreter that has them), writes
+# $$OUT/bench_gpu.json; exits non-zero on any failure (a CUDA graph capture included).
 GPU_PYTHON ?= python3
 gpu-check:
 	PYTHONUNBUFFERED=1 $(GPU_PYTHON) benchmarks/bench_gpu.py $(ARGS)

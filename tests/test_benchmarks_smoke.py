@@ -82,30 +82,76 @@ def test_engine_cpu_benchmark_smoke(tmp_path):
 
 @pytest.mark.slow
 def test_gpu_check_smoke_on_cpu(tmp_path):
-    """bench_gpu --smoke (CPU): forced full acceptance holds (every step but the budget-capped last one
-    commits K + 1 tokens, also for the rows `auto` adds), the forced, the adaptive and the real draft's output
-    pass the lossless check against target-only (fp32 here: no row may part away from a near-tie), and the
-    figures are consistent with their parts."""
+    """bench_gpu --smoke (CPU): forced full acceptance holds for every row (budgets ragged, so rows finish apart and
+    later rows move slots: their references must follow them), the forced, the adaptive and the real draft's output
+    pass the lossless check against target-only (fp32 here: no row may part away from a near-tie); the decode-only
+    table reads what the configs say (weights, and each row's keys x KV bytes per token of target and, when drafting,
+    draft), rows held at 1k/2k/4k are the pool's tokens over the mean capped by the rows, and the figures are
+    consistent with their parts.
+    Fails if `follow_rows` stops following slot moves or admissions (rows_at_full_acceptance), if a drafting step's
+    bytes leave out the draft's KV, or if rows held are not capped: each checked by making that change."""
     run_script("bench_gpu.py", "--smoke", env={"OUT": str(tmp_path)})
     report = json.loads((tmp_path / "bench_gpu.json").read_text())
-    info = report["info"]
-    k, max_new, slots = info["K"], info["max_new_tokens"], info["auto_slots"]
+    assert "error" not in report
+    info, engine, kv_cache = report["info"], report["engine"], report["kv_cache"]
+    k, slots, weights = info["K"], engine["max_rows"], info["weights_bytes"]
     assert set(report["results"]) == {"1", "4", str(slots)} and k >= 1 and slots > 4
     assert info["forced_auto_slots"] == slots  # tiny shapes: the host's 8 per thread either way
     for n, row in report["results"].items():
         for check in (row["lossless_forced"], row["adaptive_lossless"]):
             assert check["differ"] == 0 and check["identical"] + check["near_tie"] == int(n)
-        assert row["steps"] == math.ceil((max_new - 1) / (k + 1))
+        assert row["rows_at_full_acceptance"] == int(n)
         assert all(positive(row[key]) for key in ("target_only_tok_s", "spec_forced_tok_s", "speedup", "adaptive_tok_s"))
         assert row["speedup"] == pytest.approx(row["spec_forced_tok_s"] / row["target_only_tok_s"])
         assert row["adaptive_vs_target_only"] == pytest.approx(row["adaptive_tok_s"] / row["target_only_tok_s"])
     checks = report["checks"]
     assert checks["graphs_on_vs_off"] is None  # no CUDA here: nothing to compare
     assert checks["real_draft_lossless"]["differ"] == 0 and sum(checks["real_draft_lossless"].values()) == checks["rows"]
-    assert report["graphs"]["adaptive"] == {"at_start": 0, "capture_s": 0.0, "lazily": 0}
+    assert all(g == {"at_start": 0, "capture_s": 0.0, "lazily": 0} for g in report["graphs"].values())
+    assert engine["graphs"] == 0
     steps = report["steps_at_max_bucket"]
     assert report["draft_over_verify"] == pytest.approx(steps["draft_step_ms"] / steps["verify_step_ms"])
-    assert sum(info_plan for info_plan in info["plan_GiB"].values()) == pytest.approx(report["plan_total_GiB"])
+
+    # The pool and the rows it holds; the engine's kv_cache stats after its runs (the largest admitted all at once).
+    assert engine["pool_tokens"] == (engine["kv_blocks"] - 1) * engine["block_size"]
+    assert engine["rows_held"] == {str(m): min(slots, engine["pool_tokens"] // m) for m in (1024, 2048, 4096)}
+    assert engine["pool_GiB"] == pytest.approx(engine["plan_GiB"]["kv_pool"])
+    assert sum(engine["plan_GiB"].values()) == pytest.approx(engine["plan_total_GiB"])
+    assert set(kv_cache) == {"block_size", "blocks", "peak_blocks_used", "peak_rows", "preemptions", "prefix_hit_tokens"}
+    assert (kv_cache["block_size"], kv_cache["blocks"]) == (engine["block_size"], engine["kv_blocks"] - 1)
+    assert kv_cache["peak_rows"] == slots and 0 < kv_cache["peak_blocks_used"] <= kv_cache["blocks"]
+
+    # Decode-only steps: bytes from the smoke configs (fp32), W = 0 and K at 1, 4 and all rows (the pool holds them).
+    target_cfg, draft_cfg = _smoke_configs()
+    kv_target = 2 * target_cfg["num_hidden_layers"] * target_cfg["num_key_value_heads"] * target_cfg["head_dim"] * 4
+    kv_draft = 2 * draft_cfg["num_hidden_layers"] * draft_cfg["num_key_value_heads"] * draft_cfg["head_dim"] * 4
+    assert info["kv_bytes_per_token"] == {"target": kv_target, "draft": kv_draft}
+    assert weights["target"] == round(info["target_params_B"] * 1e9) * 4
+    assert weights["draft"] == round(info["draft_params_B"] * 1e9) * 4
+    decode = report["decode"]
+    assert {(d["rows"], d["width"]) for d in decode} == {(n, w) for n in (1, 4, slots) for w in (0, k)}
+    for d in decode:
+        drafting = d["width"] > 0
+        if d["attention"] == "paged":
+            assert d["keys_read"] == round(d["mean_length"] * d["rows"])
+        else:  # the gather fallback: every slot of the step reads the longest row's keys
+            assert d["keys_read"] == d["bucket"] * d["key_len"] and d["key_len"] > d["mean_length"]
+        assert d["kv_bytes"] == d["keys_read"] * (kv_target + (kv_draft if drafting else 0))
+        assert d["weights_bytes"] == weights["target"] + (weights["draft"] + weights["draft_head"] if drafting else 0)
+        assert d["bytes_per_step"] == d["weights_bytes"] + d["kv_bytes"]
+        assert positive(d["ms_per_step"]) and d["TB_per_s"] == pytest.approx(d["bytes_per_step"] / d["ms_per_step"] / 1e9)
+        assert d["bandwidth_fraction"] is None and not d["replay"]  # CPU: no peak known, no graphs
+        assert 72 <= d["mean_length"] <= 120  # --row-length 96 in the smoke: ragged within [0.75, 1.25] x 96
+
+
+def _smoke_configs() -> tuple[dict, dict]:
+    """bench_gpu's smoke target and draft configs (its module imported from benchmarks/)."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        import bench_gpu
+    finally:
+        sys.path.remove(str(BENCH))
+    return bench_gpu.SMOKE_TARGET, bench_gpu.SMOKE_DRAFT
 
 
 DEMO_PAIR_RUN = ["--prompts", "3", "--max-new-tokens", "12", "--batch-sizes", "2", "--threads", "1",
