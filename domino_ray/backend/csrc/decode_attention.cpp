@@ -1,14 +1,16 @@
-// Decode attention on CPU: a few queries per (row, K/V head) against that row's keys, fp32.
+// Decode attention on CPU over the paged KV pool: a few queries per (row, K/V head) against that row's keys, fp32.
 //
 // Why not torch's kernels: at this shape (e.g. 3 queries x 1,000 keys x 64 dims per row and head) SDPA
-// and matmul-softmax-matmul read the keys at about half the rate the cores can stream them. Here each
-// key and value is read from memory once for all the queries of its K/V group, the values are prefetched
-// into L2 while the keys are scored, and visibility is each query's key limit instead of a mask.
+// and matmul-softmax-matmul read the keys at about half the rate the cores can stream them, and over pages they
+// would need the keys gathered first. Here each key and value is read from its page once for all the queries of
+// its K/V group, the values are prefetched into L2 while the keys are scored, and visibility is each query's key
+// limit instead of a mask.
 //
-// query  [R, H, M, D]  (H = K/V heads; M = the queries of a K/V group: its query heads x positions)
-// keys   [R, H, T, D]  values likewise (views into the engine's buffers: rows and heads may be strided)
-// limits [R, M] int64  query m of row b sees keys [0, limits[b, m]); a limit of 0 gives a zero output
-// -> out [R, H, M, D]
+// query        [r, H, M, D]  (H = K/V heads; M = the queries of a K/V group: its query heads x positions)
+// key_pool     [N, H, bs, D] contiguous, value_pool likewise (a layer's view of the pool; bs a power of two, 8 | bs)
+// block_tables [r, nb] int32  logical key p of row b is at offset p % bs of block block_tables[b, p / bs]
+// limits       [r, M] int64   query m of row b sees keys [0, limits[b, m]); a limit of 0 gives a zero output
+// -> out [r, H, M, D]
 //
 // Vectors are GCC's generic 8-float vectors: AVX2 and AVX-512 machines both run them well (-march=native).
 
@@ -59,11 +61,22 @@ inline v8 exp_nonpositive(v8 x) {
 
 constexpr int kKeyPrefetch = 16;  // keys ahead of the scoring loop
 
-// One (row, K/V head): q [M, D], k/v [n, D] (n = the largest limit), s scratch [M, n8], out [M, D].
-// NV = D / 8 when it is a compile-time constant, else 0 (then nv_runtime).
+// Where one (row, K/V head)'s keys and values live: a base pointer per page, read once per key block of 8 (a block
+// never crosses a page: 8 | bs) or per run of keys within a page (values).
+struct Pages {
+  const float* const* k;  // [pages] each [bs, D]
+  const float* const* v;
+  int shift;              // log2(bs)
+  int64_t mask;           // bs - 1
+  const float* key(int64_t j, int64_t D) const { return k[j >> shift] + (j & mask) * D; }
+  const float* value(int64_t j, int64_t D) const { return v[j >> shift] + (j & mask) * D; }
+};
+
+// One (row, K/V head): q [M, D], keys/values [n, D] in pages (n = the largest limit), s scratch [M, n8],
+// out [M, D]. NV = D / 8 when it is a compile-time constant, else 0 (then nv_runtime).
 template <int NV>
-void attend(const float* q, const float* k, const float* v, const int64_t* limits, int64_t M, int64_t n,
-            int nv_runtime, float scale, float* s, float* inv, float* out) {
+void attend(const float* q, const Pages& pages, const int64_t* limits, int64_t M, int64_t n, int nv_runtime,
+            float scale, float* s, float* inv, float* out) {
   const int nv = NV ? NV : nv_runtime;
   const int64_t D = 8 * nv, n8 = (n + 7) / 8 * 8;
 
@@ -71,9 +84,14 @@ void attend(const float* q, const float* k, const float* v, const int64_t* limit
   // queries per pass (each key vector loaded once for both).
   for (int64_t j = 0; j < n; j += 8) {
     const int64_t keys = std::min<int64_t>(8, n - j);
-    for (int64_t c = j * D; c < (j + keys) * D; c += 16) __builtin_prefetch(v + c, 0, 2);
+    const float* k = pages.key(j, D);  // [keys, D]
+    const float* v = pages.value(j, D);
+    for (int64_t c = 0; c < keys * D; c += 16) __builtin_prefetch(v + c, 0, 2);
     const int64_t ahead = j + kKeyPrefetch;
-    for (int64_t c = ahead * D; c < std::min(n, ahead + 8) * D; c += 16) __builtin_prefetch(k + c, 0, 3);
+    if (ahead < n) {
+      const float* ka = pages.key(ahead, D);
+      for (int64_t c = 0; c < (std::min(n, ahead + 8) - ahead) * D; c += 16) __builtin_prefetch(ka + c, 0, 3);
+    }
     int64_t m = 0;
     for (; m + 2 <= M; m += 2) {  // 4 keys x 2 queries: 6 loads for 8 FMAs
       const float* q0 = q + m * D;
@@ -86,7 +104,7 @@ void attend(const float* q, const float* k, const float* v, const int64_t* limit
           const v8 a0 = load8(q0 + 8 * i), a1 = load8(q1 + 8 * i);
           for (int jj = 0; jj < 4; ++jj)
             if (jj < count) {
-              const v8 kk = load8(k + (j + j4 + jj) * D + 8 * i);
+              const v8 kk = load8(k + (j4 + jj) * D + 8 * i);
               acc[jj] += kk * a0;
               acc[4 + jj] += kk * a1;
             }
@@ -104,7 +122,7 @@ void attend(const float* q, const float* k, const float* v, const int64_t* limit
       for (int64_t jj = 0; jj < 8; ++jj) {
         v8 a = splat(0.f);
         if (jj < keys) {
-          const float* kj = k + (j + jj) * D;
+          const float* kj = k + jj * D;
           for (int i = 0; i < nv; ++i) a += load8(kj + 8 * i) * load8(qm + 8 * i);
         }
         acc[jj] = a;
@@ -139,7 +157,8 @@ void attend(const float* q, const float* k, const float* v, const int64_t* limit
     inv[m] = limit ? 1.f / sum : 0.f;
   }
 
-  // Values, in blocks that stay in L1 while every query's weights are applied to them.
+  // Values, in blocks that stay in L1 while every query's weights are applied to them; within a block, runs of
+  // keys on one page (contiguous [run, D]).
   std::fill(out, out + M * D, 0.f);
   const int64_t block = std::max<int64_t>(8, 4096 / D);
   for (int64_t j0 = 0; j0 < n; j0 += block) {
@@ -151,11 +170,15 @@ void attend(const float* q, const float* k, const float* v, const int64_t* limit
         const int width = std::min(8, nv - i0);
         v8 acc[8];
         for (int i = 0; i < 8; ++i) acc[i] = splat(0.f);
-        for (int64_t j = j0; j < j1; ++j) {
-          const v8 p = splat(sm[j]);
-          const float* vj = v + j * D + 8 * i0;
-          for (int i = 0; i < 8; ++i)
-            if (i < width) acc[i] += p * load8(vj + 8 * i);
+        for (int64_t run = j0; run < j1;) {
+          const int64_t stop = std::min(j1, (run | pages.mask) + 1);  // the end of run's page
+          const float* vj = pages.value(run, D) + 8 * i0;
+          for (int64_t j = run; j < stop; ++j, vj += D) {
+            const v8 p = splat(sm[j]);
+            for (int i = 0; i < 8; ++i)
+              if (i < width) acc[i] += p * load8(vj + 8 * i);
+          }
+          run = stop;
         }
         for (int i = 0; i < width; ++i) store8(om + 8 * (i0 + i), load8(om + 8 * (i0 + i)) + acc[i]);
       }
@@ -169,43 +192,70 @@ void attend(const float* q, const float* k, const float* v, const int64_t* limit
 
 namespace domino_ray {
 
-at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values,
-                            const at::Tensor& limits, double scale) {
-  TORCH_CHECK(query.dim() == 4 && keys.dim() == 4 && values.dim() == 4 && limits.dim() == 2,
-              "decode_attention: query/keys/values [R, H, *, D], limits [R, M]");
-  TORCH_CHECK(query.scalar_type() == at::kFloat && keys.scalar_type() == at::kFloat &&
-              values.scalar_type() == at::kFloat && limits.scalar_type() == at::kLong,
-              "decode_attention: float32 query/keys/values and int64 limits");
-  TORCH_CHECK(query.device().is_cpu() && keys.device().is_cpu() && values.device().is_cpu() && limits.device().is_cpu(),
-              "decode_attention: CPU tensors");
+at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& key_pool, const at::Tensor& value_pool,
+                            const at::Tensor& block_tables, const at::Tensor& limits, double scale) {
+  TORCH_CHECK(query.dim() == 4 && key_pool.dim() == 4 && value_pool.dim() == 4 && block_tables.dim() == 2 &&
+              limits.dim() == 2,
+              "decode_attention: query [r, Hkv, M, D], key/value pools [N, Hkv, bs, D], block_tables [r, nb], "
+              "limits [r, M]");
+  TORCH_CHECK(query.scalar_type() == at::kFloat && key_pool.scalar_type() == at::kFloat &&
+              value_pool.scalar_type() == at::kFloat && block_tables.scalar_type() == at::kInt &&
+              limits.scalar_type() == at::kLong,
+              "decode_attention: float32 query/key_pool/value_pool, int32 block_tables and int64 limits");
+  TORCH_CHECK(query.device().is_cpu() && key_pool.device().is_cpu() && value_pool.device().is_cpu() &&
+              block_tables.device().is_cpu() && limits.device().is_cpu(), "decode_attention: CPU tensors");
   const auto q = query.contiguous();
   const auto lim = limits.contiguous();
-  const int64_t R = q.size(0), H = q.size(1), M = q.size(2), D = q.size(3), T = keys.size(2);
+  const auto tables = block_tables.contiguous();
+  const int64_t r = q.size(0), H = q.size(1), M = q.size(2), D = q.size(3);
+  const int64_t N = key_pool.size(0), bs = key_pool.size(2), nb = tables.size(1);
   TORCH_CHECK(D % 8 == 0, "decode_attention: head dim ", D, " is not a multiple of 8");
-  TORCH_CHECK(keys.sizes() == values.sizes() && keys.size(0) == R && keys.size(1) == H && keys.size(3) == D,
-              "decode_attention: keys/values ", keys.sizes(), " do not match query ", q.sizes());
-  TORCH_CHECK(lim.size(0) == R && lim.size(1) == M, "decode_attention: limits ", lim.sizes(), " for query ", q.sizes());
-  TORCH_CHECK(keys.stride(3) == 1 && keys.stride(2) == D && values.stride(3) == 1 && values.stride(2) == D,
-              "decode_attention: each row and head's keys/values must be contiguous [T, D]");
+  TORCH_CHECK(key_pool.sizes() == value_pool.sizes() && key_pool.size(1) == H && key_pool.size(3) == D,
+              "decode_attention: key/value pools ", key_pool.sizes(), " and ", value_pool.sizes(),
+              " do not match query ", q.sizes(), " (pools [N, Hkv, bs, D])");
+  TORCH_CHECK(key_pool.is_contiguous() && value_pool.is_contiguous(), "decode_attention: pools must be contiguous");
+  TORCH_CHECK(bs >= 8 && (bs & (bs - 1)) == 0,
+              "decode_attention: block size ", bs, " must be a power of two and a multiple of 8");
+  TORCH_CHECK(tables.size(0) == r, "decode_attention: block_tables ", tables.sizes(), " for query ", q.sizes());
+  TORCH_CHECK(lim.size(0) == r && lim.size(1) == M, "decode_attention: limits ", lim.sizes(), " for query ", q.sizes());
   const int64_t* lp = lim.data_ptr<int64_t>();
-  for (int64_t i = 0; i < R * M; ++i)
-    TORCH_CHECK(lp[i] >= 0 && lp[i] <= T, "decode_attention: key limit ", lp[i], " outside [0, ", T, "]");
+  const int32_t* tp = tables.data_ptr<int32_t>();
+  for (int64_t b = 0; b < r; ++b) {
+    int64_t n = 0;
+    for (int64_t m = 0; m < M; ++m) {
+      const int64_t limit = lp[b * M + m];
+      TORCH_CHECK(limit >= 0 && limit <= nb * bs, "decode_attention: key limit ", limit, " of row ", b,
+                  " outside [0, ", nb * bs, "] (", nb, " blocks of ", bs, ")");
+      n = std::max(n, limit);
+    }
+    for (int64_t i = 0; i < (n + bs - 1) / bs; ++i)  // the blocks row b reads; entries past them are never read
+      TORCH_CHECK(tp[b * nb + i] >= 0 && tp[b * nb + i] < N, "decode_attention: block id ", tp[b * nb + i],
+                  " (row ", b, ", block ", i, ") out of range for a pool of ", N, " blocks");
+  }
 
   auto out = at::empty_like(q);
   const float* qp = q.data_ptr<float>();
-  const float* kp = keys.data_ptr<float>();
-  const float* vp = values.data_ptr<float>();
+  const float* kp = key_pool.data_ptr<float>();
+  const float* vp = value_pool.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  const int64_t k_row = keys.stride(0), k_head = keys.stride(1), v_row = values.stride(0), v_head = values.stride(1);
+  const int64_t page = bs * D, block_stride = H * page;  // a (block, head)'s [bs, D]; a block's [H, bs, D]
+  const int shift = __builtin_ctzll(static_cast<unsigned long long>(bs));
   const int nv = static_cast<int>(D / 8);
   const auto run = nv == 8 ? attend<8> : nv == 16 ? attend<16> : attend<0>;
-  at::parallel_for(0, R * H, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(M * ((T + 7) / 8 * 8)), inv(M);
+  at::parallel_for(0, r * H, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(M * nb * bs), inv(M);
+    std::vector<const float*> key_pages(nb), value_pages(nb);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / H, h = task % H;
-      const int64_t n = *std::max_element(lp + b * M, lp + (b + 1) * M);
-      run(qp + task * M * D, kp + b * k_row + h * k_head, vp + b * v_row + h * v_head, lp + b * M, M, n, nv,
-          static_cast<float>(scale), scores.data(), inv.data(), op + task * M * D);
+      const int64_t n = M ? *std::max_element(lp + b * M, lp + (b + 1) * M) : 0;
+      for (int64_t i = 0; i < (n + bs - 1) >> shift; ++i) {
+        const int64_t at = tp[b * nb + i] * block_stride + h * page;
+        key_pages[i] = kp + at;
+        value_pages[i] = vp + at;
+      }
+      const Pages pages{key_pages.data(), value_pages.data(), shift, bs - 1};
+      run(qp + task * M * D, pages, lp + b * M, M, n, nv, static_cast<float>(scale), scores.data(), inv.data(),
+          op + task * M * D);
     }
   });
   return out;

@@ -7,9 +7,9 @@
 // have streamed through the caches. Here the views are pointer arithmetic and the ops plain calls.
 //
 // decode_layer(hidden [r, q, C], weights, shape [H, Hkv, D, I], scalars [eps1, eps2, q_eps, k_eps, scale],
-//              key_buffer, value_buffer [R, Hkv, T, D] (the layer's), rows_at [r*q*Hkv] (`KVBuffers.flat_index`),
-//              cos, sin [r, q, D], group_stops, group_lengths, limits [stop - start, G*q] per key group)
-//   -> the layer's output [r, q, C]; writes the step's keys and values.
+//              key_pool, value_pool [N, Hkv, bs, D] (the layer's), rows_at [r*q*Hkv] (the step's rows of the pool
+//              seen as [N*Hkv*bs, D]), cos, sin [r, q, D], block_tables [r, nb] int32, limits [r, G*q] int64)
+//   -> the layer's output [r, q, C]; writes the step's keys and values first, so the step attends to its own.
 // weights: input_layernorm, qkv packed, qkv bias?, o_proj packed, o_proj bias?, post_attention_layernorm,
 //          gate_up packed, gate_up bias?, down_proj packed, down_proj bias?, q_norm?, k_norm? (Qwen3)
 
@@ -42,13 +42,11 @@ at::Tensor rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
 namespace domino_ray {
 
 at::Tensor decode_layer(const at::Tensor& hidden, const c10::List<c10::optional<at::Tensor>>& weights,
-                        at::IntArrayRef shape, at::ArrayRef<double> scalars, at::Tensor key_buffer,
-                        at::Tensor value_buffer, const at::Tensor& rows_at, const at::Tensor& cos,
-                        const at::Tensor& sin, at::IntArrayRef group_stops, at::IntArrayRef group_lengths,
-                        at::TensorList limits) {
-  TORCH_CHECK(hidden.dim() == 3 && weights.size() == 12 && shape.size() == 4 && scalars.size() == 5 &&
-              group_stops.size() == group_lengths.size() && limits.size() == group_stops.size() && !limits.empty(),
-              "decode_layer: hidden [r, q, C], 12 weights, shape [H, Hkv, D, I], 5 scalars, one limit per group");
+                        at::IntArrayRef shape, at::ArrayRef<double> scalars, at::Tensor key_pool, at::Tensor value_pool,
+                        const at::Tensor& rows_at, const at::Tensor& cos, const at::Tensor& sin,
+                        const at::Tensor& block_tables, const at::Tensor& limits) {
+  TORCH_CHECK(hidden.dim() == 3 && weights.size() == 12 && shape.size() == 4 && scalars.size() == 5,
+              "decode_layer: hidden [r, q, C], 12 weights, shape [H, Hkv, D, I], 5 scalars");
   const int64_t r = hidden.size(0), q = hidden.size(1), c = hidden.size(2);
   const int64_t heads = shape[0], kv_heads = shape[1], d = shape[2], inter = shape[3];
   const auto bias = [&](int64_t i) { return weights.get(i); };
@@ -65,23 +63,12 @@ at::Tensor decode_layer(const at::Tensor& hidden, const c10::List<c10::optional<
     qk = qkv.narrow(2, 0, heads + kv_heads);
   }
   qk = rotate(qk, cos, sin);  // [r, q, H + Hkv, D]
-  kv_write(key_buffer, value_buffer, rows_at, qk.narrow(2, heads, kv_heads).transpose(1, 2),
+  kv_write(key_pool, value_pool, rows_at, qk.narrow(2, heads, kv_heads).transpose(1, 2),
            qkv.narrow(2, heads + kv_heads, kv_heads).transpose(1, 2));
   // the query heads of a K/V group folded into the query axis: [r, Hkv, G*q, D]
   const auto folded = qk.narrow(2, 0, heads).transpose(1, 2).reshape({r, kv_heads, -1, d});
-  std::vector<at::Tensor> parts;
-  int64_t start = 0;
-  for (size_t g = 0; g < group_stops.size(); ++g) {
-    const int64_t stop = group_stops[g], t = group_lengths[g];
-    TORCH_CHECK(start < stop && stop <= r && t <= key_buffer.size(2), "decode_layer: key group ", g, " out of range");
-    parts.push_back(decode_attention(folded.narrow(0, start, stop - start), key_buffer.narrow(0, start, stop - start)
-                                     .narrow(2, 0, t), value_buffer.narrow(0, start, stop - start).narrow(2, 0, t),
-                                     limits[g], scalars[4]));
-    start = stop;
-  }
-  TORCH_CHECK(start == r, "decode_layer: the key groups cover ", start, " of ", r, " rows");
-  const auto attended = (parts.size() == 1 ? parts[0] : at::cat(parts))  // [r, Hkv, G*q, D] = [r, H, q, D]
-                            .view({r, heads, q, d}).transpose(1, 2).reshape({r, q, heads * d});
+  const auto attended = decode_attention(folded, key_pool, value_pool, block_tables, limits, scalars[4])
+                            .view({r, heads, q, d}).transpose(1, 2).reshape({r, q, heads * d});  // [r, q, H*D]
   auto out = linear(attended, required(weights, 3), c, bias(4)).add_(hidden);  // hidden + o_proj(...)
 
   // MLP: gate/up in one GEMM
@@ -93,18 +80,19 @@ at::Tensor decode_layer(const at::Tensor& hidden, const c10::List<c10::optional<
 
 // Every layer of a decode step, `decode_layer` after `decode_layer`, in one call: a call per layer (a module call, the
 // weights' check, the op's arguments, 15-32 us a layer) cost a SmolLM2 step at one row 2.07 ms of 28.
-// weights: 12 per layer (as decode_layer's), shapes 4 and scalars 5 per layer, one key and value buffer per layer;
-// tap_layers: ascending layer indices whose outputs come back too -> [the last layer's output, their outputs...].
+// weights: 12 per layer (as decode_layer's), shapes 4 and scalars 5 per layer, one key and value pool per layer (every
+// layer reads the same block tables and limits); tap_layers: ascending layer indices whose outputs come back too
+// -> [the last layer's output, their outputs...].
 std::vector<at::Tensor> decode_layers(const at::Tensor& hidden, const c10::List<c10::optional<at::Tensor>>& weights,
-                                      at::IntArrayRef shapes, at::ArrayRef<double> scalars, at::TensorList key_buffers,
-                                      at::TensorList value_buffers, const at::Tensor& rows_at, const at::Tensor& cos,
-                                      const at::Tensor& sin, at::IntArrayRef group_stops, at::IntArrayRef group_lengths,
-                                      at::TensorList limits, at::IntArrayRef tap_layers) {
-  const int64_t layers = static_cast<int64_t>(key_buffers.size());
-  TORCH_CHECK(layers > 0 && static_cast<int64_t>(value_buffers.size()) == layers &&
+                                      at::IntArrayRef shapes, at::ArrayRef<double> scalars, at::TensorList key_pools,
+                                      at::TensorList value_pools, const at::Tensor& rows_at, const at::Tensor& cos,
+                                      const at::Tensor& sin, const at::Tensor& block_tables, const at::Tensor& limits,
+                                      at::IntArrayRef tap_layers) {
+  const int64_t layers = static_cast<int64_t>(key_pools.size());
+  TORCH_CHECK(layers > 0 && static_cast<int64_t>(value_pools.size()) == layers &&
                   static_cast<int64_t>(weights.size()) == 12 * layers &&
                   static_cast<int64_t>(shapes.size()) == 4 * layers && static_cast<int64_t>(scalars.size()) == 5 * layers,
-              "decode_layers: per layer 12 weights, 4 shapes, 5 scalars, a key and a value buffer");
+              "decode_layers: per layer 12 weights, 4 shapes, 5 scalars, a key and a value pool");
   for (size_t i = 0; i < tap_layers.size(); ++i)
     TORCH_CHECK(tap_layers[i] >= 0 && tap_layers[i] < layers && (i == 0 || tap_layers[i] > tap_layers[i - 1]),
                 "decode_layers: tap layers ascending, within the layers");
@@ -115,8 +103,8 @@ std::vector<at::Tensor> decode_layers(const at::Tensor& hidden, const c10::List<
     c10::List<c10::optional<at::Tensor>> layer_weights;
     layer_weights.reserve(12);
     for (int64_t j = 0; j < 12; ++j) layer_weights.push_back(weights.get(12 * i + j));
-    h = decode_layer(h, layer_weights, shapes.slice(4 * i, 4), scalars.slice(5 * i, 5), key_buffers[i],
-                     value_buffers[i], rows_at, cos, sin, group_stops, group_lengths, limits);
+    h = decode_layer(h, layer_weights, shapes.slice(4 * i, 4), scalars.slice(5 * i, 5), key_pools[i], value_pools[i],
+                     rows_at, cos, sin, block_tables, limits);
     if (tap < tap_layers.size() && tap_layers[tap] == i) {
       out.push_back(h);
       ++tap;
@@ -128,7 +116,8 @@ std::vector<at::Tensor> decode_layers(const at::Tensor& hidden, const c10::List<
 
 // The draft's context update (`draft.context_keys_values` after `DominoDraft.project_context`, then each layer's KV
 // write) as one op: target taps [b, q, F] -> context = hidden_norm(fc(taps)) [b, q, C] -> every layer's keys and
-// values in one GEMM, each layer's keys k-normed and rotated, written at rows_at (`KVBuffers.flat_index`). In torch's
+// values in one GEMM, each layer's keys k-normed and rotated, written at rows_at (flat rows of
+// each layer's pool seen as [rows, D]). In torch's
 // ops it was ~25 dispatched ops: 261 us of a one-row drafting step of the demo pair, mostly their fixed cost.
 // weights: fc packed, fc bias?, hidden_norm, k/v of every layer packed [L*2*Hkv*D rows], its bias?, k_norm [L, D];
 // shape [C, Hkv, D]; scalars [hidden_eps, k_eps].

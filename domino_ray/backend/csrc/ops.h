@@ -12,8 +12,8 @@
 
 namespace domino_ray {
 
-at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values,
-                            const at::Tensor& limits, double scale);
+at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& key_pool, const at::Tensor& value_pool,
+                            const at::Tensor& block_tables, const at::Tensor& limits, double scale);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 void kv_write(at::Tensor key_buffer, at::Tensor value_buffer, const at::Tensor& rows_at, const at::Tensor& keys,
@@ -21,15 +21,14 @@ void kv_write(at::Tensor key_buffer, at::Tensor value_buffer, const at::Tensor& 
 at::Tensor pack_linear(const at::Tensor& weight);
 at::Tensor linear(const at::Tensor& input, const at::Tensor& packed, int64_t n, const c10::optional<at::Tensor>& bias);
 at::Tensor decode_layer(const at::Tensor& hidden, const c10::List<c10::optional<at::Tensor>>& weights,
-                        at::IntArrayRef shape, at::ArrayRef<double> scalars, at::Tensor key_buffer,
-                        at::Tensor value_buffer, const at::Tensor& rows_at, const at::Tensor& cos,
-                        const at::Tensor& sin, at::IntArrayRef group_stops, at::IntArrayRef group_lengths,
-                        at::TensorList limits);
+                        at::IntArrayRef shape, at::ArrayRef<double> scalars, at::Tensor key_pool, at::Tensor value_pool,
+                        const at::Tensor& rows_at, const at::Tensor& cos, const at::Tensor& sin,
+                        const at::Tensor& block_tables, const at::Tensor& limits);
 std::vector<at::Tensor> decode_layers(const at::Tensor& hidden, const c10::List<c10::optional<at::Tensor>>& weights,
-                                      at::IntArrayRef shapes, at::ArrayRef<double> scalars, at::TensorList key_buffers,
-                                      at::TensorList value_buffers, const at::Tensor& rows_at, const at::Tensor& cos,
-                                      const at::Tensor& sin, at::IntArrayRef group_stops, at::IntArrayRef group_lengths,
-                                      at::TensorList limits, at::IntArrayRef tap_layers);
+                                      at::IntArrayRef shapes, at::ArrayRef<double> scalars, at::TensorList key_pools,
+                                      at::TensorList value_pools, const at::Tensor& rows_at, const at::Tensor& cos,
+                                      const at::Tensor& sin, const at::Tensor& block_tables, const at::Tensor& limits,
+                                      at::IntArrayRef tap_layers);
 void context_update(const at::Tensor& taps, const c10::List<c10::optional<at::Tensor>>& weights,
                     at::IntArrayRef shape, at::ArrayRef<double> scalars, at::TensorList key_buffers,
                     at::TensorList value_buffers, const at::Tensor& rows_at, const at::Tensor& cos,

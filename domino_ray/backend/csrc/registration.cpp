@@ -6,18 +6,18 @@
 #include "ops.h"
 
 TORCH_LIBRARY(domino_ray, m) {
-  m.def("decode_attention(Tensor query, Tensor keys, Tensor values, Tensor limits, float scale) -> Tensor");
+  m.def("decode_attention(Tensor query, Tensor key_pool, Tensor value_pool, Tensor block_tables, Tensor limits, "
+        "float scale) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("rotary(Tensor x, Tensor cos, Tensor sin) -> Tensor");
   m.def("kv_write(Tensor(a!) key_buffer, Tensor(b!) value_buffer, Tensor at, Tensor keys, Tensor values) -> ()");
   m.def("pack_linear(Tensor weight) -> Tensor");
   m.def("linear(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
-  m.def("decode_layer(Tensor hidden, Tensor?[] weights, int[] shape, float[] scalars, Tensor(a!) key_buffer, "
-        "Tensor(b!) value_buffer, Tensor rows_at, Tensor cos, Tensor sin, int[] group_stops, int[] group_lengths, "
-        "Tensor[] limits) -> Tensor");
-  m.def("decode_layers(Tensor hidden, Tensor?[] weights, int[] shapes, float[] scalars, Tensor(a!)[] key_buffers, "
-        "Tensor(b!)[] value_buffers, Tensor rows_at, Tensor cos, Tensor sin, int[] group_stops, int[] group_lengths, "
-        "Tensor[] limits, int[] tap_layers) -> Tensor[]");
+  m.def("decode_layer(Tensor hidden, Tensor?[] weights, int[] shape, float[] scalars, Tensor(a!) key_pool, "
+        "Tensor(b!) value_pool, Tensor rows_at, Tensor cos, Tensor sin, Tensor block_tables, Tensor limits) -> Tensor");
+  m.def("decode_layers(Tensor hidden, Tensor?[] weights, int[] shapes, float[] scalars, Tensor(a!)[] key_pools, "
+        "Tensor(b!)[] value_pools, Tensor rows_at, Tensor cos, Tensor sin, Tensor block_tables, Tensor limits, "
+        "int[] tap_layers) -> Tensor[]");
   m.def("context_update(Tensor taps, Tensor?[] weights, int[] shape, float[] scalars, Tensor(a!)[] key_buffers, "
         "Tensor(b!)[] value_buffers, Tensor rows_at, Tensor cos, Tensor sin) -> ()");
   m.def("domino_corrections(Tensor z, Tensor base, Tensor anchor, Tensor prefix, Tensor embed, Tensor w_ih, "
