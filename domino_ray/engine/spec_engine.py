@@ -62,6 +62,8 @@ from domino_ray.spec.width_policy import WidthController
 
 log = logging.getLogger(__name__)
 
+GATHER_CHUNK = 256  # the gather path's key lengths are multiples of this (`_key_len`)
+
 
 class SpecEngine:
     """Batched speculative (or, without a proposer, target-only) generation on one device.
@@ -349,9 +351,10 @@ class SpecEngine:
 
     def _key_len(self, span: int) -> int:
         """Keys the gather path reads for a step writing `span` positions past `committed - 1`: the longest row's,
-        rounded up to a block. (The kernels read each row's own: their steps pass the capacity, a constant, so a
-        compiled step is not specialized on it.)"""
-        return _round_up(max(row.committed - 1 for row in self.rows) + span, self.block_size)
+        rounded up to `GATHER_CHUNK` (few distinct shapes: a compiled step is not specialized on every length). The
+        kernels read each row's own: their steps pass the capacity, a constant."""
+        longest = max(row.committed - 1 for row in self.rows) + span
+        return min(_round_up(longest, max(GATHER_CHUNK, self.block_size)), self.capacity)
 
     def _usable(self) -> list[int]:
         """Drafts each active row's budget allows, in slot order (the bonus token always comes)."""

@@ -113,9 +113,9 @@ class FusedLayer(nn.Module):
         args = self.decode_layer_args()
         if args is None:
             return None
-        buffers, layer = step.buffers, self.layer_idx
-        return ops.decode_layer(hidden, *args, buffers.keys[layer], buffers.values[layer], step.write_at,
-                                *position_embeddings, *step.key_group_args)
+        pool, layer = step.pool, self.layer_idx
+        return ops.decode_layer(hidden, *args, pool.keys[layer], pool.values[layer], step.write_at,
+                                *position_embeddings, step.keys.tables, step.limits)
 
     def decode_layer_args(self) -> tuple | None:
         """`decode_layer`'s weights, shape and scalars, built once (per layer and step the Python around the op was ~60
