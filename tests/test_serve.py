@@ -185,8 +185,8 @@ def test_kv_cache_metrics_after_a_request_whose_choices_share_their_prompt(app, 
     """The engine's KV cache figures are on the metrics endpoint with sane values: the pool's block size and blocks,
     peaks within them, and prefix hits: the two choices of one greedy request share the whole blocks of their prompt
     (the second prefills only the rest), both still the target's text.
-    Fails without the replica's gauges (app.py passing `kv_cache_stats` to Metrics) or with a figure under another's
-    name: checked by exporting `blocks` as `peak_blocks_used`."""
+    Fails without the replica's gauges or with a figure under another's name: checked by building `Metrics` without
+    the engine's `kv_cache_stats` (app.py) and by exporting `preemptions` as `prefix_hit_tokens`."""
     def kv_cache(http: httpx.Client) -> dict:
         text = http.get(app.metrics_url).text
         return {k: metric_total(text, f"ray_domino_kv_cache_{k}", model=MODEL) for k in KV_CACHE}
