@@ -95,6 +95,11 @@ def test_output_schema_rows_and_stats(job):
     assert max(a["peak_batches_in_flight"] for a in job["summary"]["run"]["actors"]) == 2
     # every actor names the Ray node it ran on (the session's one node here)
     assert {a["node_id"] for a in job["summary"]["run"]["actors"]} == {ray.get_runtime_context().get_node_id()}
+    # and reports its engine's KV cache; the summary's `kv_cache` adds them up (an actor killed before it finished a
+    # batch reported none)
+    caches = [a["kv_cache"] for a in job["summary"]["run"]["actors"]]
+    assert job["summary"]["kv_cache"] == kv_cache_totals(job["summary"]["run"]["actors"])
+    assert job["summary"]["kv_cache"]["actors"] == len(caches) >= 1 and all(c["block_size"] == 16 for c in caches)
 
 
 def test_actor_killed_mid_job_loses_and_duplicates_nothing(job):
