@@ -67,9 +67,13 @@ class GenerationConfig:
     frequency_penalty: float = 0.0    # [-2, 2], OpenAI's definition, over generated tokens
     repetition_penalty: float = 1.0   # (0, 2], HF/vLLM's definition, over prompt and generated tokens
     min_tokens: int = 0               # EOS and stop ids suppressed until this many tokens
-    max_batch_size: Any = 16          # engine slots: rows decoded together (continuous batching); "auto" = as
-                                      # many as runtime.gpu_memory_utilization of the free memory holds
-    max_prefill_tokens: int = 8192    # prompt tokens per prefill forward
+    max_batch_size: Any = 16          # a cap on rows in flight (decoding or being prefilled; continuous batching);
+                                      # "auto" = what the KV pool and the step's activations allow
+    max_prefill_tokens: int = 8192    # prompt tokens prefilled per step: a longer prompt is prefilled in chunks,
+                                      # interleaved with the decode steps
+    kv_block_size: int = 16           # positions per block of the paged KV cache: a power of two >= 8
+    kv_cache_tokens: Any = "auto"     # the KV pool in tokens, shared by the rows in flight; "auto" = what the memory
+                                      # left after the rest of the engine holds (runtime.gpu_memory_utilization)
 
 
 @dataclass
@@ -244,6 +248,11 @@ def validate(cfg: JobConfig):
          g.max_batch_size == "auto" or (is_int(g.max_batch_size) and g.max_batch_size >= 1), "auto or an int >= 1"),
         ("generation.max_prefill_tokens", g.max_prefill_tokens,
          is_int(g.max_prefill_tokens) and g.max_prefill_tokens >= 1, "an int >= 1"),
+        ("generation.kv_block_size", g.kv_block_size,
+         is_int(g.kv_block_size) and g.kv_block_size >= 8 and g.kv_block_size & (g.kv_block_size - 1) == 0,
+         "a power of two >= 8"),
+        ("generation.kv_cache_tokens", g.kv_cache_tokens,
+         g.kv_cache_tokens == "auto" or (is_int(g.kv_cache_tokens) and g.kv_cache_tokens >= 1), "auto or an int >= 1"),
         ("runtime.min_actors", r.min_actors, r.min_actors >= 1, "an int >= 1"),
         ("runtime.max_actors", r.max_actors, r.max_actors >= r.min_actors, "an int >= runtime.min_actors"),
         ("runtime.cpus_per_actor", r.cpus_per_actor, r.cpus_per_actor > 0, "a number > 0"),

@@ -32,7 +32,7 @@ def build_engine(target, draft=None, tokenizer=None, *, num_draft_tokens: int | 
     """The one way to assemble a SpecEngine from loaded parts; `load_engine` (jobs, Serve) and `DominoLLM`
     both call it. `draft` is a DominoDraft or None (target only); `tokenizer` None means token ids only,
     and only a real tokenizer's EOS id joins the model's stop ids. `engine_settings` go to SpecEngine
-    as they are (max_model_len, seed, max_prefill_tokens, ...)."""
+    as they are (max_model_len, seed, max_prefill_tokens, kv_block_size, kv_cache_tokens, ...)."""
     proposer, adaptive = None, False
     if draft is not None:
         k, adaptive = resolve_num_spec_tokens(num_draft_tokens, draft.config)
@@ -47,6 +47,7 @@ def engine_settings(model, draft, generation, runtime=None) -> dict:
     return {"num_draft_tokens": draft.num_draft_tokens if draft is not None else None,
             "max_batch_size": generation.max_batch_size, "max_model_len": model.max_model_len,
             "seed": generation.seed, "max_prefill_tokens": generation.max_prefill_tokens,
+            "kv_block_size": generation.kv_block_size, "kv_cache_tokens": generation.kv_cache_tokens,
             "cuda_graphs": runtime.cuda_graphs if runtime is not None else "auto",
             "gpu_memory_utilization": runtime.gpu_memory_utilization if runtime is not None else 0.9}
 
@@ -83,7 +84,7 @@ class GenerationOutput:
 
 class DominoLLM:
     """`engine_settings` are `build_engine`'s: num_draft_tokens, max_batch_size, max_model_len, seed,
-    max_prefill_tokens, ... (the defaults of the config's `generation` section)."""
+    max_prefill_tokens, kv_block_size, kv_cache_tokens, ... (the defaults of the config's `generation` section)."""
 
     def __init__(self, target, tokenizer=None, draft=None, *, chat_template: bool = True,
                  enable_thinking: bool = False, **engine_settings):

@@ -18,14 +18,16 @@ import pytest
 import ray
 import torch
 
-from batch_fixtures import (agreeing_pair, check_output_invariants, job_config, make_prompts,  # noqa: F401
+from batch_fixtures import (WORDS, agreeing_pair, check_output_invariants, job_config, make_prompts,  # noqa: F401
                             ray_cluster, tiny_pair, write_shards)
 from domino_ray.batch.job import init_ray, read_inputs, run_job
 from domino_ray.batch.preflight import check_input
-from domino_ray.batch.summary import human_summary
+from domino_ray.batch.summary import human_summary, kv_cache_totals
 from domino_ray.batch.text_stages import SAMPLES_TO_DO
 from domino_ray.config import ConfigError, load_config
+from domino_ray.llm import DominoLLM
 from domino_ray.model.target import encode_prompt, load_target, load_tokenizer, stop_token_ids
+from domino_ray.spec.sampling_params import SamplingParams
 from faulty_predictor import faulty_predictor
 
 pytestmark = pytest.mark.ray
@@ -93,6 +95,11 @@ def test_output_schema_rows_and_stats(job):
     assert max(a["peak_batches_in_flight"] for a in job["summary"]["run"]["actors"]) == 2
     # every actor names the Ray node it ran on (the session's one node here)
     assert {a["node_id"] for a in job["summary"]["run"]["actors"]} == {ray.get_runtime_context().get_node_id()}
+    # and reports its engine's KV cache; the summary's `kv_cache` adds them up (an actor killed before it finished a
+    # batch reported none)
+    caches = [a["kv_cache"] for a in job["summary"]["run"]["actors"]]
+    assert job["summary"]["kv_cache"] == kv_cache_totals(job["summary"]["run"]["actors"])
+    assert job["summary"]["kv_cache"]["actors"] == len(caches) >= 1 and all(c["block_size"] == 16 for c in caches)
 
 
 def test_actor_killed_mid_job_loses_and_duplicates_nothing(job):
@@ -307,3 +314,66 @@ def test_generated_ids_are_stable_unique_and_resumable(ray_cluster, tmp_path):
     prompts = sorted(first)
     rest = ids(pa.array([first[p] for p in prompts[:250]]))
     assert sorted(rest) == prompts[250:] and all(first[p] == i for p, i in rest.items())
+
+
+KV_NEW = 24  # generated tokens per row of the KV cache job: each row grows by one or two blocks after admission
+
+
+def test_kv_cache_stats_with_shared_prefixes_and_preemption_survive_a_resume(ray_cluster, agreeing_pair, tmp_path):
+    """Prompts sharing a long prefix, two shards, through a pool of 10 blocks (`kv_cache_tokens=160`: one row at
+    `max_model_len` fits, three or so at once) with EOS ignored so that every row grows: rows share their prefix blocks
+    and rows are preempted, yet every row equals target-only greedy (without a draft, a pool that preempts nothing).
+    `_summary.json`'s `kv_cache` adds up the engines of its run (`run.actors`); a resume that generates reports its
+    own run's engines, a summary rebuilt without generating none.
+    Fails without the actors' `kv_cache` reports (predictor.py) or their sum (summary.kv_cache_totals)."""
+    prompts = [f"{' '.join(WORDS[:10])} {p}" for p in make_prompts(6, seed=3)]
+    write_shards(tmp_path / "in", {"id": list(range(len(prompts))), "prompt": prompts}, shards=2)
+    cfg = job_config(agreeing_pair, str(tmp_path / "in"), str(tmp_path / "out"), **{
+        "model.max_model_len": 128, "generation.kv_cache_tokens": 160, "generation.max_new_tokens": KV_NEW,
+        "generation.ignore_eos": "true"})
+    llm = DominoLLM.from_pretrained(agreeing_pair[0], draft=None, chat_template=False)
+    reference = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_new_tokens=KV_NEW, ignore_eos=True))]
+    assert llm.engine.kv_cache_stats()["preemptions"] == 0
+
+    def check(summary: dict, engines: int):
+        table = pq.read_table(tmp_path / "out")
+        check_output_invariants(table, summary, list(range(len(prompts))))
+        by_id = {r["id"]: r["generated_tokens"] for r in table.to_pylist()}
+        assert [by_id[i] for i in range(len(prompts))] == reference
+        kv, actors = summary["kv_cache"], [a["kv_cache"] for a in summary["run"]["actors"]]
+        assert len(actors) == kv["actors"] == engines
+        assert kv == {"block_size": 16, "actors": engines, **{k: sum(a[k] for a in actors) for k in (
+            "blocks", "peak_blocks_used", "peak_rows", "preemptions", "prefix_hit_tokens")}}
+        assert kv["blocks"] == 10 * engines and 0 < kv["peak_blocks_used"] <= kv["blocks"]
+        assert engines <= kv["peak_rows"] <= 8 * engines
+        assert json.loads((tmp_path / "out" / "_summary.json").read_text())["kv_cache"] == kv
+        return kv
+
+    kv = check(run_job(cfg, log=lambda *_: None), engines=1)
+    assert kv["preemptions"] > 0 and kv["prefix_hit_tokens"] >= 16
+    text = human_summary(json.loads((tmp_path / "out" / "_summary.json").read_text()))
+    assert f"KV cache (1 engine): 10 blocks x 16 positions, peak {kv['peak_blocks_used']} blocks" in text
+
+    # Resume: a lost file's rows are generated again by this run's engine, which reports its own pool.
+    lost = sorted((tmp_path / "out").glob("*.parquet"))[0]
+    lost_rows = pq.read_metadata(lost).num_rows
+    lost.unlink()
+    (tmp_path / "out" / "_summary.json").unlink()
+    resumed = run_job(cfg, log=lambda *_: None)
+    assert resumed["run"]["rows"] == lost_rows and resumed["run"]["rows_already_done"] == len(prompts) - lost_rows
+    check(resumed, engines=1)
+    # Rebuilt without generating: no engine ran in this run, so no KV cache figures (rather than made-up zeros).
+    (tmp_path / "out" / "_summary.json").unlink()
+    rebuilt = run_job(cfg, log=lambda *_: None)
+    assert rebuilt["run"]["actors"] == [] and rebuilt["kv_cache"] is None and "KV cache" not in human_summary(rebuilt)
+
+
+def test_kv_cache_totals_add_the_engines_of_a_run():
+    """Several engine actors: counts and peaks summed (the peaks as an upper bound), the actors counted; a run with no
+    engine report has none."""
+    a = {"block_size": 16, "blocks": 100, "peak_blocks_used": 40, "peak_rows": 5, "preemptions": 2, "prefix_hit_tokens": 32}
+    b = {"block_size": 16, "blocks": 100, "peak_blocks_used": 70, "peak_rows": 8, "preemptions": 0, "prefix_hit_tokens": 64}
+    assert kv_cache_totals([{"actor": "x", "kv_cache": a}, {"actor": "y", "kv_cache": b}]) == {
+        "block_size": 16, "blocks": 200, "peak_blocks_used": 110, "peak_rows": 13, "preemptions": 2,
+        "prefix_hit_tokens": 96, "actors": 2}
+    assert kv_cache_totals([]) is None and kv_cache_totals([{"actor": "x"}]) is None

@@ -112,3 +112,30 @@ def test_cuda_graphs_setting_reaches_the_engine_settings():
         assert engine_settings(cfg.model, cfg.draft, cfg.generation, cfg.runtime)["cuda_graphs"] == value
     with pytest.raises(ConfigError, match=r"runtime\.cuda_graphs"):
         load_config(None, ["runtime.cuda_graphs=sometimes"])
+
+
+@pytest.mark.parametrize("override,expected", [
+    ("generation.kv_block_size=12", "a power of two >= 8"), ("generation.kv_block_size=4", "a power of two >= 8"),
+    ("generation.kv_block_size=0", "a power of two >= 8"),
+    ("generation.kv_cache_tokens=0", "auto or an int >= 1"), ("generation.kv_cache_tokens=lots", "auto or an int >= 1"),
+    ("generation.kv_cache_tokens=1.5", "auto or an int >= 1"),
+])
+def test_bad_kv_cache_settings_name_the_key(override, expected):
+    key, value = override.split("=")
+    with pytest.raises(ConfigError, match=re.escape(f"config key {key}=") + ".* is invalid: expected " + expected):
+        load_config(None, [override])
+
+
+def test_kv_cache_settings_reach_the_engine_settings():
+    """Defaults (16, auto) and given values reach `build_engine`'s settings, and neither is an output setting (the
+    output rows do not depend on them: a resume with another pool size is not refused)."""
+    from domino_ray.batch.preflight import output_settings
+    from domino_ray.llm import engine_settings
+
+    for overrides, block, tokens in (([], 16, "auto"), (["generation.kv_block_size=32",
+                                                          "generation.kv_cache_tokens=4096"], 32, 4096)):
+        cfg = load_config(None, overrides)
+        settings = engine_settings(cfg.model, cfg.draft, cfg.generation, cfg.runtime)
+        assert (settings["kv_block_size"], settings["kv_cache_tokens"]) == (block, tokens)
+        assert not {"generation.kv_block_size", "generation.kv_cache_tokens"} & set(output_settings(cfg))
+    assert load_config(None, ["generation.kv_block_size=8"]).generation.kv_block_size == 8

@@ -178,6 +178,42 @@ def test_metrics_reconcile_with_responses(app, reference):
     assert tokens == started + steps + accepted > expected["ray_domino_generated_tokens_total"]
 
 
+KV_CACHE = ("block_size", "blocks", "peak_blocks_used", "peak_rows", "preemptions", "prefix_hit_tokens")
+
+
+def test_kv_cache_metrics_after_a_request_whose_choices_share_their_prompt(app, reference):
+    """The engine's KV cache figures are on the metrics endpoint with sane values: the pool's block size and blocks,
+    peaks within them, and prefix hits: the two choices of one greedy request share the whole blocks of their prompt
+    (the second prefills only the rest), both still the target's text.
+    Fails without the replica's gauges or with a figure under another's name: checked by building `Metrics` without
+    the engine's `kv_cache_stats` (app.py) and by exporting `preemptions` as `prefix_hit_tokens`."""
+    def kv_cache(http: httpx.Client) -> dict:
+        text = http.get(app.metrics_url).text
+        return {k: metric_total(text, f"ray_domino_kv_cache_{k}", model=MODEL) for k in KV_CACHE}
+
+    prompt = CORPUS[3] + CORPUS[4]  # a start no other test's prompt has: only this request's rows share it
+    ids = reference.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    shared = (len(ids) - 1) // 16 * 16  # whole blocks before the last position's: what the second choice shares
+    assert shared >= 16
+    with httpx.Client(base_url=app.url, headers=AUTH, timeout=30) as http:
+        assert wait_idle(http) == {"status": "ok", "running": 0, "waiting": 0}
+        before = kv_cache(http)
+        out = client(app).completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0, n=2,
+                                             extra_body={"ignore_eos": True})
+        [ref] = reference([prompt], [16], ignore_eos=True)
+        assert [c.text for c in out.choices] == [ref.text] * 2
+        deadline = time.time() + 30
+        while time.time() < deadline:
+            seen = kv_cache(http)
+            if seen["prefix_hit_tokens"] == before["prefix_hit_tokens"] + shared:
+                break
+            time.sleep(0.5)
+    assert seen["prefix_hit_tokens"] == before["prefix_hit_tokens"] + shared
+    assert seen["block_size"] == 16 and seen["blocks"] >= 4096 // 16  # a pool for one row at max_model_len at least
+    assert 2 <= seen["peak_rows"] <= SLOTS and 0 < seen["peak_blocks_used"] <= seen["blocks"]
+    assert seen["preemptions"] >= 0
+
+
 def check_same_steps(app, responses: list[tuple[list[int], SamplingParams, dict]]):
     """`responses`: (prompt ids, params, the response's statistics). Each request ran the steps the same
     request runs alone in this process (fixed K), and together they speculated, a stop token arriving as an

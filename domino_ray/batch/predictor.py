@@ -194,7 +194,8 @@ class DominoPredictor:
             self._ok_rows += ok_rows
             snapshot = {"actor": self.name, "node_id": self.node_id, "rows": self._rows, "generated_tokens": self._tokens,
                         "busy_s": busy, "cpu_s": cpu_s, "max_rows": self.loop.engine.max_rows,
-                        "peak_batches_in_flight": self._peak_in_flight, **self._times}
+                        "peak_batches_in_flight": self._peak_in_flight, "kv_cache": self.loop.engine.kv_cache_stats(),
+                        **self._times}
         if self.stats_sink is not None and delta < 0:
             width = self.loop.engine.width
             if width is not None and self._ok_rows:  # what the adaptive width weighs its choices by

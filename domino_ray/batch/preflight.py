@@ -188,7 +188,8 @@ def check_output(cfg: JobConfig) -> Location:
 
 
 # Keys that do not change what a row's output is (only speed, placement or where files go).
-NOT_OUTPUT_SETTINGS = {"model.device", "generation.max_batch_size", "generation.max_prefill_tokens"}
+NOT_OUTPUT_SETTINGS = {"model.device", "generation.max_batch_size", "generation.max_prefill_tokens",
+                       "generation.kv_block_size", "generation.kv_cache_tokens"}
 
 
 def output_settings(cfg: JobConfig) -> dict:

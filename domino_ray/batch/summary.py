@@ -1,7 +1,8 @@
 """`_summary.json`: job totals computed from the output rows themselves, so they always reconcile.
 
 The totals and acceptance statistics cover every row in the output directory (all runs of a resumed
-job); `run` describes this invocation only (wall time, throughput overall and per actor).
+job); `run` describes this invocation only (wall time, throughput overall and per actor), and so does
+`kv_cache` (the paged KV cache of this invocation's engines: not in the rows, so not carried across runs).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from domino_ray.spec.width_policy import DRAFTING_MARGIN, best_width
 STATS_COLUMNS = ["finish_reason", "error", "num_input_tokens", "num_generated_tokens", "num_spec_tokens",
                  "num_spec_steps", "num_draft_tokens", "num_accepted_draft_tokens", "acceptance_histogram",
                  "verify_width_histogram", "time_to_first_token_s"]
+KV_CACHE_SUMS = ("blocks", "peak_blocks_used", "peak_rows", "preemptions", "prefix_hit_tokens")
 MAX_ERROR_REASONS = 20  # in _summary.json; the printed summary shows 5
 TOTALS = ["num_input_tokens", "num_generated_tokens", "num_spec_steps", "num_draft_tokens",
           "num_accepted_draft_tokens"]
@@ -56,9 +58,22 @@ def summarize(rows: pa.Table, id_column: str, *, run: dict, config: dict, output
         "mean_time_to_first_token_s": ttft,
         "errors": dict(listed),
         "errors_not_listed": {"reasons": len(errors) - len(listed), "rows": failed - sum(c for _, c in listed)},
+        "kv_cache": kv_cache_totals(run["actors"]),
         "run": run,
         "config": config,
     }
+
+
+def kv_cache_totals(actors: list[dict]) -> dict | None:
+    """The paged KV cache of the run's engine actors (`run_stats`' `actors`; each reports its engine's
+    `kv_cache_stats()` as of its last finished batch, a restarted actor as one more engine); None when no
+    engine ran. Blocks, preemptions and prefix hits are summed; peak_blocks_used and peak_rows are too, each
+    actor's peak added: an upper bound of the simultaneous figure (the actors' peaks need not coincide)."""
+    caches = [a["kv_cache"] for a in actors if a.get("kv_cache")]
+    if not caches:
+        return None
+    return {"block_size": caches[0]["block_size"], **{k: sum(c[k] for c in caches) for k in KV_CACHE_SUMS},
+            "actors": len(caches)}
 
 
 def _unique_keys(rows: pa.Table, id_column: str) -> int:
@@ -100,6 +115,11 @@ def human_summary(s: dict) -> str:
             lines.append("  per-position acceptance: " + " ".join(f"{p:.2f}" for p in s["per_position_acceptance"]))
         if s.get("verify_width_histogram"):
             lines.append("  steps by verify width W=0..K: " + " ".join(str(n) for n in s["verify_width_histogram"]))
+    kv = s.get("kv_cache")
+    if kv:
+        lines.append(f"  KV cache ({kv['actors']} engine{'s' if kv['actors'] > 1 else ''}): {kv['blocks']} blocks x "
+                     f"{kv['block_size']} positions, peak {kv['peak_blocks_used']} blocks and {kv['peak_rows']} rows in "
+                     f"use, {kv['preemptions']} preemptions, {kv['prefix_hit_tokens']} prompt tokens shared")
     base = run.get("baseline")
     if base:
         lines += baseline_lines(s, base)

@@ -112,7 +112,7 @@ class DominoServer:
             parse_special_tokens=cfg.model.parse_special_tokens, defaults=generation_defaults(cfg.generation),
             eos_token_ids=tuple(engine.eos_token_ids), max_n=engine.max_rows + cfg.serve.max_waiting_requests)
         self.created = int(time.time())
-        self.metrics = Metrics(cfg.serve.model_name)
+        self.metrics = Metrics(cfg.serve.model_name, engine.kv_cache_stats)
         self.max_request_bytes = cfg.serve.max_request_bytes
 
     def check_health(self):
