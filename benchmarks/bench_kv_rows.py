@@ -109,18 +109,17 @@ def main(argv=None):
         print(f"{name}: rows cap {row['rows_cap']}, pool {row['pool_tokens']} tokens ({row['pool_GiB']:.1f} GiB); "
               f"rows held at 1k/2k/4k mean length {row['rows_at_1k']}/{row['rows_at_2k']}/{row['rows_at_4k']}; "
               f"dense at max_model_len {row['dense_rows_at_max_model_len']}")
-    with torch.inference_mode():
-        pair = load_pair("demo")
-        demo_len = pair.target.config.max_position_embeddings
-        budget = args.dense_rows * (demo_len + 16)
-        results["demo"] = rows_in_flight(pair.target, pair.prompts * 4, [128] * 4 * len(pair.prompts), budget,
-                                         demo_len, eos=True)
-        torch.manual_seed(0)
-        tiny = Qwen3ForCausalLM(Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                            num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                            max_position_embeddings=4096, eos_token_id=0)).eval()
-        prompts, outputs = length_mix(args.mix_rows, 512, 4096)
-        results["mix"] = rows_in_flight(tiny, prompts, outputs, args.dense_rows * (4096 + 16), 4096, eos=False)
+    pair = load_pair("demo")
+    demo_len = pair.target.config.max_position_embeddings
+    budget = args.dense_rows * (demo_len + 16)
+    results["demo"] = rows_in_flight(pair.target, pair.prompts * 4, [128] * 4 * len(pair.prompts), budget, demo_len,
+                                     eos=True)
+    torch.manual_seed(0)
+    tiny = Qwen3ForCausalLM(Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                        max_position_embeddings=4096, eos_token_id=0)).eval().requires_grad_(False)
+    prompts, outputs = length_mix(args.mix_rows, 512, 4096)
+    results["mix"] = rows_in_flight(tiny, prompts, outputs, args.dense_rows * (4096 + 16), 4096, eos=False)
     for name in ("demo", "mix"):
         r = results[name]
         print(f"{name}: budget {r['budget_tokens']} tokens: dense {r['dense_rows']} rows, paged {r['paged_mean_rows']:.1f} "

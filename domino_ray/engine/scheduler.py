@@ -3,8 +3,8 @@
 Host bookkeeping only (`SpecEngine` does the device side): rows wait in `pending` in order; the rows at its front that
 hold blocks are being prefilled. Admission is by free blocks, not a slot count: a row not started takes the blocks for
 its prompt and first step (its prompt's published whole blocks shared, `blocks.BlockPool.share_prefix`) only if the
-pool has them beside what the active rows' next steps take (so admitting it does not force a preemption), and
-nobody jumps the queue. Prompts are prefilled in order within a per-step token budget, a long one in chunks over
+pool has them beside what the active rows take over their next `HEADROOM` positions (so admitting it does not force
+a preemption soon), and nobody jumps the queue. Prompts are prefilled in order within a per-step token budget, a long one in chunks over
 several steps, while the active rows keep decoding. When the active rows' next step needs more blocks than are free,
 the latest admitted row gives its blocks back (`victim`): preemption by recompute, as vLLM does.
 """
@@ -15,6 +15,12 @@ from collections import deque
 
 from domino_ray.engine.blocks import BlockPool
 from domino_ray.engine.request import Row
+
+# Positions past its next step each active row keeps room for when a new row is admitted: admitting into a full pool
+# only to preempt as the rows grow recomputes prefills (benchmarks/bench_kv_rows.py, demo prompts in a pool of 16
+# rows' worth: 1,763 preemptions and 87 s with none, 712 and 59 s with 64; the length mix: 105 -> 0, rows in flight
+# the same).
+HEADROOM = 64
 
 Segment = tuple[Row, list[int], int, int]  # (row, its context ids, first position, tokens) prefilled in one step
 
@@ -28,12 +34,13 @@ class Scheduler:
         self.pending: deque[Row] = deque()
         self.admitted = 0  # rows admitted so far: each row's `order`
 
-    def needs(self, rows: list[Row]) -> list[int]:
-        """Blocks each active row still takes for its next step (positions up to `committed - 1 + span`)."""
-        return [self.blocks.blocks_for(row.committed - 1 + self.span) - len(row.blocks) for row in rows]
+    def needs(self, rows: list[Row], ahead: int = 0) -> list[int]:
+        """Blocks each active row still takes for its next step (positions up to `committed - 1 + span`), and `ahead`
+        positions more."""
+        return [self.blocks.blocks_for(row.committed - 1 + self.span + ahead) - len(row.blocks) for row in rows]
 
-    def growth(self, rows: list[Row]) -> int:
-        return sum(max(n, 0) for n in self.needs(rows))
+    def growth(self, rows: list[Row], ahead: int = 0) -> int:
+        return sum(max(n, 0) for n in self.needs(rows, ahead))
 
     def holders(self) -> list[Row]:
         """Pending rows holding blocks (being prefilled)."""
@@ -41,10 +48,11 @@ class Scheduler:
 
     def prefill_segments(self, rows: list[Row]) -> list[Segment]:
         """This step's prefill beside the active `rows`: pending rows in order within `max_prefill_tokens` tokens, each
-        row not started first taking its blocks (`take_blocks`); stops at the first row with no room. Publishes the
+        row not started first taking its blocks (`take_blocks`) beside the active rows' `HEADROOM`; stops at the first
+        row with no room. Publishes the
         whole blocks each segment writes, so the rows behind it in the same forward share them already (a layer
         writes every segment's keys before any segment attends)."""
-        budget, segments, growth = self.max_prefill_tokens, [], self.growth(rows)
+        budget, segments, growth = self.max_prefill_tokens, [], self.growth(rows, HEADROOM)
         holders = len(self.holders())
         for row in self.pending:
             if budget == 0:
