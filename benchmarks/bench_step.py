@@ -10,8 +10,9 @@ tokens per row (`ignore_eos`), target-only and speculative, interleaved repeats 
 
 `--ragged`: 1 row in 8 with a long prompt (a demo prompt repeated up to the demo target's 256 positions
 less the new tokens), the others 8-24 tokens, as many prompts as rows; also reports the keys each layer's
-attention reads per decode step (`SpecEngine.key_reads`: key groups) and what one key bucket, the longest
-row's, reads on the same steps (what engines before key groups read). For the 64- and 128-row figures:
+attention reads per decode step: the paged engine reads what each row holds (its own blocks); engines with key
+groups (`SpecEngine.key_reads`) read their groups' buckets, beside what one key bucket, the longest row's, reads on
+the same steps (what engines before key groups read). For the 64- and 128-row figures:
 
     python benchmarks/bench_step.py --ragged --batch-sizes 16,64,128 --max-new-tokens 64 --threads 2 \
         --baseline-ref BASE --json /tmp/ragged.json
@@ -98,9 +99,12 @@ def run(target, draft, prompts, rows, max_new_tokens, count_calls=False, api=CUR
     for i, p in enumerate(prompts[:rows]):
         engine.add_request(api["Request"](i, p, params))
     engine.step()  # admission + the first decode step
-    counter, steps, tokens = CallCounter(), 0, 0
+    counter, steps, tokens, held = CallCounter(), 0, 0, 0
+    paged = hasattr(engine, "kv_cache_stats")  # attention reads each row's own keys: what the rows hold
     start = time.perf_counter()
     while engine.has_unfinished():
+        if paged:  # host-side lengths, no sync: before the step, as the key groups count theirs
+            held += sum(row.committed - 1 + engine.span for row in engine.rows)
         if count_calls:
             with counter:
                 events = engine.step()
@@ -110,9 +114,11 @@ def run(target, draft, prompts, rows, max_new_tokens, count_calls=False, api=CUR
         tokens += sum(len(e.new_token_ids) for e in events)
     seconds = time.perf_counter() - start
     out = {"tokens_per_s": tokens / seconds, "steps": steps, "calls_per_step": counter.calls / max(steps, 1)}
-    reads = getattr(engine, "key_reads", None)  # engines before key groups have none
+    reads = getattr(engine, "key_reads", None)  # key groups' engines count keys read per layer and step
     if reads is not None:
         out.update({f"{k}_per_step": v for k, v in reads.per_step().items()})
+    elif paged:
+        out.update(keys_per_step=held / max(steps, 1), held_per_step=held / max(steps, 1))
     return out
 
 
@@ -175,8 +181,10 @@ def main(argv=None):
                         results[key].update({k: round(v, 1) for k, v in last[name].items() if k.endswith("_per_step")
                                              and k != "calls_per_step"})
                         figures = last[name]
-                        keys = (f" {figures['keys_per_step']:>9.0f} keys/step (one bucket "
-                                f"{figures['one_bucket_per_step']:.0f}, rows hold {figures['held_per_step']:.0f})")
+                        bucket = f"one bucket {figures['one_bucket_per_step']:.0f}, " \
+                            if "one_bucket_per_step" in figures else "paged, "
+                        keys = (f" {figures['keys_per_step']:>9.0f} keys/step ({bucket}rows hold "
+                                f"{figures['held_per_step']:.0f})")
                     print(f"{key:<38} {results[key]['tokens_per_s']:>9.1f} tok/s {calls[name]:>8.1f} torch calls/step"
                           + keys, flush=True)
     write_results(args.json, results, args)

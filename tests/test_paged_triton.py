@@ -97,3 +97,18 @@ def test_imports_and_says_unavailable_without_triton(results):
     """With `import triton` failing (in the cases' process, before it imports triton), the module imports and
     `available` is False for CUDA and for the interpreter."""
     assert results["without_triton"]
+
+
+@needs_triton
+def test_the_engine_on_the_triton_kernel_gives_the_targets_tokens():
+    """The engine with its attention on our Triton kernel (as on CUDA, here under the interpreter): greedy speculative
+    and target-only equal HF's tokens over ragged rows in a small pool, prompts in chunks; the wiring (int32 tables,
+    folded limits, the draft's pool) is the engine's own."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(TESTS.parent)}
+    done = subprocess.run([sys.executable, str(TESTS / "paged_triton_engine.py")], capture_output=True, text=True,
+                          timeout=600, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.splitlines()[-1])
+    assert got["kernel_calls"] > 0 and got["table_dtypes"] == ["torch.int32"]
+    assert got["target_only"]["tokens"] == got["hf"]
+    assert got["speculative"]["tokens"] == got["hf"]

@@ -52,11 +52,11 @@ class PackedLinear(nn.Linear):
         weight = self.weight.detach()
         self.packed_weight = ops.pack_linear(weight)
         self.mkl_weight = torch.ops.mkl._mkl_reorder_linear_weight(weight, MKL_PACKED_FOR)
-        self.packed_from = (weight.data_ptr(), self.weight._version)
+        self.packed_from = weight_state(self.weight)
 
     def current_pack(self) -> torch.Tensor:
         """The packed weight for our kernel, packed again (both copies) if the weight changed since."""
-        if self.packed_from != (self.weight.data_ptr(), self.weight._version):
+        if self.packed_from != weight_state(self.weight):
             self.pack()
         return self.packed_weight
 
@@ -89,7 +89,7 @@ def packed_states(linears) -> tuple | None:
         if not isinstance(m, PackedLinear):
             return None
         weight = m._parameters["weight"]
-        states.append((weight.data_ptr(), weight._version))
+        states.append(weight_state(weight))
     return tuple(states)
 
 
@@ -121,3 +121,9 @@ def pack_linears(*models: nn.Module | None, budget_share: float = 0.25) -> int:
         m.pack()
     log.info("packed %d linear layers for our kernel and MKL's (%.2f GiB)", len(linears), need / 2**30)
     return need
+
+
+def weight_state(weight: torch.Tensor) -> tuple[int, int]:
+    """(data_ptr, version): what a pack was made from. Tensors made under inference mode (a model built inside it)
+    keep no version counter: their version is 0 (they cannot be changed in place outside inference mode)."""
+    return weight.data_ptr(), 0 if weight.is_inference() else weight._version
