@@ -103,11 +103,10 @@ def test_a_tiny_pool_preempts_and_a_small_budget_chunks_without_changing_a_token
     assert_all_blocks_back(engine)
 
 
-@pytest.mark.parametrize("speculative", [False, True])
-def test_rows_share_their_prompts_whole_blocks_and_prefill_them_once(target, draft, shared_prompts, speculative):
+def test_rows_share_their_prompts_whole_blocks_and_prefill_them_once(target, draft, shared_prompts):
     """Rows behind one system prompt share its whole blocks (the target's keys and the draft's context): reported as
     prefix hits, the tokens HF's, and the blocks used below what the same rows take unshared."""
-    proposer = DominoProposer(draft, target) if speculative else None
+    proposer = DominoProposer(draft, target)
     tokens, engine = run(target, proposer, shared_prompts)
     assert tokens == [hf_greedy(target, p, NEW) for p in shared_prompts]
     hits = engine.kv_cache_stats()["prefix_hit_tokens"]
