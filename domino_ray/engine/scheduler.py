@@ -16,10 +16,10 @@ from collections import deque
 from domino_ray.engine.blocks import BlockPool
 from domino_ray.engine.request import Row
 
-# Positions past its next step each active row keeps room for when a new row is admitted: admitting into a full pool
-# only to preempt as the rows grow recomputes prefills (benchmarks/bench_kv_rows.py, demo prompts in a pool of 16
-# rows' worth: 1,763 preemptions and 87 s with none, 712 and 59 s with 64; the length mix: 105 -> 0, rows in flight
-# the same).
+# Positions past its next step each active row (and each row admitted before it in the same step) keeps room for
+# when a new row is admitted: admitting into a full pool only to preempt as the rows grow recomputes prefills
+# (benchmarks/bench_kv_rows.py, the demo prompts in a pool of 16 rows' worth: 1,763 preemptions in 69 s with none,
+# 219 in 55 s with 64, fewer rows in flight (32 mean against 42); the length mix: 105 -> 0, rows in flight the same).
 HEADROOM = 64
 
 Segment = tuple[Row, list[int], int, int]  # (row, its context ids, first position, tokens) prefilled in one step
@@ -61,7 +61,8 @@ class Scheduler:
             if not row.blocks:
                 if len(rows) + holders >= self.max_rows or not self.take_blocks(row, context, growth):
                     break
-                holders += 1
+                holders += 1  # the rows behind it leave room for its headroom too
+                growth += self.blocks.blocks_for(len(context) + self.span + HEADROOM) - len(row.blocks)
             n = min(len(context) - row.prefilled, budget)
             segments.append((row, context, row.prefilled, n))
             budget -= n
