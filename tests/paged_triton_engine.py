@@ -24,8 +24,8 @@ def main():
     patch_interpreter_index()
     torch.set_num_threads(1)
     target = tiny_target("qwen3", dtype=torch.float32, head_dim=16)
-    prompts = ragged_prompts(3, seed=4, min_len=10, max_len=30)
-    new = 8
+    prompts = ragged_prompts(2, seed=4, min_len=10, max_len=30)
+    new = 6
     out, calls = {}, []
     from domino_ray.backend import paged_triton
     kernel = paged_triton.paged_attention

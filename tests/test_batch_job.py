@@ -316,12 +316,12 @@ def test_generated_ids_are_stable_unique_and_resumable(ray_cluster, tmp_path):
     assert sorted(rest) == prompts[250:] and all(first[p] == i for p, i in rest.items())
 
 
-KV_NEW = 24  # generated tokens per row of the KV cache job: each row grows by one or two blocks after admission
+KV_NEW = 96  # generated tokens per row of the KV cache job: rows outgrow the room admission leaves them (64 positions)
 
 
 def test_kv_cache_stats_with_shared_prefixes_and_preemption(ray_cluster, agreeing_pair, tmp_path):
-    """Prompts sharing a long prefix, two shards, through a pool of 10 blocks (`kv_cache_tokens=160`: one row at
-    `max_model_len` fits, three or so at once) with EOS ignored so that every row grows: rows share their prefix blocks
+    """Prompts sharing a long prefix, two shards, through a pool of 16 blocks (`kv_cache_tokens=256`: one row at
+    `max_model_len` fits, two or so at once) with EOS ignored so that every row grows: rows share their prefix blocks
     and rows are preempted, yet every row equals target-only greedy (without a draft, a pool that preempts nothing).
     `_summary.json`'s `kv_cache` adds up the engines of its run (`run.actors`; a resume's are its own run's, the
     same path).
@@ -329,7 +329,7 @@ def test_kv_cache_stats_with_shared_prefixes_and_preemption(ray_cluster, agreein
     prompts = [f"{' '.join(WORDS[:10])} {p}" for p in make_prompts(6, seed=3)]
     write_shards(tmp_path / "in", {"id": list(range(len(prompts))), "prompt": prompts}, shards=2)
     cfg = job_config(agreeing_pair, str(tmp_path / "in"), str(tmp_path / "out"), **{
-        "model.max_model_len": 128, "generation.kv_cache_tokens": 160, "generation.max_new_tokens": KV_NEW,
+        "model.max_model_len": 192, "generation.kv_cache_tokens": 256, "generation.max_new_tokens": KV_NEW,
         "generation.ignore_eos": "true"})
     llm = DominoLLM.from_pretrained(agreeing_pair[0], draft=None, chat_template=False)
     reference = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_new_tokens=KV_NEW, ignore_eos=True))]
@@ -344,7 +344,7 @@ def test_kv_cache_stats_with_shared_prefixes_and_preemption(ray_cluster, agreein
         assert len(actors) == kv["actors"] == engines
         assert kv == {"block_size": 16, "actors": engines, **{k: sum(a[k] for a in actors) for k in (
             "blocks", "peak_blocks_used", "peak_rows", "preemptions", "prefix_hit_tokens")}}
-        assert kv["blocks"] == 10 * engines and 0 < kv["peak_blocks_used"] <= kv["blocks"]
+        assert kv["blocks"] == 16 * engines and 0 < kv["peak_blocks_used"] <= kv["blocks"]
         assert engines <= kv["peak_rows"] <= 8 * engines
         assert json.loads((tmp_path / "out" / "_summary.json").read_text())["kv_cache"] == kv
         return kv
@@ -352,7 +352,7 @@ def test_kv_cache_stats_with_shared_prefixes_and_preemption(ray_cluster, agreein
     kv = check(run_job(cfg, log=lambda *_: None), engines=1)
     assert kv["preemptions"] > 0 and kv["prefix_hit_tokens"] >= 16
     text = human_summary(json.loads((tmp_path / "out" / "_summary.json").read_text()))
-    assert f"KV cache (1 engine): 10 blocks x 16 positions, peak {kv['peak_blocks_used']} blocks" in text
+    assert f"KV cache (1 engine): 16 blocks x 16 positions, peak {kv['peak_blocks_used']} blocks" in text
 
 
 def test_kv_cache_totals_add_the_engines_of_a_run():

@@ -74,8 +74,9 @@ class PackedLinear(nn.Linear):
 
 def one_op_layers(kernel_attention: bool, positions: int) -> bool:
     """Whether a decode step's layers may each run as our `decode_layer` op: attention by our CPU kernel
-    (`KVBuffers.kernel`: fp32 on CPU, key limits), `positions` (rows x queries) our linear kernel takes (`OUR_ROWS`),
-    and nothing for autograd to record (the op has no backward). The target's layers and the draft block's ask it."""
+    (`KVPool.kernel`: fp32 on CPU, block tables and key limits), `positions` (rows x queries) our linear kernel takes
+    (`OUR_ROWS`), and nothing for autograd to record (the op has no backward). The target's layers and the draft
+    block's ask it."""
     return kernel_attention and positions in OUR_ROWS and not torch.is_grad_enabled()
 
 
