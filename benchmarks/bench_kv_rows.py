@@ -28,7 +28,7 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # runs from a plain checkout, no install
-from common import load_pair, run_meta, write_results  # noqa: E402
+from common import load_pair, write_results  # noqa: E402
 from domino_ray.engine.memory import kv_bytes_per_token, memory_plan, size_engine  # noqa: E402
 from domino_ray.engine.request import Request  # noqa: E402
 from domino_ray.engine.spec_engine import SpecEngine  # noqa: E402
@@ -125,7 +125,6 @@ def main(argv=None):
         print(f"{name}: budget {r['budget_tokens']} tokens: dense {r['dense_rows']} rows, paged {r['paged_mean_rows']:.1f} "
               f"mean / {r['paged_peak_rows']} peak rows in flight ({r['ratio_mean']:.2f}x), {r['preemptions']} "
               f"preemptions, {r['prefix_hit_tokens']} prefix-hit tokens, {r['steps']} steps in {r['seconds']:.0f} s")
-    results["meta"] = run_meta(args)
     write_results(args.json, results, args)
 
 

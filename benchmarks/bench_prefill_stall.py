@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # runs from a plain checkout, no install
-from common import load_pair, run_meta, write_results  # noqa: E402
+from common import load_pair, write_results  # noqa: E402
 from domino_ray.engine.request import Request  # noqa: E402
 from domino_ray.engine.spec_engine import SpecEngine  # noqa: E402
 from domino_ray.spec.sampling_params import SamplingParams  # noqa: E402
@@ -79,7 +79,6 @@ def main(argv=None):
           f"{results['chunked']['stall_ms']:.0f} ms in chunks of {args.chunk} ({results['stall_ratio']:.1f}x shorter); "
           f"first token of the long row {results['whole']['time_to_first_token_s']:.2f} s vs "
           f"{results['chunked']['time_to_first_token_s']:.2f} s")
-    results["meta"] = run_meta(args)
     write_results(args.json, results, args)
 
 
