@@ -28,19 +28,17 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # runs from a plain checkout, no install
+from bench_gpu import HUANG2020_DRAFT, QWEN3_4B as PRODUCTION_TARGET  # noqa: E402
 from common import load_pair, write_results  # noqa: E402
 from domino_ray.engine.memory import kv_bytes_per_token, memory_plan, size_engine  # noqa: E402
 from domino_ray.engine.request import Request  # noqa: E402
 from domino_ray.engine.spec_engine import SpecEngine  # noqa: E402
 from domino_ray.engine.step_graphs import verify_positions  # noqa: E402
-from domino_ray.spec.draft import DraftConfig  # noqa: E402
+from domino_ray.spec.checkpoint_layouts import parse_draft_config  # noqa: E402
 from domino_ray.spec.sampling_params import SamplingParams  # noqa: E402
 
-QWEN3_4B = Qwen3Config(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
-                       num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960)
-DOMINO_B16 = DraftConfig(hidden_size=2560, intermediate_size=9728, num_hidden_layers=5, num_attention_heads=32,
-                         num_key_value_heads=8, head_dim=128, vocab_size=151936, block_size=16,
-                         target_layer_ids=(1, 9, 17, 25, 33), mask_token_id=151669, emb_dim=256, gru_hidden_dim=1024)
+QWEN3_4B = Qwen3Config(**PRODUCTION_TARGET)
+DOMINO_B16 = parse_draft_config(HUANG2020_DRAFT, {}, "dflash")
 WEIGHTS = int((4.02e9 + 0.55e9) * 2)  # bf16 target + draft, bytes
 GiB = 2**30
 

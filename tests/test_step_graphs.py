@@ -3,14 +3,13 @@ engine's own steps checked against them on CPU: a greedy step never meets a key 
 
 import pytest
 
-from domino_ray.engine.memory import plan_slots
 from domino_ray.engine.request import Request
 from domino_ray.engine.spec_engine import SpecEngine
 from domino_ray.engine.step_graphs import greedy_step_keys, row_buckets, verify_positions
 from domino_ray.spec.proposer import DominoProposer
 from domino_ray.spec.sampling_params import SamplingParams
 from domino_ray.spec.width_costs import MAX_VERIFY_POSITIONS, step_widths
-from test_memory_plan import GiB, WEIGHTS, production_plan
+from test_memory_plan import production_sizes
 from tiny_models import ragged_prompts, tiny_draft, tiny_target
 
 def test_widths_shrink_as_rows_grow_only_with_graphs():
@@ -28,8 +27,8 @@ def test_widths_shrink_as_rows_grow_only_with_graphs():
 
 @pytest.mark.parametrize("device_gib", [80, 141])
 def test_production_graph_keys_are_bounded(device_gib):
-    """The greedy keys configs/qwen3_4b.yaml captures at start, with the slots `auto` picks on an H100/H200."""
-    slots = plan_slots(int(0.9 * (device_gib * GiB - WEIGHTS)), production_plan)
+    """The greedy keys configs/qwen3_4b.yaml captures at start, with the rows `auto` picks on an H100/H200."""
+    slots, _, _ = production_sizes(device_gib)
     rows = row_buckets(slots)
     widths = step_widths(rows, 16, adaptive=True, graphs=True)
     graph_keys = greedy_step_keys(rows, widths)

@@ -12,6 +12,7 @@ import torch
 from domino_ray.engine.context_ring import DEFERRED_STEPS
 from domino_ray.engine.request import Request
 from domino_ray.engine.spec_engine import SpecEngine
+from domino_ray.engine.start_up_costs import measure_costs
 from domino_ray.spec.proposer import DominoProposer
 from domino_ray.spec.sampling_params import SamplingParams
 from domino_ray.spec.width_costs import candidate_widths, smooth_costs, StepCosts
@@ -380,7 +381,7 @@ def test_start_up_costs_time_rows_that_fill_the_keys_timed(target):
         return device_step(r, key_len, *args)
 
     engine._device_step = recording
-    engine.measure_costs({1: [0, 2], 2: [0, 2]}, repeats=1)
+    measure_costs(engine, {1: [0, 2], 2: [0, 2]}, repeats=1)
     shortest = -(-engine.span // engine.block_size) * engine.block_size
     assert {t for t, *_ in seen} == {shortest, engine.capacity}
     assert all(lens == [t - engine.span] * len(lens) for t, lens, _ in seen), seen

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import torch
 
+from domino_ray.backend import paged_triton
 from domino_ray.engine.context_ring import ContextRing
+from domino_ray.engine.step_graphs import row_buckets
 from domino_ray.model.kv_cache import KVPool, StepKeys, query_limits
 from domino_ray.model.target_forward import RowAttention, rotary_table, run_decoder
 from domino_ray.spec.sampling import RowSampling, StepMode, token_logprobs
@@ -44,7 +46,11 @@ class StepRunner:
             self.tap_layers = tuple(proposer.target_layer_ids)
         # [R, nb] each slot's blocks; a free slot's (a padding row's) are all the null block
         self.block_tables = torch.zeros(r, capacity // block_size, dtype=torch.int32, device=dev)
-        self.splits: dict[int, int] = {}  # row bucket -> the Triton kernel's split over the keys (`StepKeys`)
+        # Row bucket -> the Triton kernel's split over the keys (`StepKeys`): few rows split theirs to fill the GPU
+        self.splits: dict[int, int] = {}
+        if self.kv.triton:
+            sms = torch.cuda.get_device_properties(dev).multi_processor_count
+            self.splits = {b: paged_triton.choose_splits(b, self.kv.num_kv_heads, sms) for b in row_buckets(r)}
         self.lens = torch.zeros(r, dtype=torch.long, device=dev)       # [R] committed positions in the KV
         self.anchor = torch.zeros(r, dtype=torch.long, device=dev)     # [R] last committed token
         self.remaining = torch.zeros(r, dtype=torch.long, device=dev)  # [R] tokens the row may still emit; 0 = free

@@ -12,6 +12,7 @@ the latest admitted row gives its blocks back (`victim`): preemption by recomput
 from __future__ import annotations
 
 from collections import deque
+from itertools import takewhile
 
 from domino_ray.engine.blocks import BlockPool
 from domino_ray.engine.request import Row
@@ -42,9 +43,24 @@ class Scheduler:
     def growth(self, rows: list[Row], ahead: int = 0) -> int:
         return sum(max(n, 0) for n in self.needs(rows, ahead))
 
+    def grow(self, rows: list[Row]) -> tuple[list[int], list[int], list[int]]:
+        """Each active row takes the blocks its next step needs (the caller made them free): (slots, table entries,
+        blocks) to write into the rows' block tables."""
+        slots, indices, new = [], [], []
+        for slot, (row, n) in enumerate(zip(rows, self.needs(rows))):
+            if n > 0:
+                got = self.blocks.take(n)
+                slots += [slot] * n
+                indices += range(len(row.blocks), len(row.blocks) + n)
+                new += got
+                row.blocks += got
+        return slots, indices, new
+
     def holders(self) -> list[Row]:
-        """Pending rows holding blocks (being prefilled)."""
-        return [row for row in self.pending if row.blocks]
+        """Pending rows holding blocks (being prefilled): the queue's leading rows with blocks, as rows take blocks in
+        queue order, and a row requeued at the front has none (the latest admitted row, a holder when there is one,
+        is preempted first). Walks those only, not the whole queue: it runs every step."""
+        return list(takewhile(lambda row: bool(row.blocks), self.pending))
 
     def prefill_segments(self, rows: list[Row]) -> list[Segment]:
         """This step's prefill beside the active `rows`: pending rows in order within `max_prefill_tokens` tokens, each
@@ -52,6 +68,8 @@ class Scheduler:
         row with no room. Publishes the
         whole blocks each segment writes, so the rows behind it in the same forward share them already (a layer
         writes every segment's keys before any segment attends)."""
+        if not self.pending:  # the steady state of a drained queue: nothing to walk
+            return []
         budget, segments, growth = self.max_prefill_tokens, [], self.growth(rows, HEADROOM)
         holders = len(self.holders())
         for row in self.pending:

@@ -49,15 +49,16 @@ from domino_ray.engine.memory import check_memory_fits, free_device_memory, memo
 from domino_ray.engine.request import Completion, Request, Row, StepEvent, new_row
 from domino_ray.engine.runner import StepRunner
 from domino_ray.engine.scheduler import Scheduler
+from domino_ray.engine.start_up_costs import measure_costs
 from domino_ray.engine.step_graphs import (StepGraphs, capture_steps, greedy_step_keys, row_buckets, use_cuda_graphs,
                                            verify_positions)
-from domino_ray.backend import paged_triton
 from domino_ray.model.fused_layers import fuse_layers
-from domino_ray.model.kv_cache import KVPool, kernel_enabled
+from domino_ray.model.kv_cache import reads_in_place
 from domino_ray.model.packed_linear import pack_linears
 from domino_ray.model.target_forward import install
-from domino_ray.spec.sampling import GREEDY, StepMode, sampling_mode
-from domino_ray.spec.width_costs import StepCosts, measure_step_costs, step_widths
+from domino_ray.spec.draft import DraftConfig
+from domino_ray.spec.sampling import StepMode, sampling_mode
+from domino_ray.spec.width_costs import StepCosts, step_widths
 from domino_ray.spec.width_policy import WidthController
 
 log = logging.getLogger(__name__)
@@ -118,9 +119,10 @@ class SpecEngine:
         self.pad_rows = graphs
         # W = 0 steps keep their taps and feed the draft's context in batches (`DEFERRED_STEPS`): eager steps only
         self.defer_context = self.adaptive and not graphs and bool(getattr(proposer, "target_layer_ids", ()))
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.paged_kernel = kernel_enabled(self.device, self.dtype, head_dim, kv_block_size) or \
-            (self.device.type == "cuda" and paged_triton.available(self.device))
+        head_dims = [getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads]
+        head_dims += [proposer.config.head_dim] if isinstance(getattr(proposer, "config", None), DraftConfig) else []
+        # Whether a step gathers the rows' keys up to its key_len (`_key_len`) instead of reading them in place
+        self.gathers = not all(reads_in_place(self.device, self.dtype, d, kv_block_size) for d in head_dims)
         budget, where, most = memory_budget(self.device, gpu_memory_utilization)
         self.max_rows, self.kv_blocks, self.slot_report = size_engine(
             budget, where, most, max_rows, kv_cache_tokens, lambda rows, blocks: self.memory_plan(rows, blocks),
@@ -144,7 +146,7 @@ class SpecEngine:
         self.width: WidthController | None = None  # None: every step verifies K
         if self.adaptive:
             costs = (width_costs if isinstance(width_costs, StepCosts) else StepCosts(width_costs) if width_costs
-                     else self.measure_costs(self.widths))
+                     else measure_costs(self, self.widths))
             self.width = WidthController(k, self.max_rows, costs, lazy_context=self.defer_context)
 
     def _allocate(self, r: int, k: int):
@@ -154,13 +156,7 @@ class SpecEngine:
         self.runner = StepRunner(self.target, self.layers, self.proposer, self.ring, rows=r, capacity=self.capacity,
                                  blocks=self.kv_blocks, block_size=self.block_size)
         self.row_buckets = row_buckets(r)
-        if self.runner.kv.triton:  # few rows: split each row's keys over more programs to fill the GPU
-            sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-            self.runner.splits = {b: paged_triton.choose_splits(b, self.runner.kv.num_kv_heads, sms)
-                                  for b in self.row_buckets}
         self.widths = step_widths(self.row_buckets, k, self.adaptive, self.cuda_graphs)  # {r: [W, ...]}
-        pools = [self.runner.kv] + ([self.proposer.kv] if isinstance(getattr(self.proposer, "kv", None), KVPool) else [])
-        self.gathers = not all(pool.kernel or pool.triton for pool in pools)  # a step gathers keys up to its key_len
 
     def memory_plan(self, rows: int | None = None, blocks: int | None = None) -> dict[str, int]:
         """Bytes beyond the weights for this engine's sizes with `rows` rows and a pool of `blocks` blocks (default: its
@@ -170,7 +166,7 @@ class SpecEngine:
                            max_rows=rows, num_spec_tokens=self.num_spec_tokens, capacity=self.capacity,
                            kv_blocks=self.kv_blocks if blocks is None else blocks, block_size=self.block_size,
                            max_prefill_tokens=self.max_prefill_tokens, itemsize=self.dtype.itemsize,
-                           cuda_graphs=self.cuda_graphs, paged_kernel=self.paged_kernel,
+                           cuda_graphs=self.cuda_graphs, paged_kernel=not self.gathers,
                            verify_positions=verify_positions(rows, self.num_spec_tokens, self.adaptive, self.cuda_graphs),
                            deferred_positions=DEFERRED_STEPS if self.defer_context else 0)
 
@@ -296,16 +292,9 @@ class SpecEngine:
         prefilled) gives its blocks back (`_preempt`), until the rest fit."""
         while self.scheduler.growth(self.rows) > self.blocks.free_count:
             self._preempt(self.scheduler.victim(self.rows))
-        slots, indices, new = [], [], []
-        for slot, (row, n) in enumerate(zip(self.rows, self.scheduler.needs(self.rows))):
-            if n > 0:
-                got = self.blocks.take(n)
-                slots += [slot] * n
-                indices += range(len(row.blocks), len(row.blocks) + n)
-                new += got
-                row.blocks += got
-        if new:
-            self.runner.add_blocks(slots, indices, new)
+        new = self.scheduler.grow(self.rows)
+        if new[0]:
+            self.runner.add_blocks(*new)
 
     def _preempt(self, row: Row):
         """`row` gives its blocks back and waits at the front of the queue; prefilled again (prompt and generated
@@ -376,28 +365,6 @@ class SpecEngine:
             step()
             return True
         return self.graphs.run(("step", r, w, mode, context), step)
-
-    @torch.inference_mode()
-    def measure_costs(self, widths: dict[int, list[int]], repeats: int = 3) -> StepCosts:
-        """Step costs for the adaptive width, timed on `_device_step` (what real steps run) while every slot is
-        free: padding rows, which the steps leave unchanged. Their lengths are set to fill the keys timed and their
-        tables to distinct blocks (all on the null block they would read one block from the cache), since attention
-        reads only the keys a row holds, then set back."""
-        def run_step(r: int, t: int, w: int):
-            self.runner.lens[:r] = t - self.span  # a step writes `span` positions past a row's length
-            self._device_step(r, t, w, GREEDY, True)
-            self.runner.read_packed(0, w)
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-
-        tables = self.runner.block_tables
-        ids = 1 + torch.arange(tables.numel()) % (self.kv_blocks - 1)
-        tables.copy_(ids.view(tables.shape))
-        try:
-            return measure_step_costs(run_step, widths, (_round_up(self.span, self.block_size), self.capacity), repeats)
-        finally:
-            self.runner.lens.zero_()  # free slots are inert padding rows
-            tables.zero_()
 
     # ---- host bookkeeping -------------------------------------------------------------------------
 

@@ -48,6 +48,14 @@ def kernel_enabled(device: torch.device | str, dtype: torch.dtype, head_dim: int
         block_size % 8 == 0 and kernels_loaded()
 
 
+def reads_in_place(device: torch.device | str, dtype: torch.dtype, head_dim: int, block_size: int) -> bool:
+    """Whether attention over a pool of these reads each row's blocks in place (our CPU kernel, our Triton kernel on
+    CUDA) rather than gathering them up to the longest row's length (`paged_attention`)."""
+    device = torch.device(device)
+    return kernel_enabled(device, dtype, head_dim, block_size) or \
+        (device.type == "cuda" and paged_triton.available(device))
+
+
 def kv_write(key_buffer: torch.Tensor, value_buffer: torch.Tensor, at: torch.Tensor, keys: torch.Tensor,
              values: torch.Tensor) -> bool:
     """`keys/values [b, Hkv, q, D]` into rows `at` of the buffers seen as `[rows, D]` (`KVPool.write`) as our one op,
@@ -81,10 +89,6 @@ class KVPool:
     @property
     def nbytes(self) -> int:
         return 2 * self.all_keys.numel() * self.all_keys.element_size()
-
-    @staticmethod
-    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, itemsize: int) -> int:
-        return 2 * num_layers * block_size * num_kv_heads * head_dim * itemsize
 
     def flat_index(self, tables: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Where `write` puts positions `positions [b, q]` of rows with block tables `tables [b, nb]`: `[b * q * Hkv]`
@@ -141,16 +145,15 @@ def paged_attention(query: torch.Tensor, pool: KVPool, layer: int, tables: torch
     HF's attention functions return). `key_len`: a multiple of the block size covering every limit, read only by the
     gather path (the kernels read each row's limits); `splits`: the Triton kernel's split over the keys.
     """
+    if not (pool.kernel or pool.triton):
+        visible = visible_keys(limits, torch.arange(key_len, device=query.device), query.dtype)
+        return row_attention(query, *pool.gather(layer, tables, key_len), visible, scale)
     r, h, q, d = query.shape
     folded = query.reshape(r, pool.num_kv_heads, -1, d)  # [r, Hkv, G*q, D]: heads of a group are adjacent
     if pool.kernel:
         out = ops.decode_attention(folded, pool.keys[layer], pool.values[layer], tables, limits, scale)
-    elif pool.triton:
-        out = paged_triton.paged_attention(folded, pool.keys[layer], pool.values[layer], tables, limits, scale, splits)
     else:
-        keys, values = pool.gather(layer, tables, key_len)
-        visible = visible_keys(limits, torch.arange(key_len, device=query.device), query.dtype)
-        out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=visible, scale=scale)
+        out = paged_triton.paged_attention(folded, pool.keys[layer], pool.values[layer], tables, limits, scale, splits)
     return out.reshape(r, h, q, d).transpose(1, 2)
 
 
@@ -187,7 +190,7 @@ def prefill_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Ten
 def row_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor,
                   scale: float) -> torch.Tensor:
     """Dense attention of each row's queries over its own keys under an additive or bool mask, GQA-native (the
-    draft's stateless forward: training and the tests' oracle). query `[r, H, q, D]`, keys/values `[r, Hkv, T, D]`,
+    gather path of `paged_attention`; the draft's stateless forward: training and the tests' oracle). query `[r, H, q, D]`, keys/values `[r, Hkv, T, D]`,
     `visible [r, 1, G*q, T]` -> `[r, q, H, D]`."""
     r, h, q, d = query.shape
     folded = query.reshape(r, keys.shape[1], -1, d)  # [r, Hkv, G*q, D]

@@ -1,0 +1,36 @@
+"""The adaptive width's start-up step costs, timed on the engine's own device step while every slot is free.
+
+Free slots are padding rows, which a step leaves unchanged: for the timing their lengths are set to fill the keys
+timed and their block tables to distinct blocks (on the null block alone they would read one block from the cache),
+since attention reads only the keys a row holds; both are set back after. Real steps then refine the figures
+(`spec/width_costs.py`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from domino_ray.spec.sampling import GREEDY
+from domino_ray.spec.width_costs import StepCosts, measure_step_costs
+
+
+@torch.inference_mode()
+def measure_costs(engine, widths: dict[int, list[int]], repeats: int = 3) -> StepCosts:
+    """Seconds per step of `engine` (a `SpecEngine` with no rows) for each row bucket and its `widths`, at the
+    shortest and the longest key length (`measure_step_costs`)."""
+    runner = engine.runner
+
+    def run_step(r: int, t: int, w: int):
+        runner.lens[:r] = t - engine.span  # a step writes `span` positions past a row's length
+        engine._device_step(r, t, w, GREEDY, True)
+        runner.read_packed(0, w)
+        if engine.device.type == "cuda":
+            torch.cuda.synchronize(engine.device)
+
+    tables, bs = runner.block_tables, engine.block_size
+    tables.copy_((1 + torch.arange(tables.numel()) % (engine.kv_blocks - 1)).view(tables.shape))
+    try:
+        return measure_step_costs(run_step, widths, (-(-engine.span // bs) * bs, engine.capacity), repeats)
+    finally:
+        runner.lens.zero_()  # free slots are inert padding rows on the null block
+        tables.zero_()
