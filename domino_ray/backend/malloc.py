@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import os
 
 log = logging.getLogger(__name__)
 
@@ -45,3 +46,17 @@ def keep_freed_memory() -> bool:
     if not _done:
         log.info("mallopt refused the allocator thresholds: large CPU tensors keep glibc's defaults")
     return _done
+
+
+def host_memory_available() -> int:
+    """Bytes the host can hand out without swapping: the kernel's MemAvailable (free pages plus the page cache and
+    slabs it can reclaim). Free pages alone (`SC_AVPHYS_PAGES`) undercount a machine that has just read files (a CI
+    runner after its installs: a few GB free, most of its memory in the cache)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:  # not Linux
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

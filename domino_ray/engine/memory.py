@@ -10,11 +10,11 @@ KV pool from it (`size_engine`).
 from __future__ import annotations
 
 import logging
-import os
 from typing import Callable
 
 import torch
 
+from domino_ray.backend.malloc import host_memory_available
 from domino_ray.spec.sampling_params import MAX_LOGPROBS
 
 log = logging.getLogger(__name__)
@@ -117,7 +117,7 @@ def memory_budget(device: torch.device, utilization: float) -> tuple[int, str, i
     8 rows per thread (8..64: more rows only queue behind the cores)."""
     if device.type == "cuda":
         return int(utilization * free_device_memory(device)), str(device), MAX_AUTO_SLOTS
-    host = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    host = host_memory_available()
     return int(utilization * host / 4), "host", min(64, max(8, 8 * torch.get_num_threads()))
 
 
@@ -133,6 +133,7 @@ def size_engine(budget: int, where: str, most_rows: int, rows, tokens, plan_for:
     row_blocks = capacity // block_size  # one row at its longest
     fixed = None if tokens == "auto" else -(-tokens // block_size) + 1
     pool_blocks = lambda r: (budget - sum(plan_for(r, 0).values())) // per_block  # noqa: E731
+    rows_fixed = rows != "auto"
     if rows == "auto":
         if fixed is not None:
             rows = plan_slots(budget, lambda r: plan_for(r, fixed), most_rows)
@@ -148,6 +149,14 @@ def size_engine(budget: int, where: str, most_rows: int, rows, tokens, plan_for:
         blocks = pool_blocks(rows)
         if dense_cap:
             blocks = min(blocks, rows * row_blocks + 1)
+    if rows_fixed and fixed is None and blocks < row_blocks + 1:
+        rest = sum(plan_for(rows, 0).values())
+        raise ValueError(f"generation.max_batch_size={rows}: the KV pool gets what the memory budget leaves beside the "
+                         f"rows' other buffers, and {rows} rows leave {max(budget - rest, 0) / 2**30:.2f} of "
+                         f"{budget / 2**30:.2f} GiB on {where} (plan without the pool {_gib(plan_for(rows, 0))}); one "
+                         f"row at model.max_model_len needs {row_blocks * block_size} tokens: lower "
+                         "generation.max_batch_size, set generation.kv_cache_tokens, or raise "
+                         "runtime.gpu_memory_utilization")
     if blocks < row_blocks + 1:
         key = "generation.kv_cache_tokens" if fixed is not None else "runtime.gpu_memory_utilization"
         raise ValueError(f"{key}: the KV pool holds {(blocks - 1) * block_size} tokens but one row at "

@@ -228,12 +228,12 @@ class SpecEngine:
         self._evict(events)  # aborted rows free their slots first
         self._admit(events)
         self._evict(events)
+        stats = self.blocks.stats  # counted before the step, which may finish rows
+        stats.peak_rows = max(stats.peak_rows, len(self.rows) + len(self.scheduler.holders()))
         if self.rows:
             self._reserve()
             self._decode(events)
             self._evict(events)
-        stats = self.blocks.stats
-        stats.peak_rows = max(stats.peak_rows, len(self.rows) + len(self.scheduler.holders()))
         return events
 
     def _admit(self, events: list[StepEvent]):

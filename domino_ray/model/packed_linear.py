@@ -20,7 +20,6 @@ packed again on its next call.
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +27,7 @@ from torch import nn
 
 from domino_ray.backend import ops
 from domino_ray.backend.library import kernels_loaded
+from domino_ray.backend.malloc import host_memory_available
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +112,7 @@ def pack_linears(*models: nn.Module | None, budget_share: float = 0.25) -> int:
     if not linears:
         return 0
     need = 2 * sum(m.weight.numel() * m.weight.element_size() for m in linears.values())  # ours and MKL's
-    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    available = host_memory_available()
     if need > budget_share * available:
         log.info("not packing the linear layers: the copies (%.2f GiB) would take more than %.0f%% of "
                  "the %.1f GiB of host memory available", need / 2**30, 100 * budget_share, available / 2**30)
