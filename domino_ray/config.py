@@ -31,7 +31,8 @@ class ConfigError(ValueError):
 class ModelConfig:
     source: str = str(DEMO_ASSETS / "target")  # target: local directory or hub id (e.g. Qwen/Qwen3-4B)
     tokenizer: str | None = None      # tokenizer source when it differs from `source`
-    dtype: str = "auto"               # auto | float32 | bfloat16 | float16
+    dtype: str = "auto"               # auto | float32 | bfloat16 | float16; auto: the checkpoint's, but on CPU a
+                                      # 16-bit one runs in float32 unless the CPU has AVX512_BF16 or AMX (bfloat16)
     device: str = "auto"              # auto (cuda when available) | cpu | cuda | cuda:N
     max_model_len: int | None = None  # prompt + generated tokens per row; None = the model's limit
     chat_template: bool = False       # wrap plain prompts as one user turn (true for chat models)

@@ -19,6 +19,7 @@ from typing import Sequence
 
 from domino_ray.engine.request import Request, TokenLogprobs
 from domino_ray.engine.spec_engine import SpecEngine
+from domino_ray.model.packed_linear import keep_bf16_weights
 from domino_ray.model.target import encode_prompt, load_target, load_tokenizer, stop_token_ids
 from domino_ray.model.text_stream import row_text, stop_matcher
 from domino_ray.spec.checkpoint import load_draft
@@ -32,7 +33,9 @@ def build_engine(target, draft=None, tokenizer=None, *, num_draft_tokens: int | 
     """The one way to assemble a SpecEngine from loaded parts; `load_engine` (jobs, Serve) and `DominoLLM`
     both call it. `draft` is a DominoDraft or None (target only); `tokenizer` None means token ids only,
     and only a real tokenizer's EOS id joins the model's stop ids. `engine_settings` go to SpecEngine
-    as they are (max_model_len, seed, max_prefill_tokens, kv_block_size, kv_cache_tokens, ...)."""
+    as they are (max_model_len, seed, max_prefill_tokens, kv_block_size, kv_cache_tokens, ...). On CPU a bf16 target
+    and draft turn fp32 modules whose linear layers stream bf16 weights (`packed_linear.keep_bf16_weights`)."""
+    keep_bf16_weights(target, draft)  # CPU bf16: fp32 modules over bf16 panels, before the proposer copies weights
     proposer, adaptive = None, False
     if draft is not None:
         k, adaptive = resolve_num_spec_tokens(num_draft_tokens, draft.config)

@@ -1,6 +1,7 @@
 """Our CPU kernels' library (`csrc/`), built once per machine and loaded into torch (`ops.py` calls its ops).
 
-All fp32 and CPU only; CUDA, other dtypes and a machine where they do not build keep torch's ops. Built with
+fp32 activations on CPU only (the linear kernel also reads bf16 weights: `packed_linear.keep_bf16_weights`); CUDA,
+other dtypes and a machine where they do not build keep torch's ops. Built with
 the machine's C++ compiler for its own CPU (`-march=native`) into `~/.cache/domino-ray/kernels` (or
 `DOMINO_RAY_KERNEL_CACHE`), keyed by the sources, the flags, torch's version and the CPU, so a changed CPU or
 source builds again (~10-30 s; `make setup` builds them). `DOMINO_RAY_CPU_KERNELS=0` turns them off
@@ -92,6 +93,13 @@ def build_key() -> str:
 def has_avx512() -> bool:
     """Whether this CPU has AVX-512 (its own build takes the linear kernel's AVX-512 tiles, not the AVX2 ones)."""
     return "avx512f" in cpu_identity()
+
+
+def has_bf16_arithmetic() -> bool:
+    """Whether this CPU multiplies bf16 natively (AVX512_BF16: Zen 4, Cooper Lake and later Xeons; AMX: Sapphire
+    Rapids and later): where `model.dtype: auto` picks bfloat16 on CPU."""
+    flags = cpu_identity().split()
+    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def cpu_identity() -> str:

@@ -51,8 +51,8 @@ class DominoPredictor:
         engine, self.tokenizer = load_engine(cfg.model, cfg.draft if use_draft else None, cfg.generation, cfg.runtime)
         if engine.device.type == "cpu":
             torch.set_num_threads(max(1, int(cfg.runtime.cpus_per_actor)))  # the CPUs Ray reserved for us
-        if engine.slot_report:
-            print(f"engine actor {socket.gethostname()}:{os.getpid()}: {engine.slot_report}", flush=True)
+        print(f"engine actor {socket.gethostname()}:{os.getpid()}: {engine.precision} on {engine.device}"
+              + (f"; {engine.slot_report}" if engine.slot_report else ""), flush=True)
         self.loop = EngineLoop(engine)
         self.num_spec_tokens = engine.num_spec_tokens
         self.cfg, self.base = cfg, generation_defaults(cfg.generation)
@@ -195,6 +195,7 @@ class DominoPredictor:
             snapshot = {"actor": self.name, "node_id": self.node_id, "rows": self._rows, "generated_tokens": self._tokens,
                         "busy_s": busy, "cpu_s": cpu_s, "max_rows": self.loop.engine.max_rows,
                         "peak_batches_in_flight": self._peak_in_flight, "kv_cache": self.loop.engine.kv_cache_stats(),
+                        "precision": self.loop.engine.precision,
                         **self._times}
         if self.stats_sink is not None and delta < 0:
             width = self.loop.engine.width

@@ -17,11 +17,11 @@ from domino_ray.spec.width_policy import DRAFTING_MARGIN, best_width
 
 STATS_COLUMNS = ["finish_reason", "error", "num_input_tokens", "num_generated_tokens", "num_spec_tokens",
                  "num_spec_steps", "num_draft_tokens", "num_accepted_draft_tokens", "acceptance_histogram",
-                 "verify_width_histogram", "time_to_first_token_s"]
+                 "verify_width_histogram", "near_ties", "time_to_first_token_s"]
 KV_CACHE_SUMS = ("blocks", "peak_blocks_used", "peak_rows", "preemptions", "prefix_hit_tokens")
 MAX_ERROR_REASONS = 20  # in _summary.json; the printed summary shows 5
 TOTALS = ["num_input_tokens", "num_generated_tokens", "num_spec_steps", "num_draft_tokens",
-          "num_accepted_draft_tokens"]
+          "num_accepted_draft_tokens", "near_ties"]
 
 
 def summarize(rows: pa.Table, id_column: str, *, run: dict, config: dict, output_uri: str) -> dict:
@@ -29,7 +29,8 @@ def summarize(rows: pa.Table, id_column: str, *, run: dict, config: dict, output
     n = rows.num_rows
     reasons = Counter(rows.column("finish_reason").to_pylist())
     failed = reasons.get("error", 0)
-    totals = {name: int(pc.sum(rows.column(name)).as_py() or 0) for name in TOTALS}
+    totals = {name: int(pc.sum(rows.column(name)).as_py() or 0) if name in rows.column_names else 0  # older outputs
+              for name in TOTALS}
     # Pooled over rows (1 + all accepted / all steps, not a mean of ratios); K is not used by the ratios.
     pooled = RowStats(0, totals["num_spec_steps"], totals["num_draft_tokens"], totals["num_accepted_draft_tokens"])
     ks = sorted(set(rows.column("num_spec_tokens").to_pylist()))
@@ -105,7 +106,8 @@ def human_summary(s: dict) -> str:
     lines.append(f"  this run: {run['rows']} rows, {run['generated_tokens']} tokens in {run['wall_time_s']:.1f} s "
                  f"({run['tokens_per_s']:.1f} tokens/s); {run['rows_already_done']} rows were already done")
     for a in run["actors"]:
-        lines.append(f"    actor {a['actor']}: {a['rows']} rows, {a['tokens_per_s']:.1f} tokens/s while busy")
+        precision = f" ({a['precision']})" if a.get("precision") else ""
+        lines.append(f"    actor {a['actor']}: {a['rows']} rows, {a['tokens_per_s']:.1f} tokens/s while busy{precision}")
     if s["totals"]["num_spec_steps"]:
         adaptive = s.get("config", {}).get("draft", {}).get("num_draft_tokens") == "auto"
         lines.append(f"  mean acceptance length {s['mean_acceptance_length']:.2f} (K={s['num_spec_tokens']}), "
@@ -115,6 +117,9 @@ def human_summary(s: dict) -> str:
             lines.append("  per-position acceptance: " + " ".join(f"{p:.2f}" for p in s["per_position_acceptance"]))
         if s.get("verify_width_histogram"):
             lines.append("  steps by verify width W=0..K: " + " ".join(str(n) for n in s["verify_width_histogram"]))
+    if s["totals"].get("near_ties"):
+        lines.append(f"  {s['totals']['near_ties']} greedy tokens at near-ties of the target's top two logits (16-bit "
+                     "rounding: where speculative may differ from target-only)")
     kv = s.get("kv_cache")
     if kv:
         lines.append(f"  KV cache ({kv['actors']} engine{'s' if kv['actors'] > 1 else ''}): {kv['blocks']} blocks x "

@@ -98,11 +98,11 @@ class Row:
         return self.request.prompt_token_ids + self.tokens[:-1]
 
     def commit(self, new_tokens: list[int], now: float, drafted: int | None = None,
-               width: int | None = None, logprobs: tuple[list, list] | None = None) -> StepEvent:
+               width: int | None = None, logprobs: tuple[list, list] | None = None, near_ties: int = 0) -> StepEvent:
         """Append a step's tokens (cut after a stop token; `drafted`/`width` for a decode step, not the
         prefill's first token): the step's event, with the completion when the row finished. `logprobs`: the
         step's (values `[q][1 + N]`, ids `[q][N]`) per position, N the step's largest; the row keeps its own N
-        for the tokens it keeps."""
+        for the tokens it keeps. `near_ties`: a bit mask over `new_tokens`, the near-ties (`verify.near_tie_mask`)."""
         cut = next((i + 1 for i, t in enumerate(new_tokens) if t in self.stop_ids), None)
         if cut is not None:
             new_tokens, self.finish_reason = new_tokens[:cut], "stop"
@@ -113,6 +113,7 @@ class Row:
                 new_tokens, self.finish_reason = new_tokens[:max(keep - len(self.tokens), 1)], "stop"
         if drafted is not None:
             self.stats.observe_step(drafted, len(new_tokens) - 1, width)
+        self.stats.near_ties += (near_ties & ((1 << len(new_tokens)) - 1)).bit_count()  # of the tokens kept
         self.tokens.extend(new_tokens)
         new_logprobs = None
         if self.logprobs is not None:

@@ -56,9 +56,10 @@ class StepRunner:
         self.remaining = torch.zeros(r, dtype=torch.long, device=dev)  # [R] tokens the row may still emit; 0 = free
         self.sampling = RowSampling(r, cfg.vocab_size, dev, weight.dtype)
         self.drafts = torch.zeros(r, k, dtype=torch.long, device=dev)  # [R, K] the draft step's output
-        self.packed = torch.zeros(r, k + 2, dtype=torch.long, device=dev)  # [R, 1 + K+1] accepted, tokens
+        # [R, 1 + K+1 + 1] accepted, tokens, near-ties (bit masks over the tokens; 0 unless counted)
+        self.packed = torch.zeros(r, k + 3, dtype=torch.long, device=dev)
         pinned = dev.type == "cuda"
-        self.packed_host = torch.zeros(r, k + 2, dtype=torch.long, pin_memory=pinned)
+        self.packed_host = torch.zeros(r, k + 3, dtype=torch.long, pin_memory=pinned)
         # Each verified position's logprobs when a row asks: the token's then the top N's, and the top N's ids.
         lp_dtype, lp_shape = self.sampling.penalties.dtype, (r, k + 1, 1 + MAX_LOGPROBS)
         self.logprobs = torch.zeros(lp_shape, dtype=lp_dtype, device=dev)                    # [R, K+1, 1+N]
@@ -107,7 +108,7 @@ class StepRunner:
         no_drafts = torch.zeros(len(lengths), 0, dtype=torch.long, device=self.device)
         logits = self.lm_head(last)[:, None]  # [k, 1, V]
         zero = torch.zeros_like(lengths)
-        _, first = self.sampling.accept(rows, logits, no_drafts, zero, (lengths - 1)[:, None], mode)
+        _, first, _ = self.sampling.accept(rows, logits, no_drafts, zero, (lengths - 1)[:, None], mode)
         if mode.penalized:  # the first token is a generated one
             self.sampling.penalties.commit(rows, first, zero, torch.ones_like(lengths, dtype=torch.bool))
         logprobs = token_logprobs(logits, first, mode.logprobs) if mode.logprobs is not None else None
@@ -144,7 +145,7 @@ class StepRunner:
 
     def verify(self, r: int, key_len: int, w: int, mode: StepMode, context: bool | None = True):
         """Verify `[anchor, drafts[:w]]` for slots `0..r` (their keys below `key_len`: `StepKeys`), accept (as `mode` asks), advance the rows
-        and write `self.packed[:r, :w+2]` = (accepted, tokens), with `mode.logprobs` also `self.logprobs` and
+        and write `self.packed[:r, :w+3]` = (accepted, tokens, near-ties), with `mode.logprobs` also `self.logprobs` and
         `self.logprob_ids`; `context`: also feed the draft's context (None: nor keep the taps for later,
         `ContextRing.keeps`)."""
         lens, remaining = self.lens[:r], self.remaining[:r]
@@ -159,7 +160,7 @@ class StepRunner:
                                    cos_sin=self.cos_sin)
         logits = self.lm_head(hidden)  # [r, W+1, V]
         limit = remaining - 1          # drafts that fit the row's budget beside the bonus
-        accepted, tokens = self.sampling.accept(slice(0, r), logits, verify_ids[:, 1:], limit, positions, mode)
+        accepted, tokens, ties = self.sampling.accept(slice(0, r), logits, verify_ids[:, 1:], limit, positions, mode)
         if mode.logprobs is not None:
             values, ids = token_logprobs(logits, tokens, mode.logprobs)
             self.logprobs[:r, :w + 1, :mode.logprobs + 1], self.logprob_ids[:r, :w + 1, :mode.logprobs] = values, ids
@@ -172,6 +173,8 @@ class StepRunner:
         advance = torch.where(remaining > 0, accepted + 1, 0)  # padding slots (remaining 0) stay put
         self.packed[:r, 0] = accepted
         self.packed[:r, 1:w + 2] = tokens
+        if ties is not None:
+            self.packed[:r, w + 2] = ties
         self.anchor[:r] = tokens.gather(1, accepted[:, None])[:, 0]
         lens += advance
         remaining -= advance
@@ -179,7 +182,7 @@ class StepRunner:
     def read_packed(self, n: int, w: int, logprobs: int | None = None) -> tuple[list, list | None, list | None]:
         """Rows `0..n` of (accepted, W+1 tokens), read to the host, and with `logprobs` (the step's N) their
         positions' logprobs and top ids (`[n, W+1, 1+N]`, `[n, W+1, N]`) at the same sync."""
-        views = [(self.packed[:n, :w + 2], self.packed_host[:n, :w + 2])]
+        views = [(self.packed[:n, :w + 3], self.packed_host[:n, :w + 3])]
         if logprobs is not None:
             views += [(self.logprobs[:n, :w + 1, :logprobs + 1], self.logprobs_host[:n, :w + 1, :logprobs + 1]),
                       (self.logprob_ids[:n, :w + 1, :logprobs], self.logprob_ids_host[:n, :w + 1, :logprobs])]

@@ -54,7 +54,7 @@ from domino_ray.engine.step_graphs import (StepGraphs, capture_steps, greedy_ste
                                            verify_positions)
 from domino_ray.model.fused_layers import fuse_layers
 from domino_ray.model.kv_cache import reads_in_place
-from domino_ray.model.packed_linear import pack_linears
+from domino_ray.model.packed_linear import pack_linears, weight_precision
 from domino_ray.model.target_forward import install
 from domino_ray.spec.draft import DraftConfig
 from domino_ray.spec.sampling import StepMode, sampling_mode
@@ -108,6 +108,7 @@ class SpecEngine:
             keep_freed_memory()  # the forwards' large activations reuse freed memory: `backend/malloc.py`
         self.layers = fuse_layers(self.decoder)  # the Llama family's layers over fused projections
         pack_linears(self.layers, self.lm_head, getattr(proposer, "draft", None))  # CPU, fp32: `packed_linear.py`
+        self.precision = weight_precision(target)  # "float32", "bfloat16 weights, float32 activations", ...
         graphs = use_cuda_graphs(cuda_graphs, self.device)
         # A step writes up to `span` positions past a row's committed context (verify K+1, draft block B).
         self.span = max(k + 1, proposer.block_size if proposer is not None else 1)
@@ -330,9 +331,11 @@ class SpecEngine:
         now = time.perf_counter()
         if self.width is not None:  # a step that captured a graph says nothing about its width's cost
             self.width.learn(r, t, w, now - started if timed else None, [a for a, *_ in packed] if w else (), usable)
-        for i, (row, (a, *row_tokens), u) in enumerate(zip(self.rows, packed, usable)):
+        counted = self.runner.sampling.tie_dtype is not None  # otherwise the last column is stale
+        for i, (row, (a, *row_tokens, ties), u) in enumerate(zip(self.rows, packed, usable)):
             events.append(row.commit(row_tokens[:a + 1], now, drafted=min(w, u), width=w,
-                                     logprobs=(lp_values[i], lp_ids[i]) if lp_values is not None else None))
+                                     logprobs=(lp_values[i], lp_ids[i]) if lp_values is not None else None,
+                                     near_ties=ties if counted else 0))
 
     def _mean_keys(self, r: int) -> int:
         """The mean keys a row of a step over `r` slots attends at its widest (padding slots: `span`)."""

@@ -48,6 +48,8 @@ def fuse_linears(*linears: nn.Linear) -> nn.Linear:
     bias = torch.cat([m.bias.detach() for m in linears]) if all(biased) else None
     fused = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
     fused.weight = nn.Parameter(weight, requires_grad=False)
+    if getattr(linears[0], "bf16_panels", False):  # `packed_linear.keep_bf16_weights`
+        fused.bf16_panels = True
     if bias is not None:
         fused.bias = nn.Parameter(bias, requires_grad=False)
     start = 0

@@ -11,7 +11,13 @@ each call takes the faster of the two by its rows (`OUR_ROWS`, `MKL_ROWS`) and p
 gives a row the same numbers whatever batch it is in.
 
 The two packed copies are twice the weight's size, so `pack_linears` packs what the engine holds on CPU in fp32
-when they fit and our kernels built (`backend/library.py`). The modules stay `nn.Linear`s with their own weights:
+when they fit and our kernels built (`backend/library.py`).
+
+`model.dtype: bfloat16` on CPU (`keep_bf16_weights`): the modules turn fp32 and each linear layer's panels keep the
+weight in bf16, half the bytes a decode step streams; our kernel widens each weight exactly and computes in fp32, so
+a bf16 checkpoint's outputs are those of its fp32 copy, bit for bit (the same sums in the same order). Those layers
+take our kernel up to 128 rows (no MKL copy: on the 2-core AVX2 VM, bf16 panels at 64 rows are as fast as fp32 ones,
+BENCHMARKS "bf16 weights on CPU"). The modules stay `nn.Linear`s with their own weights:
 state dicts and other callers are unchanged, whenever autograd records they run `F.linear` (the packed ops have
 no backward), and a weight changed in place or replaced after packing (an optimizer step, `load_state_dict`) is
 packed again on its next call.
@@ -42,16 +48,18 @@ MKL_PACKED_FOR = 64
 
 class PackedLinear(nn.Linear):
     """An `nn.Linear` that also holds its weight packed for our kernel and for MKL's (`packed_weight`,
-    `mkl_weight`; not in the state dict)."""
+    `mkl_weight`; not in the state dict). `bf16_panels` (set by `keep_bf16_weights`): our kernel's panels in bf16, up
+    to 128 rows, and no MKL copy."""
 
     packed_weight: torch.Tensor
-    mkl_weight: torch.Tensor
+    mkl_weight: torch.Tensor | None
     packed_from: tuple[int, int]  # the weight's (data_ptr, version) when packed
+    bf16_panels: bool = False
 
     def pack(self):
         weight = self.weight.detach()
-        self.packed_weight = ops.pack_linear(weight)
-        self.mkl_weight = torch.ops.mkl._mkl_reorder_linear_weight(weight, MKL_PACKED_FOR)
+        self.packed_weight = pack_as(weight, self)
+        self.mkl_weight = None if self.bf16_panels else torch.ops.mkl._mkl_reorder_linear_weight(weight, MKL_PACKED_FOR)
         self.packed_from = weight_state(self.weight)
 
     def current_pack(self) -> torch.Tensor:
@@ -65,11 +73,17 @@ class PackedLinear(nn.Linear):
         recording = torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
         if recording or not OUR_ROWS.start <= rows < MKL_ROWS.stop:
             return F.linear(x, self.weight, self.bias)
-        if rows in OUR_ROWS:
+        if rows in OUR_ROWS or self.bf16_panels:
             return ops.linear(x, self.current_pack(), self.out_features, self.bias)
         self.current_pack()
         # The op's last argument must equal the input's rows, or it runs F.linear on the unpacked weight.
         return torch.ops.mkl._mkl_linear(x, self.mkl_weight, self.weight, self.bias, rows)
+
+
+def pack_as(weight: torch.Tensor, like: nn.Module) -> torch.Tensor:
+    """`weight` packed for our kernel in the panels' dtype of the linear layer `like` (bf16 after `keep_bf16_weights`):
+    for weights built from a layer's (fused projections, the draft's context projections)."""
+    return ops.pack_linear(weight.to(torch.bfloat16) if getattr(like, "bf16_panels", False) else weight)
 
 
 def one_op_layers(kernel_attention: bool, positions: int) -> bool:
@@ -111,7 +125,8 @@ def pack_linears(*models: nn.Module | None, budget_share: float = 0.25) -> int:
                for m in model.modules() if type(m) is nn.Linear}
     if not linears:
         return 0
-    need = 2 * sum(m.weight.numel() * m.weight.element_size() for m in linears.values())  # ours and MKL's
+    need = sum(m.weight.numel() * (2 if getattr(m, "bf16_panels", False) else 8)  # ours (and MKL's) of fp32
+               for m in linears.values())
     available = host_memory_available()
     if need > budget_share * available:
         log.info("not packing the linear layers: the copies (%.2f GiB) would take more than %.0f%% of "
@@ -128,3 +143,39 @@ def weight_state(weight: torch.Tensor) -> tuple[int, int]:
     """(data_ptr, version): what a pack was made from. Tensors made under inference mode (a model built inside it)
     keep no version counter: their version is 0 (they cannot be changed in place outside inference mode)."""
     return weight.data_ptr(), 0 if weight.is_inference() else weight._version
+
+
+def keep_bf16_weights(*models: nn.Module | None, budget_share: float = 0.25) -> bool:
+    """CPU, `model.dtype: bfloat16` (`llm.build_engine`, before the proposer copies any weight): bf16 `models` (None
+    skipped) turn fp32 in place, each `nn.Linear` marked to pack its weight into bf16 panels (`PackedLinear`): the
+    linear layers stream bf16, everything else computes in fp32. Only on CPU, with our kernels and MKL's packed GEMM
+    (`can_pack`), and when the fp32 copies and the panels (4 more bytes a parameter) fit in `budget_share` of the
+    available host memory; otherwise the models stay as they are (torch's bf16 ops) and the reason is logged. True when
+    converted."""
+    present = [m for m in models if m is not None]
+    weight = next(present[0].parameters(), None) if present else None
+    if weight is None or weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
+        return False
+    params = {id(p): p.numel() for m in present for p in m.parameters()}  # shared weights once
+    need, available = 4 * sum(params.values()), host_memory_available()
+    if not (torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear") and kernels_loaded()):
+        log.info("model.dtype=bfloat16 on CPU runs torch's bf16 ops: our CPU kernels are off or did not build")
+        return False
+    if need > budget_share * available:
+        log.info("model.dtype=bfloat16 on CPU runs torch's bf16 ops: fp32 activations with bf16 panels need %.2f GiB "
+                 "more, over %.0f%% of the %.1f GiB available", need / 2**30, 100 * budget_share, available / 2**30)
+        return False
+    for model in present:
+        for m in model.modules():
+            if type(m) is nn.Linear:
+                m.bf16_panels = True
+        model.float()
+    return True
+
+
+def weight_precision(model: nn.Module) -> str:
+    """What `model` computes in, for reports: "bfloat16 weights, float32 activations" after `keep_bf16_weights`,
+    otherwise its dtype's name."""
+    if any(getattr(m, "bf16_panels", False) for m in model.modules()):
+        return "bfloat16 weights, float32 activations"
+    return str(next(model.parameters()).dtype).removeprefix("torch.")

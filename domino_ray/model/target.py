@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from domino_ray.backend.library import has_bf16_arithmetic
+
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
 
@@ -26,8 +28,20 @@ def load_target(source: str, *, dtype: str | torch.dtype = "auto", device: str |
     """Any HF causal LM (Qwen3, Llama, ...) from a local directory or a hub id, in eval mode."""
     from transformers import AutoModelForCausalLM
 
+    device = device if isinstance(device, torch.device) else resolve_device(device)
     model = AutoModelForCausalLM.from_pretrained(source, dtype=resolve_dtype(dtype), attn_implementation="sdpa")
-    return model.to(resolve_device(device) if not isinstance(device, torch.device) else device).eval()
+    if dtype == "auto" and device.type == "cpu":
+        model = model.to(cpu_auto_dtype(model.dtype))
+    return model.to(device).eval()
+
+
+def cpu_auto_dtype(stored: torch.dtype) -> torch.dtype:
+    """`model.dtype: auto` on CPU for a checkpoint stored in `stored`: a bf16 one runs in bf16 where the CPU multiplies
+    bf16 natively (AVX512_BF16 or AMX; our kernels then stream bf16 weights: `packed_linear.keep_bf16_weights`), in
+    fp32 elsewhere, as does an fp16 one; fp32 and fp64 checkpoints run as stored."""
+    if stored == torch.bfloat16 and has_bf16_arithmetic():
+        return torch.bfloat16
+    return torch.float32 if stored in (torch.bfloat16, torch.float16) else stored
 
 
 # Files that hold a vocabulary. Without one, AutoTokenizer still "loads" a directory (an empty tokenizer

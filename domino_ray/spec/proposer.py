@@ -26,7 +26,7 @@ import torch
 
 from domino_ray.backend import ops
 from domino_ray.model.kv_cache import KVPool, StepKeys, paged_attention, query_limits
-from domino_ray.model.packed_linear import one_op_layers, packed_states
+from domino_ray.model.packed_linear import one_op_layers, pack_as, packed_states
 from domino_ray.model.target_forward import decode_layers_args
 from domino_ray.spec.checkpoint import check_against_target
 from domino_ray.spec.draft import DominoDraft, context_key_value_weights, context_keys_values, resolve_num_spec_tokens
@@ -97,7 +97,7 @@ class DominoProposer:
             return None
         if self._context_native is None or self._context_native[0] != state:
             weight, bias, k_norm = self.context_weights
-            weights = [fc.current_pack(), fc.bias, norm.weight, ops.pack_linear(weight), bias, k_norm]
+            weights = [fc.current_pack(), fc.bias, norm.weight, pack_as(weight, fc), bias, k_norm]
             self._context_native = (state, (weights, [cfg.hidden_size, cfg.num_key_value_heads, cfg.head_dim],
                                             [norm.eps, cfg.rms_norm_eps]))
         return self._context_native[1]
@@ -153,7 +153,7 @@ def _decode_layer_args(layer) -> tuple[list, list[int], list[float]]:
     attn, mlp = layer.self_attn, layer.mlp
     fused = [(attn.q_proj, attn.k_proj, attn.v_proj), (mlp.gate_proj, mlp.up_proj)]
     (qkv, qkv_bias), (gate_up, _) = [
-        (ops.pack_linear(torch.cat([m.weight.detach() for m in ms])),
+        (pack_as(torch.cat([m.weight.detach() for m in ms]), ms[0]),
          torch.cat([m.bias.detach() for m in ms]) if ms[0].bias is not None else None) for ms in fused]
     weights = [layer.input_layernorm.weight, qkv, qkv_bias, attn.o_proj.current_pack(), attn.o_proj.bias,
                layer.post_attention_layernorm.weight, gate_up, None, mlp.down_proj.current_pack(), None,

@@ -11,7 +11,7 @@ import torch
 from domino_ray.spec.penalties import RowPenalties, compute_dtype
 from domino_ray.spec.rng import counter_uniforms
 from domino_ray.spec.sampling_params import SamplingParams
-from domino_ray.spec.verify import greedy_accept, rejection_accept
+from domino_ray.spec.verify import greedy_accept, near_tie_mask, rejection_accept
 
 
 def sampling_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
@@ -82,6 +82,8 @@ class RowSampling:
         self.seeds = torch.zeros(max_rows, dtype=torch.long, device=device)     # [R] sampled rows' seeds
         self.penalties = RowPenalties(max_rows, vocab_size, device, compute_dtype(dtype))
         self.device = device
+        # 16-bit logits: greedy rows' near-ties are counted (`verify.near_tie_mask`)
+        self.tie_dtype = dtype if dtype in (torch.bfloat16, torch.float16) else None
 
     def load(self, rows: slice, params: Sequence[SamplingParams], seeds: Sequence[int]):
         """Settings of newly admitted rows into slots `rows`: two host->device copies."""
@@ -96,11 +98,13 @@ class RowSampling:
         self.penalties.move(src, dst)
 
     def accept(self, rows: slice, logits: torch.Tensor, drafts: torch.Tensor, limit: torch.Tensor,
-               positions: torch.Tensor, mode: StepMode) -> tuple[torch.Tensor, torch.Tensor]:
+               positions: torch.Tensor, mode: StepMode) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """logits `[n, W+1, V]` at `positions [n, W+1]` after drafts `[n, W]`, limit `[n]` for slots `rows` ->
-        (accepted `[n]`, tokens `[n, W+1]`), for a step of `mode` (`sampling_mode`, host-known)."""
+        (accepted `[n]`, tokens `[n, W+1]`, the greedy rows' near-ties `[n]` as bit masks with 16-bit logits, else
+        None), for a step of `mode` (`sampling_mode`, host-known)."""
         if mode.penalized:
             logits = self.penalties.apply(rows, logits, drafts)
+        ties = near_tie_mask(logits, self.temperature[rows] == 0, self.tie_dtype) if self.tie_dtype else None
         accepted, tokens = greedy_accept(target_logits=logits, drafts=drafts, limit=limit)
         if mode.sampled:
             temperature = self.temperature[rows]
@@ -111,4 +115,4 @@ class RowSampling:
             is_sampled = temperature > 0
             accepted = torch.where(is_sampled, s_accepted, accepted)
             tokens = torch.where(is_sampled[:, None], s_tokens, tokens)
-        return accepted, tokens
+        return accepted, tokens, ties

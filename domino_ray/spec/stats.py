@@ -20,6 +20,9 @@ class RowStats:
     num_accepted_draft_tokens: int = 0   # accepted drafts, excluding the bonus token
     acceptance_histogram: list[int] = field(default_factory=list)  # [K+1]: steps that accepted exactly j drafts
     verify_width_histogram: list[int] = field(default_factory=list)  # [K+1]: steps that verified W = j drafts
+    # greedy tokens chosen where the target's top two logits were within 16-bit rounding (`verify.near_tie_mask`):
+    # the only places speculative may differ from target-only (0 for fp32 logits: not counted)
+    near_ties: int = 0
 
     def __post_init__(self):
         if not self.acceptance_histogram:
@@ -60,6 +63,7 @@ class RowStats:
             "draft_acceptance_rate": self.draft_acceptance_rate,
             "acceptance_histogram": list(self.acceptance_histogram),
             "verify_width_histogram": list(self.verify_width_histogram),
+            "near_ties": self.near_ties,
         }
 
 
@@ -92,6 +96,7 @@ def total_stats(rows) -> RowStats:
         total.num_spec_steps += r.num_spec_steps
         total.num_draft_tokens += r.num_draft_tokens
         total.num_accepted_draft_tokens += r.num_accepted_draft_tokens
+        total.near_ties += r.near_ties
     if rows:
         total.acceptance_histogram = merge_histograms(r.acceptance_histogram for r in rows)
         total.verify_width_histogram = merge_histograms(r.verify_width_histogram for r in rows)

@@ -34,6 +34,23 @@ def greedy_choice(logits: torch.Tensor) -> torch.Tensor:
     return logits.max(-1).indices
 
 
+# A greedy position is a near-tie when its top two logits are within this many units in the last place of a 16-bit
+# logits dtype at the top one: there, speculative decoding may pick another token than target-only, because a verify
+# forward of W + 1 positions rounds differently from a one-position one (the same rule `bench_gpu.tie_check` applies).
+TIE_ULPS = 2
+
+
+def near_tie_mask(logits: torch.Tensor, greedy: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """logits `[n, q, V]` computed in the 16-bit `dtype` (penalties may have made them fp32), greedy `[n]` (bool:
+    temperature 0) -> `[n]` int64 bit masks, bit i set where position i of a greedy row is a near-tie (`TIE_ULPS`)."""
+    top2 = logits.topk(2, dim=-1).values.float()                       # [n, q, 2]
+    _, exponent = torch.frexp(top2[..., 0])
+    ulp = torch.ldexp(torch.full_like(top2[..., 0], torch.finfo(dtype).eps), exponent - 1)  # [n, q]
+    near = (top2[..., 0] - top2[..., 1] <= TIE_ULPS * ulp) & greedy[:, None]                       # [n, q]
+    bits = 2 ** torch.arange(logits.shape[1], device=logits.device)                                # [q]
+    return (near.long() * bits).sum(1)
+
+
 def greedy_accept(*, target_logits: torch.Tensor, drafts: torch.Tensor, limit: torch.Tensor):
     """target_logits `[n, K+1, V]`, drafts `[n, K]`, limit `[n]` -> (accepted `[n]`, tokens `[n, K+1]`).
 
