@@ -3,8 +3,9 @@ kernel (`csrc/linear.cpp`).
 
 Two measurements (BENCHMARKS.md "Our layer ops and linear kernel"):
 - `sweep` (default): the projections of a SmolLM2-shaped decoder (30 layers x q/k/v/o/gate/up/down + the LM
-  head, random fp32 weights, each read once per pass) at each row count: `F.linear`, MKL's packed op (weights
-  packed for 64 rows, what the engine used before our kernel) and ours; median of 5 passes, in ms.
+  head, random weights rounded to bf16, each read once per pass) at each row count: `F.linear`, MKL's packed op
+  (weights packed for 64 rows, what the engine used before our kernel), ours over fp32 panels and ours over bf16
+  panels (`model.dtype: bfloat16` on CPU: the same numbers, half the bytes); median of 5 passes, in ms.
 - `--engine ROWS`: our engine's steady-state decode step on the SmolLM2 pair (make smollm2), target-only,
   ROWS chat prompts, switching the same modules every few steps, in one process, between "ours" (what the engine
   runs: our kernel up to 32 rows, MKL's packed op to 128), "MKL packed" (MKL's for 4-128 rows, as before our
@@ -48,13 +49,15 @@ def sweep(rows: list[int], layers: int = LAYERS, seed: int = 0):
         raise SystemExit("our CPU kernels did not build here (see the warning above)")
     gen = torch.Generator().manual_seed(seed)
     shapes = LAYER_SHAPES * layers + [HEAD]
-    weights = [torch.randn(s, generator=gen) / s[1] ** 0.5 for s in shapes]
+    weights = [(torch.randn(s, generator=gen) / s[1] ** 0.5).bfloat16().float() for s in shapes]  # bf16-valued
     mkl = [torch.ops.mkl._mkl_reorder_linear_weight(w, MKL_PACKED_FOR) for w in weights]
     ours = [ops.pack_linear(w) for w in weights]
+    ours_bf16 = [ops.pack_linear(w.bfloat16()) for w in weights]
     kernels = {
         "F.linear": lambda x, i, m: F.linear(x, weights[i]),
         "MKL packed": lambda x, i, m: torch.ops.mkl._mkl_linear(x, mkl[i], weights[i], None, m),
         "ours": lambda x, i, m: ops.linear(x, ours[i], weights[i].shape[0], None),
+        "ours bf16": lambda x, i, m: ops.linear(x, ours_bf16[i], weights[i].shape[0], None),
     }
 
     def passes(m: int, kernel) -> float:
@@ -62,7 +65,7 @@ def sweep(rows: list[int], layers: int = LAYERS, seed: int = 0):
         return median_ms(lambda: [kernel(inputs[w.shape[1]], i, m) for i, w in enumerate(weights)])
 
     threads = torch.get_num_threads()
-    print(f"{len(weights)} projections of a SmolLM2-shaped decoder, fp32, {threads} threads; ms per pass")
+    print(f"{len(weights)} projections of a SmolLM2-shaped decoder, fp32 activations, {threads} threads; ms per pass")
     print(f"{'rows per call':>16}" + "".join(f"{m:>8}" for m in rows))
     with torch.inference_mode():
         for name, kernel in [*kernels.items(), ("F.linear", kernels["F.linear"])]:  # F.linear again: drift

@@ -208,7 +208,7 @@ def vllm_worker(spec_path: Path, out_path: Path):
             speculative = {"method": "dflash", "model": spec["draft_no_head"],
                            "num_speculative_tokens": spec["dflash_tokens"]}
         start = time.perf_counter()
-        llm = LLM(model=spec["target"], dtype="float32", max_model_len=spec["max_model_len"],
+        llm = LLM(model=spec["target"], dtype=spec["dtype"], max_model_len=spec["max_model_len"],
                   max_num_seqs=spec["rows"], seed=0, enable_prefix_caching=False, disable_log_stats=False,
                   speculative_config=speculative)
         # stop_token_ids: our engine's EOS ids, so both sides stop on the same set (vLLM alone reads them
@@ -303,8 +303,8 @@ def run_vllm(mode: str, args, pair, rows: int, workdir: Path, profile_steps: int
             "repeats": 0 if profile_steps else args.repeats, "profile_steps": profile_steps,
             "ignore_eos": args.ignore_eos, "stop_token_ids": sorted(stop_token_ids(pair.target, pair.tokenizer)),
             "ngram_tokens": args.ngram_tokens, "dflash_tokens": args.dflash_tokens,
-            "max_model_len": args.max_model_len}
-    stem = f"{mode}.rows{rows}{'.profile' if profile_steps else ''}"
+            "max_model_len": args.max_model_len, "dtype": args.dtype}
+    stem = f"{mode}.{args.dtype}.rows{rows}{'.profile' if profile_steps else ''}"
     spec_path, out_path, log_path = (workdir / f"{stem}.{x}" for x in ("spec.json", "out.json", "log"))
     out_path.unlink(missing_ok=True)  # never a previous run's output
     spec_path.write_text(json.dumps(spec))
@@ -390,8 +390,8 @@ def measure_batch(pair, modes: dict, vllm_modes: list, args, rows: int, loads: d
 
 def print_table(entries: list, vllm_results: dict, args, rows: int, loads: dict):
     stopping = "ignore_eos" if args.ignore_eos else "stopping at EOS"
-    print(f"\n{args.pair} pair, {rows} rows: {args.prompts} prompts x {args.max_new_tokens} greedy new tokens at most "
-          f"({stopping}), {args.threads} threads, {args.repeats} repeat(s), "
+    print(f"\n{args.pair} pair, {args.dtype}, {rows} rows: {args.prompts} prompts x {args.max_new_tokens} greedy new "
+          f"tokens at most ({stopping}), {args.threads} threads, {args.repeats} repeat(s), "
           f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}; "
           + (f"vLLM with Intel OpenMP {'preloaded' if args.vllm_preload_iomp else 'not preloaded'}; "
              if vllm_results else "") + f"load average {loads}")
@@ -422,6 +422,9 @@ def main(argv=None):
                    help="our Domino modes: auto (adaptive width), max (fixed K, the most the draft proposes) or a K "
                         "(default: demo max, smollm2 auto,max)")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="ours and vLLM's: bfloat16 is vLLM's CPU default; ours then streams bf16 weights with fp32 "
+                        "activations (docs/cpu-kernels.md); run once per dtype, one after the other")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--ngram-tokens", type=int, default=8)
     p.add_argument("--dflash-tokens", type=int, default=7, help="vLLM's DFlash verifies block_size - 1 drafts")
@@ -475,7 +478,7 @@ def main(argv=None):
         raise SystemExit(f"--isa avx2: torch runs {torch.backends.cpu.get_cpu_capability()} kernels (set "
                          "ATEN_CPU_CAPABILITY=avx2 before it starts)")
     torch.set_num_threads(args.threads)
-    pair = load_pair(args.pair, args.assets and args.assets.resolve(), args.prompts)
+    pair = load_pair(args.pair, args.assets and args.assets.resolve(), args.prompts, args.dtype)
     longest = max(map(len, pair.prompts)) + args.max_new_tokens
     if longest > args.max_model_len:
         raise SystemExit(f"--max-model-len {args.max_model_len}: the longest prompt plus {args.max_new_tokens} new "

@@ -82,10 +82,11 @@ class Pair(NamedTuple):
     groups: list      # per prompt: how it is held out and its source group ("source: pkg"), when the file says
 
 
-def load_pair(name: str = "demo", assets: Path | None = None, num_prompts: int = 0) -> Pair:
+def load_pair(name: str = "demo", assets: Path | None = None, num_prompts: int = 0, dtype: str | None = None) -> Pair:
     """A shipped pair: `demo` (domino_ray/assets/demo, plain prompts, no chat template) or `smollm2` (the target
     converted by `make smollm2`, float32, with the draft and held-out chat prompts of domino_ray/assets/smollm2).
-    `assets`: another draft + prompts directory; `num_prompts` 0: all. Exits saying what to run when SmolLM2
+    `assets`: another draft + prompts directory; `num_prompts` 0: all; `dtype`: the target's and draft's
+    (default: float32 for smollm2, the checkpoint's for demo). Exits saying what to run when SmolLM2
     is not converted."""
     import pyarrow.parquet as pq
 
@@ -102,7 +103,7 @@ def load_pair(name: str = "demo", assets: Path | None = None, num_prompts: int =
     else:
         assets = assets or DEMO_ASSETS
         target_dir = str(assets / "target")
-    target = load_target(target_dir, dtype="float32" if name == "smollm2" else "auto", device="cpu")
+    target = load_target(target_dir, dtype=dtype or ("float32" if name == "smollm2" else "auto"), device="cpu")
     tokenizer = load_tokenizer(target_dir)
     draft = load_draft(assets / "draft", target_config=target.config, dtype=target.dtype)
     table = pq.read_table(assets / "prompts.parquet")

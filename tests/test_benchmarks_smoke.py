@@ -267,8 +267,9 @@ def test_linear_benchmark_smoke():
     GEMM and plain `F.linear` in the SmolLM2 engine's steps (when converted)."""
     out = run_script("bench_linear.py", "--rows", "1,4", "--layers", "1")
     table = {line[:16].strip(): line[16:].split() for line in out.splitlines()[1:]}
-    assert table["rows per call"] == ["1", "4"] and set(table) == {"rows per call", "F.linear", "MKL packed", "ours"}
-    assert all(positive(float(x)) for kind in ("F.linear", "MKL packed", "ours") for x in table[kind])
+    kernels = ("F.linear", "MKL packed", "ours", "ours bf16")
+    assert table["rows per call"] == ["1", "4"] and set(table) == {"rows per call", *kernels}
+    assert all(positive(float(x)) for kind in kernels for x in table[kind])
     from domino_ray.model.smollm2 import is_converted
     if is_converted():
         out = run_script("bench_linear.py", "--engine", "2", "--rounds", "1")
