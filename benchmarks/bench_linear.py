@@ -8,7 +8,7 @@ Two measurements (BENCHMARKS.md "Our layer ops and linear kernel"):
   panels (`model.dtype: bfloat16` on CPU: the same numbers, half the bytes); median of 5 passes, in ms.
 - `--engine ROWS`: our engine's steady-state decode step on the SmolLM2 pair (make smollm2), target-only,
   ROWS chat prompts, switching the same modules every few steps, in one process, between "ours" (what the engine
-  runs: our kernel up to 32 rows, MKL's packed op to 128), "MKL packed" (MKL's for 4-128 rows, as before our
+  runs: our kernel up to 1,024 rows), "MKL packed" (MKL's for 4-128 rows, as before our
   kernel) and "plain" (`F.linear`).
 
     python benchmarks/bench_linear.py [--rows 1,4,16,64] [--layers 30]
@@ -24,15 +24,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from common import alternating_decode_steps, median_ms
-from domino_ray.model.packed_linear import MKL_PACKED_FOR
 
 # SmolLM2-135M: hidden 576, 3 K/V heads of 64, MLP 1536, 30 layers, vocabulary 49152 (out, in).
 LAYER_SHAPES = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]
 LAYERS, HEAD = 30, (49152, 576)
+MKL_PACKED_FOR = 64  # the batch MKL's packing was made for when the engine used it (4-128 rows)
 
 
 class MKLPackedLinear(nn.Linear):
-    """For comparison: a `PackedLinear`'s MKL packing for all of 4-128 rows, as the engine ran before our kernel."""
+    """For comparison: MKL's packing (`mkl_weight`, set by `engine_steps`) for 4-128 rows, as the engine ran before our
+    kernel."""
 
     def forward(self, x):
         rows = x.numel() // self.in_features
@@ -81,6 +82,9 @@ def engine_steps(rows: int, rounds: int = 4):
         if not packed:
             raise SystemExit("the engine packed nothing (not fp32 on CPU, our kernels did not build, or not enough "
                              "memory)")
+
+        for m in packed:  # MKL's copy, for the comparison only (the engine keeps none)
+            m.mkl_weight = torch.ops.mkl._mkl_reorder_linear_weight(m.weight.detach(), MKL_PACKED_FOR)
 
         def use(cls):
             for m in packed:

@@ -63,8 +63,7 @@ def test_bf16_model_runs_fp32_activations_over_bf16_panels_and_speculation_is_ex
 
     target_only = build_engine(target, None, max_batch_size=3, max_model_len=64)
     assert target_only.precision == "bfloat16 weights, float32 activations"
-    assert all(m.packed_weight.dtype == torch.bfloat16 and m.mkl_weight is None
-               for m in target.modules() if isinstance(m, PackedLinear))
+    assert all(m.packed_weight.dtype == torch.bfloat16 for m in target.modules() if isinstance(m, PackedLinear))
     base = tokens(target_only)
     assert tokens(build_engine(target, draft, num_draft_tokens=3, max_batch_size=3, max_model_len=64)) == base
     # A step of 3 rows x 4 positions takes our kernel in both: the fp32 copy gives the same tokens.

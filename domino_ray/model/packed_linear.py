@@ -1,26 +1,29 @@
-"""Linear layers over packed weights, for decoding on CPU: our kernel (`csrc/linear.cpp`) and MKL's packed GEMM.
+"""Linear layers over packed weights, for decoding on CPU: our kernel (`csrc/linear.cpp`).
 
 At the rows a CPU engine decodes (a few to a hundred positions per forward), fp32 `F.linear` is far from
 the weight-read bound: on the 2-core VM the projections of a SmolLM2-shaped model take ~50 ms at 16 rows
-against ~21 at one. MKL's packed GEMM (each weight reordered once into its kernel's layout; torch exposes it as
-`mkl::_mkl_linear`, what inductor's freezing uses) takes ~40 ms at 16 rows. Our kernel, over the weight packed
-once into panels of 16 output columns, streamed once a call with a prefetch while chunks of up to 8 rows accumulate
-in registers block by block, takes ~30 ms: 5-30% less than MKL's up to 32 rows, 5-10% more from 48 (BENCHMARKS
-"The linear kernel's k-blocks"). So
-each call takes the faster of the two by its rows (`OUR_ROWS`, `MKL_ROWS`) and prefills `F.linear`. Our kernel
-gives a row the same numbers whatever batch it is in.
+against ~21 at one. Our kernel, over the weight packed once into panels of 16 output columns, streamed once a call
+with a prefetch while chunks of up to 8 rows accumulate in registers block by block, takes ~30 ms.
 
-The two packed copies are twice the weight's size, so `pack_linears` packs what the engine holds on CPU in fp32
-when they fit and our kernels built (`backend/library.py`).
+Every decode and verify step up to `OUR_ROWS` positions takes our kernel, whatever its size, and prefills beyond
+take `F.linear`. Our kernel gives a row the same numbers whatever batch it is in, so a verify of W + 1 positions
+computes each position's logits bit for bit as a one-position step would (with the other ops of a step, per row as
+well): speculative decoding is then invariant to the verify's shape on CPU, sampled rows included
+(`tests/test_bf16_cpu.py`). MKL's packed GEMM was 5-10% faster from 48 rows on an AVX-512 Xeon (BENCHMARKS "The
+linear kernel's k-blocks") but rounds differently from ours, so a 48-row verify could pick another sample than
+target-only's one-position steps; on the AVX2 EPYC ours is faster than MKL's and `F.linear` up to 256 rows, 5%
+slower at 512 and 14% at 1,024 (BENCHMARKS "bf16 weights on CPU").
+
+`pack_linears` packs what the engine holds on CPU in fp32 when the copy fits and our kernels built
+(`backend/library.py`).
 
 `model.dtype: bfloat16` on CPU (`keep_bf16_weights`): the modules turn fp32 and each linear layer's panels keep the
 weight in bf16, half the bytes a decode step streams; our kernel widens each weight exactly and computes in fp32, so
-a bf16 checkpoint's outputs are those of its fp32 copy, bit for bit (the same sums in the same order). Those layers
-take our kernel up to 128 rows (no MKL copy: on the 2-core AVX2 VM, bf16 panels at 64 rows are as fast as fp32 ones,
-BENCHMARKS "bf16 weights on CPU"). The modules stay `nn.Linear`s with their own weights:
-state dicts and other callers are unchanged, whenever autograd records they run `F.linear` (the packed ops have
-no backward), and a weight changed in place or replaced after packing (an optimizer step, `load_state_dict`) is
-packed again on its next call.
+a bf16 checkpoint's outputs are those of its fp32 copy, bit for bit (the same sums in the same order).
+
+The modules stay `nn.Linear`s with their own weights: state dicts and other callers are unchanged, whenever autograd
+records they run `F.linear` (the packed ops have no backward), and a weight changed in place or replaced after
+packing (an optimizer step, `load_state_dict`) is packed again on its next call.
 """
 
 from __future__ import annotations
@@ -37,33 +40,28 @@ from domino_ray.backend.malloc import host_memory_available
 
 log = logging.getLogger(__name__)
 
-# Rows (positions) per call that take our kernel, then MKL's packed GEMM; from 129 (prefills) `F.linear`'s GEMM is
-# as fast. Our kernel is 5-30% faster than MKL's up to 32 rows and 5-10% slower from 48 (BENCHMARKS "The linear
-# kernel's k-blocks"); MKL's packing depends on the batch it is packed for, although any batch may use it:
-# packed for 64 it is the fastest over 4-64 rows and no slower up to 256.
-OUR_ROWS = range(1, 33)
-MKL_ROWS = range(33, 129)
-MKL_PACKED_FOR = 64
+# Rows (positions) per call that take our kernel: every decode and verify step up to 64 rows x 16 positions; larger
+# calls (prefills) take `F.linear`'s GEMM.
+OUR_ROWS = range(1, 1025)
+# Positions of a step whose layers may run as one op each (`one_op_layers`) and whose Domino head runs in C++.
+ONE_OP_POSITIONS = range(1, 33)
 
 
 class PackedLinear(nn.Linear):
-    """An `nn.Linear` that also holds its weight packed for our kernel and for MKL's (`packed_weight`,
-    `mkl_weight`; not in the state dict). `bf16_panels` (set by `keep_bf16_weights`): our kernel's panels in bf16, up
-    to 128 rows, and no MKL copy."""
+    """An `nn.Linear` that also holds its weight packed for our kernel (`packed_weight`, not in the state dict).
+    `bf16_panels` (set by `keep_bf16_weights`): the panels in bf16."""
 
     packed_weight: torch.Tensor
-    mkl_weight: torch.Tensor | None
     packed_from: tuple[int, int]  # the weight's (data_ptr, version) when packed
     bf16_panels: bool = False
 
     def pack(self):
         weight = self.weight.detach()
         self.packed_weight = pack_as(weight, self)
-        self.mkl_weight = None if self.bf16_panels else torch.ops.mkl._mkl_reorder_linear_weight(weight, MKL_PACKED_FOR)
         self.packed_from = weight_state(self.weight)
 
     def current_pack(self) -> torch.Tensor:
-        """The packed weight for our kernel, packed again (both copies) if the weight changed since."""
+        """The packed weight for our kernel, packed again if the weight changed since."""
         if self.packed_from != weight_state(self.weight):
             self.pack()
         return self.packed_weight
@@ -71,13 +69,9 @@ class PackedLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
         recording = torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
-        if recording or not OUR_ROWS.start <= rows < MKL_ROWS.stop:
+        if recording or rows not in OUR_ROWS:
             return F.linear(x, self.weight, self.bias)
-        if rows in OUR_ROWS or self.bf16_panels:
-            return ops.linear(x, self.current_pack(), self.out_features, self.bias)
-        self.current_pack()
-        # The op's last argument must equal the input's rows, or it runs F.linear on the unpacked weight.
-        return torch.ops.mkl._mkl_linear(x, self.mkl_weight, self.weight, self.bias, rows)
+        return ops.linear(x, self.current_pack(), self.out_features, self.bias)
 
 
 def pack_as(weight: torch.Tensor, like: nn.Module) -> torch.Tensor:
@@ -88,10 +82,10 @@ def pack_as(weight: torch.Tensor, like: nn.Module) -> torch.Tensor:
 
 def one_op_layers(kernel_attention: bool, positions: int) -> bool:
     """Whether a decode step's layers may each run as our `decode_layer` op: attention by our CPU kernel
-    (`KVPool.kernel`: fp32 on CPU, block tables and key limits), `positions` (rows x queries) our linear kernel takes
-    (`OUR_ROWS`), and nothing for autograd to record (the op has no backward). The target's layers and the draft
+    (`KVPool.kernel`: fp32 on CPU, block tables and key limits), `positions` (rows x queries) within
+    `ONE_OP_POSITIONS`, and nothing for autograd to record (the op has no backward). The target's layers and the draft
     block's ask it."""
-    return kernel_attention and positions in OUR_ROWS and not torch.is_grad_enabled()
+    return kernel_attention and positions in ONE_OP_POSITIONS and not torch.is_grad_enabled()
 
 
 def packed_states(linears) -> tuple | None:
@@ -109,23 +103,21 @@ def packed_states(linears) -> tuple | None:
 
 
 def can_pack(model: nn.Module) -> bool:
-    """fp32 weights on CPU, our kernels built and a torch built with MKL's packed GEMM."""
+    """fp32 weights on CPU and our kernels built."""
     weight = next(model.parameters(), None)
-    return (weight is not None and weight.device.type == "cpu" and weight.dtype == torch.float32
-            and torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
-            and kernels_loaded())
+    return weight is not None and weight.device.type == "cpu" and weight.dtype == torch.float32 and kernels_loaded()
 
 
 def pack_linears(*models: nn.Module | None, budget_share: float = 0.25) -> int:
     """Turn every `nn.Linear` of `models` (those `can_pack`; None is skipped) into a `PackedLinear`, in place
-    (the same module objects: references held elsewhere see the packed path too). Only when the two copies fit in
+    (the same module objects: references held elsewhere see the packed path too). Only when the packed copies fit in
     `budget_share` of the available host memory; otherwise nothing is packed and the reason is logged. Returns
     the bytes the packed copies take (0: nothing packed)."""
     linears = {id(m): m for model in models if model is not None and can_pack(model)
                for m in model.modules() if type(m) is nn.Linear}
     if not linears:
         return 0
-    need = sum(m.weight.numel() * (2 if getattr(m, "bf16_panels", False) else 8)  # ours (and MKL's) of fp32
+    need = sum(m.weight.numel() * (2 if getattr(m, "bf16_panels", False) else 4)  # the panels
                for m in linears.values())
     available = host_memory_available()
     if need > budget_share * available:
@@ -135,7 +127,7 @@ def pack_linears(*models: nn.Module | None, budget_share: float = 0.25) -> int:
     for m in linears.values():
         m.__class__ = PackedLinear
         m.pack()
-    log.info("packed %d linear layers for our kernel and MKL's (%.2f GiB)", len(linears), need / 2**30)
+    log.info("packed %d linear layers for our kernel (%.2f GiB)", len(linears), need / 2**30)
     return need
 
 
@@ -148,8 +140,7 @@ def weight_state(weight: torch.Tensor) -> tuple[int, int]:
 def keep_bf16_weights(*models: nn.Module | None, budget_share: float = 0.25) -> bool:
     """CPU, `model.dtype: bfloat16` (`llm.build_engine`, before the proposer copies any weight): bf16 `models` (None
     skipped) turn fp32 in place, each `nn.Linear` marked to pack its weight into bf16 panels (`PackedLinear`): the
-    linear layers stream bf16, everything else computes in fp32. Only on CPU, with our kernels and MKL's packed GEMM
-    (`can_pack`), and when the fp32 copies and the panels (4 more bytes a parameter) fit in `budget_share` of the
+    linear layers stream bf16, everything else computes in fp32. Only on CPU, with our kernels, and when the fp32 copies and the panels (4 more bytes a parameter) fit in `budget_share` of the
     available host memory; otherwise the models stay as they are (torch's bf16 ops) and the reason is logged. True when
     converted."""
     present = [m for m in models if m is not None]
@@ -158,7 +149,7 @@ def keep_bf16_weights(*models: nn.Module | None, budget_share: float = 0.25) -> 
         return False
     params = {id(p): p.numel() for m in present for p in m.parameters()}  # shared weights once
     need, available = 4 * sum(params.values()), host_memory_available()
-    if not (torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear") and kernels_loaded()):
+    if not kernels_loaded():
         log.info("model.dtype=bfloat16 on CPU runs torch's bf16 ops: our CPU kernels are off or did not build")
         return False
     if need > budget_share * available:

@@ -26,7 +26,7 @@ from domino_ray.backend import ops
 from domino_ray.backend.library import takes
 from domino_ray.model import layer_ops
 from domino_ray.model.kv_cache import row_attention
-from domino_ray.model.packed_linear import OUR_ROWS, PackedLinear
+from domino_ray.model.packed_linear import ONE_OP_POSITIONS, PackedLinear
 from domino_ray.spec.verify import greedy_choice
 
 
@@ -300,7 +300,7 @@ def one_op_head(z: torch.Tensor, base: torch.Tensor, fc2: nn.Module, embed: nn.M
     """Whether `draft_tokens`' corrections may run as our op: `fc2` packed by the engine (fp32 CPU, our kernels built),
     rows our linear kernel takes (`PackedLinear` runs it there too, so the op computes what the loop computes), a plain
     fp32 embedding and base logits, nothing for autograd to record."""
-    return isinstance(fc2, PackedLinear) and type(embed) is nn.Embedding and z.shape[0] in OUR_ROWS and \
+    return isinstance(fc2, PackedLinear) and type(embed) is nn.Embedding and z.shape[0] in ONE_OP_POSITIONS and \
         z.dtype == base.dtype == embed.weight.dtype == torch.float32 and not torch.is_grad_enabled()
 
 

@@ -92,10 +92,12 @@ void attend(const float* q, const Pages& pages, const int64_t* limits, int64_t M
       const float* ka = pages.key(ahead, D);
       for (int64_t c = 0; c < (std::min(n, ahead + 8) - ahead) * D; c += 16) __builtin_prefetch(ka + c, 0, 3);
     }
-    int64_t m = 0;
-    for (; m + 2 <= M; m += 2) {  // 4 keys x 2 queries: 6 loads for 8 FMAs
+    // 4 keys x 2 queries: 6 loads for 8 FMAs. An odd query out runs paired with itself: every query's scores come
+    // from this one path, so a query scores its keys the same whatever M (a verify's W + 1 positions or a step's one).
+    for (int64_t m = 0; m < M; m += 2) {
+      const bool pair = m + 1 < M;
       const float* q0 = q + m * D;
-      const float* q1 = q0 + D;
+      const float* q1 = pair ? q0 + D : q0;
       for (int64_t j4 = 0; j4 < 8; j4 += 4) {
         v8 acc[8];
         for (int a = 0; a < 8; ++a) acc[a] = splat(0.f);
@@ -112,22 +114,9 @@ void attend(const float* q, const Pages& pages, const int64_t* limits, int64_t M
         const v8 sums = lane_sums(acc) * splat(scale);  // [m keys 0-3, m+1 keys 0-3]
         for (int jj = 0; jj < 4; ++jj) {
           s[m * n8 + j + j4 + jj] = sums[jj];
-          s[(m + 1) * n8 + j + j4 + jj] = sums[4 + jj];
+          if (pair) s[(m + 1) * n8 + j + j4 + jj] = sums[4 + jj];
         }
       }
-    }
-    for (; m < M; ++m) {  // an odd query out: 8 keys x 1 query
-      const float* qm = q + m * D;
-      v8 acc[8];
-      for (int64_t jj = 0; jj < 8; ++jj) {
-        v8 a = splat(0.f);
-        if (jj < keys) {
-          const float* kj = k + jj * D;
-          for (int i = 0; i < nv; ++i) a += load8(kj + 8 * i) * load8(qm + 8 * i);
-        }
-        acc[jj] = a;
-      }
-      store8(s + m * n8 + j, lane_sums(acc) * splat(scale));
     }
   }
 
