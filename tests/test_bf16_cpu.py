@@ -49,6 +49,26 @@ def test_bf16_panels_compute_what_fp32_panels_of_the_same_weights_compute(n, k):
 
 
 @needs_kernels
+def test_attention_over_a_bf16_pool_is_attention_over_its_values():
+    """Keys and values rounded to bf16 once as they are written (as torch rounds), widened exactly as read: the output
+    equals the fp32 kernel's over an fp32 pool holding the same values, bit for bit."""
+    from domino_ray.backend import ops
+
+    gen = torch.Generator().manual_seed(5)
+    d, heads, groups, bs = 64, 3, 3, 16
+    keys, values = (torch.randn(10, heads, bs, d, generator=gen).bfloat16() for _ in range(2))
+    tables = torch.tensor([[3, 1, 7, 2]], dtype=torch.int32)
+    query = torch.randn(1, heads, 5 * groups, d, generator=gen)
+    limits = torch.tensor([[50 + p for p in range(5) for _ in range(groups)]])
+    out = ops.decode_attention(query, keys, values, tables, limits, d ** -0.5)
+    assert torch.equal(out, ops.decode_attention(query, keys.float(), values.float(), tables, limits, d ** -0.5))
+    buffers = [torch.zeros(4, d, dtype=torch.bfloat16) for _ in range(2)]
+    new = torch.randn(2, 1, 2, 2, d, generator=gen)  # keys, values [b, Hkv, q, D]
+    ops.kv_write(*buffers, torch.arange(4), new[0], new[1])
+    assert all(torch.equal(buffer, x.transpose(1, 2).reshape(-1, d).bfloat16()) for buffer, x in zip(buffers, new))
+
+
+@needs_kernels
 def test_bf16_model_runs_fp32_activations_over_bf16_panels_and_speculation_is_exact():
     target = tiny_target(dtype=torch.bfloat16, vocab=96)
     draft = tiny_draft(target)
@@ -62,13 +82,16 @@ def test_bf16_model_runs_fp32_activations_over_bf16_panels_and_speculation_is_ex
         return [c.token_ids for c in engine.generate([Request(i, p, params) for i, p in enumerate(prompts)])]
 
     target_only = build_engine(target, None, max_batch_size=3, max_model_len=64)
-    assert target_only.precision == "bfloat16 weights, float32 activations"
+    assert target_only.precision == "bfloat16 weights and KV, float32 activations"
     assert all(m.packed_weight.dtype == torch.bfloat16 for m in target.modules() if isinstance(m, PackedLinear))
     base = tokens(target_only)
-    assert tokens(build_engine(target, draft, num_draft_tokens=3, max_batch_size=3, max_model_len=64)) == base
-    # A step of 3 rows x 4 positions takes our kernel in both: the fp32 copy gives the same tokens.
+    speculative = build_engine(target, draft, num_draft_tokens=3, max_batch_size=3, max_model_len=64)
+    assert speculative.runner.kv.all_keys.dtype == speculative.proposer.kv.all_keys.dtype == torch.bfloat16
+    assert tokens(speculative) == base
+    # Half the KV bytes of the fp32 engine's plan, for the same blocks.
     fp32_engine = build_engine(reference, None, max_batch_size=3, max_model_len=64)
-    assert fp32_engine.precision == "float32" and tokens(fp32_engine) == base
+    assert fp32_engine.precision == "float32" and fp32_engine.runner.kv.all_keys.dtype == torch.float32
+    assert 2 * target_only.memory_plan(3, 10)["kv_pool"] == fp32_engine.memory_plan(3, 10)["kv_pool"]
     assert not keep_bf16_weights(tiny_target(dtype=torch.float32))  # only bf16 models
 
 

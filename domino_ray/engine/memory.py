@@ -35,7 +35,7 @@ def kv_bytes_per_token(target_config, draft_config, itemsize: int) -> int:
 
 
 def memory_plan(target_config, draft_config, *, max_rows: int, num_spec_tokens: int, capacity: int,
-                max_prefill_tokens: int, itemsize: int, kv_blocks: int = 0, block_size: int = 16,
+                max_prefill_tokens: int, itemsize: int, kv_blocks: int = 0, block_size: int = 16, kv_itemsize: int = 0,
                 cuda_graphs: bool = False, paged_kernel: bool = False, verify_positions: int | None = None,
                 deferred_positions: int = 0) -> dict[str, int]:
     """Bytes the engine preallocates or peaks at beyond the weights. `draft_config`: a DraftConfig or None
@@ -44,7 +44,8 @@ def memory_plan(target_config, draft_config, *, max_rows: int, num_spec_tokens: 
     captured steps keep their own pool (about one decode step) beside the eager cache; `paged_kernel`: attention reads
     the pool in place (our CPU and Triton kernels; otherwise a step gathers the longest row's keys and builds a mask);
     `verify_positions`: the most positions a verify forward takes (rows x (W+1)), default all rows at K+1;
-    `deferred_positions`: per slot, the taps kept for the draft's context (`context_ring.DEFERRED_STEPS`)."""
+    `deferred_positions`: per slot, the taps kept for the draft's context (`context_ring.DEFERRED_STEPS`);
+    `kv_itemsize`: bytes per element of the KV pools (default `itemsize`; 2 for bf16 pools under fp32 activations)."""
     cfg, elt = target_config, itemsize
     r, t = max_rows, capacity
     p = verify_positions or r * (num_spec_tokens + 1)
@@ -75,7 +76,7 @@ def memory_plan(target_config, draft_config, *, max_rows: int, num_spec_tokens: 
         taps = len(draft.target_layer_ids) * cfg.hidden_size
         prefill += max_prefill_tokens * (taps + cfg.hidden_size
                                          + 2 * draft.num_hidden_layers * draft.num_key_value_heads * draft.head_dim) * elt
-    plan = {"kv_pool": kv_blocks * block_size * kv_bytes_per_token(cfg, draft, elt),
+    plan = {"kv_pool": kv_blocks * block_size * kv_bytes_per_token(cfg, draft, kv_itemsize or elt),
             "block_tables": r * (t // block_size) * 4, "decode_step": step, "prefill_peak": prefill,
             "target_rope": 2 * t * head_dim * elt,  # rotary cos/sin of every position (`target_forward.rotary_table`)
             # per slot: the penalties' counts and masks over the vocabulary, and a step's logprobs (fp32 values,

@@ -17,6 +17,7 @@ from domino_ray.backend import paged_triton
 from domino_ray.engine.context_ring import ContextRing
 from domino_ray.engine.step_graphs import row_buckets
 from domino_ray.model.kv_cache import KVPool, StepKeys, query_limits
+from domino_ray.model.packed_linear import kv_dtype
 from domino_ray.model.target_forward import RowAttention, rotary_table, run_decoder
 from domino_ray.spec.sampling import RowSampling, StepMode, token_logprobs
 from domino_ray.spec.sampling_params import MAX_LOGPROBS
@@ -38,7 +39,8 @@ class StepRunner:
         k = proposer.num_spec_tokens if proposer is not None else 0
         r = rows
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.kv = KVPool(cfg.num_hidden_layers, blocks, block_size, cfg.num_key_value_heads, head_dim, weight.dtype, dev)
+        self.kv = KVPool(cfg.num_hidden_layers, blocks, block_size, cfg.num_key_value_heads, head_dim, weight.dtype, dev,
+                         kv_dtype(target))
         self.capacity = capacity
         self.tap_layers: tuple[int, ...] = ()
         if proposer is not None:  # its target_layer_ids are in range: `checkpoint.check_against_target`

@@ -54,7 +54,7 @@ from domino_ray.engine.step_graphs import (StepGraphs, capture_steps, greedy_ste
                                            verify_positions)
 from domino_ray.model.fused_layers import fuse_layers
 from domino_ray.model.kv_cache import reads_in_place
-from domino_ray.model.packed_linear import pack_linears, weight_precision
+from domino_ray.model.packed_linear import kv_dtype, pack_linears, weight_precision
 from domino_ray.model.target_forward import install
 from domino_ray.spec.draft import DraftConfig
 from domino_ray.spec.sampling import StepMode, sampling_mode
@@ -108,7 +108,7 @@ class SpecEngine:
             keep_freed_memory()  # the forwards' large activations reuse freed memory: `backend/malloc.py`
         self.layers = fuse_layers(self.decoder)  # the Llama family's layers over fused projections
         pack_linears(self.layers, self.lm_head, getattr(proposer, "draft", None))  # CPU, fp32: `packed_linear.py`
-        self.precision = weight_precision(target)  # "float32", "bfloat16 weights, float32 activations", ...
+        self.precision = weight_precision(target)  # "float32", "bfloat16 weights and KV, float32 activations", ...
         graphs = use_cuda_graphs(cuda_graphs, self.device)
         # A step writes up to `span` positions past a row's committed context (verify K+1, draft block B).
         self.span = max(k + 1, proposer.block_size if proposer is not None else 1)
@@ -167,6 +167,7 @@ class SpecEngine:
                            max_rows=rows, num_spec_tokens=self.num_spec_tokens, capacity=self.capacity,
                            kv_blocks=self.kv_blocks if blocks is None else blocks, block_size=self.block_size,
                            max_prefill_tokens=self.max_prefill_tokens, itemsize=self.dtype.itemsize,
+                           kv_itemsize=kv_dtype(self.target).itemsize,
                            cuda_graphs=self.cuda_graphs, paged_kernel=not self.gathers,
                            verify_positions=verify_positions(rows, self.num_spec_tokens, self.adaptive, self.cuda_graphs),
                            deferred_positions=DEFERRED_STEPS if self.defer_context else 0)

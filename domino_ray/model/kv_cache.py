@@ -13,8 +13,8 @@ A decode step's queries see their own row's keys below their *key limit*: for a 
 the limit hides them and the next step overwrites them, so a rejection costs nothing.
 
 Attention is GQA-native: the query heads that share a K/V head are folded into the query axis (`[r, Hkv, G*q, D]`),
-so K and V are read as stored. Three paths compute the same function (`paged_attention`): our CPU kernel in fp32
-(`backend/ops.py`), our Triton kernel on CUDA (`backend/paged_triton.py`: lengths and tables as tensors, so one CUDA
+so K and V are read as stored. Three paths compute the same function (`paged_attention`): our CPU kernel in fp32, over
+an fp32 or bf16 pool (`backend/ops.py`), our Triton kernel on CUDA (`backend/paged_triton.py`: lengths and tables as tensors, so one CUDA
 graph serves every key length), and elsewhere a gather of the rows' blocks into dense keys and SDPA with a mask.
 """
 
@@ -59,8 +59,8 @@ def reads_in_place(device: torch.device | str, dtype: torch.dtype, head_dim: int
 def kv_write(key_buffer: torch.Tensor, value_buffer: torch.Tensor, at: torch.Tensor, keys: torch.Tensor,
              values: torch.Tensor) -> bool:
     """`keys/values [b, Hkv, q, D]` into rows `at` of the buffers seen as `[rows, D]` (`KVPool.write`) as our one op,
-    on fp32 CPU tensors with the last dims contiguous; False (nothing written) otherwise."""
-    if not (takes(keys, values) and key_buffer.dtype == keys.dtype and key_buffer.is_contiguous()
+    on fp32 CPU tensors with the last dims contiguous, into fp32 or bf16 buffers; False (nothing written) otherwise."""
+    if not (takes(keys, values) and key_buffer.dtype in (keys.dtype, torch.bfloat16) and key_buffer.is_contiguous()
             and value_buffer.is_contiguous() and keys.stride(-1) == 1 and values.stride(-1) == 1):
         return False
     ops.kv_write(key_buffer, value_buffer, at, keys, values)
@@ -68,23 +68,30 @@ def kv_write(key_buffer: torch.Tensor, value_buffer: torch.Tensor, at: torch.Ten
 
 
 class KVPool:
-    """Paged key/value storage for one model: per layer `[N, Hkv, bs, D]`, block 0 the null block."""
+    """Paged key/value storage for one model: per layer `[N, Hkv, bs, D]`, block 0 the null block. `dtype`: the
+    model's activations; `storage`: the pool's (default `dtype`; bf16 under fp32 activations on CPU, where our kernel
+    reads it: `packed_linear.kv_dtype`)."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str):
+                 dtype: torch.dtype, device: torch.device | str, storage: torch.dtype | None = None):
         if block_size < 1 or block_size & (block_size - 1):
             raise ValueError(f"kv_block_size={block_size} must be a power of two")
+        storage = storage or dtype
         shape = (num_layers, num_blocks, num_kv_heads, block_size, head_dim)
-        self.all_keys = torch.zeros(shape, dtype=dtype, device=device)    # [L, N, Hkv, bs, D]
-        self.all_values = torch.zeros(shape, dtype=dtype, device=device)
+        self.all_keys = torch.zeros(shape, dtype=storage, device=device)    # [L, N, Hkv, bs, D]
+        self.all_values = torch.zeros(shape, dtype=storage, device=device)
+        self.dtype = dtype
         # Per-layer views by indexing (not unbind, whose views refuse in-place writes outside inference mode).
         self.keys = [self.all_keys[i] for i in range(num_layers)]
         self.values = [self.all_values[i] for i in range(num_layers)]
         self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim = num_blocks, block_size, num_kv_heads, head_dim
         # Which attention path reads the pool (`paged_attention`), decided (the kernel built or loaded) here, once,
         # before any step is timed.
-        self.kernel = kernel_enabled(device, dtype, head_dim, block_size)
-        self.triton = torch.device(device).type == "cuda" and paged_triton.available(torch.device(device))
+        self.kernel = kernel_enabled(device, dtype, head_dim, block_size) and storage in (dtype, torch.bfloat16)
+        self.triton = torch.device(device).type == "cuda" and paged_triton.available(torch.device(device)) and \
+            storage == dtype
+        if storage != dtype and not self.kernel:
+            raise ValueError(f"a {storage} KV pool under {dtype} activations needs our CPU attention kernel")
 
     @property
     def nbytes(self) -> int:
@@ -109,24 +116,24 @@ class KVPool:
         (`kv_write`), torch's otherwise."""
         if kv_write(self.keys[layer], self.values[layer], at, keys, values):
             return
-        d = keys.shape[-1]
-        self.keys[layer].view(-1, d).index_copy_(0, at, keys.transpose(1, 2).reshape(-1, d))
-        self.values[layer].view(-1, d).index_copy_(0, at, values.transpose(1, 2).reshape(-1, d))
+        d, storage = keys.shape[-1], self.all_keys.dtype
+        self.keys[layer].view(-1, d).index_copy_(0, at, keys.transpose(1, 2).reshape(-1, d).to(storage))
+        self.values[layer].view(-1, d).index_copy_(0, at, values.transpose(1, 2).reshape(-1, d).to(storage))
 
     def write_all_layers(self, at: torch.Tensor, keys: torch.Tensor, values: torch.Tensor):
         """`keys/values [L, b, Hkv, q, D]` of every layer to rows `at` (`flat_index`) of each layer, at once."""
-        n, d = keys.shape[0], keys.shape[-1]
-        self.all_keys.view(n, -1, d).index_copy_(1, at, keys.transpose(2, 3).reshape(n, -1, d))
-        self.all_values.view(n, -1, d).index_copy_(1, at, values.transpose(2, 3).reshape(n, -1, d))
+        n, d, storage = keys.shape[0], keys.shape[-1], self.all_keys.dtype
+        self.all_keys.view(n, -1, d).index_copy_(1, at, keys.transpose(2, 3).reshape(n, -1, d).to(storage))
+        self.all_values.view(n, -1, d).index_copy_(1, at, values.transpose(2, 3).reshape(n, -1, d).to(storage))
 
     def gather(self, layer: int, tables: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values `[b, Hkv, length, D]` of the rows with `tables [b, nb]` (copies), `length` a multiple of
-        the block size within the tables."""
+        """Keys and values `[b, Hkv, length, D]` of the rows with `tables [b, nb]` (copies in the activations' dtype),
+        `length` a multiple of the block size within the tables."""
         b, blocks = tables.shape[0], length // self.block_size
         ids = tables[:, :blocks].long()  # [b, nb']
         out = []
         for pool in (self.keys[layer], self.values[layer]):
-            dense = pool[ids]  # [b, nb', Hkv, bs, D]
+            dense = pool[ids].to(self.dtype)  # [b, nb', Hkv, bs, D]
             out.append(dense.transpose(1, 2).reshape(b, self.num_kv_heads, length, self.head_dim))
         return out[0], out[1]
 

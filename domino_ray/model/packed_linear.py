@@ -19,7 +19,8 @@ slower at 512 and 14% at 1,024 (BENCHMARKS "bf16 weights on CPU").
 
 `model.dtype: bfloat16` on CPU (`keep_bf16_weights`): the modules turn fp32 and each linear layer's panels keep the
 weight in bf16, half the bytes a decode step streams; our kernel widens each weight exactly and computes in fp32, so
-a bf16 checkpoint's outputs are those of its fp32 copy, bit for bit (the same sums in the same order).
+a bf16 checkpoint's linear layers compute what its fp32 copy's do, bit for bit (the same sums in the same order). The
+KV pools are bf16 then too (`kv_dtype`), each key and value rounded once as it is written.
 
 The modules stay `nn.Linear`s with their own weights: state dicts and other callers are unchanged, whenever autograd
 records they run `F.linear` (the packed ops have no backward), and a weight changed in place or replaced after
@@ -165,8 +166,18 @@ def keep_bf16_weights(*models: nn.Module | None, budget_share: float = 0.25) -> 
 
 
 def weight_precision(model: nn.Module) -> str:
-    """What `model` computes in, for reports: "bfloat16 weights, float32 activations" after `keep_bf16_weights`,
+    """What `model` computes in, for reports: "bfloat16 weights and KV, float32 activations" after `keep_bf16_weights`,
     otherwise its dtype's name."""
-    if any(getattr(m, "bf16_panels", False) for m in model.modules()):
-        return "bfloat16 weights, float32 activations"
+    if has_bf16_panels(model):
+        return "bfloat16 weights and KV, float32 activations"
     return str(next(model.parameters()).dtype).removeprefix("torch.")
+
+
+def kv_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype of `model`'s KV pool: bf16 after `keep_bf16_weights` (our attention kernel widens it as it reads),
+    otherwise its parameters'."""
+    return torch.bfloat16 if has_bf16_panels(model) else next(model.parameters()).dtype
+
+
+def has_bf16_panels(model: nn.Module) -> bool:
+    return any(getattr(m, "bf16_panels", False) for m in model.modules())

@@ -26,7 +26,7 @@ import torch
 
 from domino_ray.backend import ops
 from domino_ray.model.kv_cache import KVPool, StepKeys, paged_attention, query_limits
-from domino_ray.model.packed_linear import one_op_layers, pack_as, packed_states
+from domino_ray.model.packed_linear import kv_dtype, one_op_layers, pack_as, packed_states
 from domino_ray.model.target_forward import decode_layers_args
 from domino_ray.spec.checkpoint import check_against_target
 from domino_ray.spec.draft import DominoDraft, context_key_value_weights, context_keys_values, resolve_num_spec_tokens
@@ -66,7 +66,7 @@ class DominoProposer:
     def allocate(self, num_blocks: int, block_size: int, max_len: int):
         cfg = self.config
         self.kv = KVPool(cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim,
-                         self.dtype, self.device)
+                         self.dtype, self.device, kv_dtype(self.draft))
         self.key_positions = torch.arange(max_len, device=self.device)  # [T]
         # Every position's rotary cos/sin, looked up by each call (computed per call they were ~10 ops: ~45 us of a
         # demo draft's one-row step on CPU, twice a drafting step)

@@ -1,4 +1,5 @@
-// Decode attention on CPU over the paged KV pool: a few queries per (row, K/V head) against that row's keys, fp32.
+// Decode attention on CPU over the paged KV pool: a few queries per (row, K/V head) against that row's keys; fp32
+// queries and arithmetic, the pool fp32 or bf16 (each key and value widened exactly in registers).
 //
 // Why not torch's kernels: at this shape (e.g. 3 queries x 1,000 keys x 64 dims per row and head) SDPA
 // and matmul-softmax-matmul read the keys at about half the rate the cores can stream them, and over pages they
@@ -63,19 +64,31 @@ constexpr int kKeyPrefetch = 16;  // keys ahead of the scoring loop
 
 // Where one (row, K/V head)'s keys and values live: a base pointer per page, read once per key block of 8 (a block
 // never crosses a page: 8 | bs) or per run of keys within a page (values).
+// T: float, or uint16_t for a bf16 pool's bits.
+template <typename T>
 struct Pages {
-  const float* const* k;  // [pages] each [bs, D]
-  const float* const* v;
+  const T* const* k;      // [pages] each [bs, D]
+  const T* const* v;
   int shift;              // log2(bs)
   int64_t mask;           // bs - 1
-  const float* key(int64_t j, int64_t D) const { return k[j >> shift] + (j & mask) * D; }
-  const float* value(int64_t j, int64_t D) const { return v[j >> shift] + (j & mask) * D; }
+  const T* key(int64_t j, int64_t D) const { return k[j >> shift] + (j & mask) * D; }
+  const T* value(int64_t j, int64_t D) const { return v[j >> shift] + (j & mask) * D; }
 };
+
+inline v8 load_kv(const float* p) { return load8(p); }
+inline v8 load_kv(const uint16_t* p) {  // 8 bf16 -> 8 fp32, exactly
+  u16x8 h;
+  __builtin_memcpy(&h, p, sizeof h);
+  const u32x8 bits = __builtin_convertvector(h, u32x8) << 16;
+  v8 x;
+  __builtin_memcpy(&x, &bits, sizeof x);
+  return x;
+}
 
 // One (row, K/V head): q [M, D], keys/values [n, D] in pages (n = the largest limit), s scratch [M, n8],
 // out [M, D]. NV = D / 8 when it is a compile-time constant, else 0 (then nv_runtime).
-template <int NV>
-void attend(const float* q, const Pages& pages, const int64_t* limits, int64_t M, int64_t n, int nv_runtime,
+template <int NV, typename T>
+void attend(const float* q, const Pages<T>& pages, const int64_t* limits, int64_t M, int64_t n, int nv_runtime,
             float scale, float* s, float* inv, float* out) {
   const int nv = NV ? NV : nv_runtime;
   const int64_t D = 8 * nv, n8 = (n + 7) / 8 * 8;
@@ -84,13 +97,14 @@ void attend(const float* q, const Pages& pages, const int64_t* limits, int64_t M
   // queries per pass (each key vector loaded once for both).
   for (int64_t j = 0; j < n; j += 8) {
     const int64_t keys = std::min<int64_t>(8, n - j);
-    const float* k = pages.key(j, D);  // [keys, D]
-    const float* v = pages.value(j, D);
-    for (int64_t c = 0; c < keys * D; c += 16) __builtin_prefetch(v + c, 0, 2);
+    const T* k = pages.key(j, D);  // [keys, D]
+    const T* v = pages.value(j, D);
+    constexpr int64_t kLine = 64 / sizeof(T);  // elements a cache line
+    for (int64_t c = 0; c < keys * D; c += kLine) __builtin_prefetch(v + c, 0, 2);
     const int64_t ahead = j + kKeyPrefetch;
     if (ahead < n) {
-      const float* ka = pages.key(ahead, D);
-      for (int64_t c = 0; c < (std::min(n, ahead + 8) - ahead) * D; c += 16) __builtin_prefetch(ka + c, 0, 3);
+      const T* ka = pages.key(ahead, D);
+      for (int64_t c = 0; c < (std::min(n, ahead + 8) - ahead) * D; c += kLine) __builtin_prefetch(ka + c, 0, 3);
     }
     // 4 keys x 2 queries: 6 loads for 8 FMAs. An odd query out runs paired with itself: every query's scores come
     // from this one path, so a query scores its keys the same whatever M (a verify's W + 1 positions or a step's one).
@@ -106,7 +120,7 @@ void attend(const float* q, const Pages& pages, const int64_t* limits, int64_t M
           const v8 a0 = load8(q0 + 8 * i), a1 = load8(q1 + 8 * i);
           for (int jj = 0; jj < 4; ++jj)
             if (jj < count) {
-              const v8 kk = load8(k + (j4 + jj) * D + 8 * i);
+              const v8 kk = load_kv(k + (j4 + jj) * D + 8 * i);
               acc[jj] += kk * a0;
               acc[4 + jj] += kk * a1;
             }
@@ -161,11 +175,11 @@ void attend(const float* q, const Pages& pages, const int64_t* limits, int64_t M
         for (int i = 0; i < 8; ++i) acc[i] = splat(0.f);
         for (int64_t run = j0; run < j1;) {
           const int64_t stop = std::min(j1, (run | pages.mask) + 1);  // the end of run's page
-          const float* vj = pages.value(run, D) + 8 * i0;
+          const T* vj = pages.value(run, D) + 8 * i0;
           for (int64_t j = run; j < stop; ++j, vj += D) {
             const v8 p = splat(sm[j]);
             for (int i = 0; i < 8; ++i)
-              if (i < width) acc[i] += p * load8(vj + 8 * i);
+              if (i < width) acc[i] += p * load_kv(vj + 8 * i);
           }
           run = stop;
         }
@@ -177,6 +191,36 @@ void attend(const float* q, const Pages& pages, const int64_t* limits, int64_t M
     for (int i = 0; i < nv; ++i) store8(out + m * D + 8 * i, load8(out + m * D + 8 * i) * splat(inv[m]));
 }
 
+// Every (row, K/V head) of the call over a pool of element T.
+template <typename T>
+void run_pages(const at::Tensor& q, const T* kp, const T* vp, const int32_t* tp, const int64_t* lp, int64_t r,
+               int64_t H, int64_t M, int64_t D, int64_t nb, int64_t bs, double scale, at::Tensor& out) {
+  const float* qp = q.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t page = bs * D, block_stride = H * page;  // a (block, head)'s [bs, D]; a block's [H, bs, D]
+  const int shift = __builtin_ctzll(static_cast<unsigned long long>(bs));
+  const int nv = static_cast<int>(D / 8);
+  const auto run = nv == 8 ? attend<8, T> : nv == 16 ? attend<16, T> : attend<0, T>;
+  at::parallel_for(0, r * H, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(M * nb * bs), inv(M);
+    std::vector<const T*> key_pages(nb), value_pages(nb);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / H, h = task % H;
+      const int64_t n = M ? *std::max_element(lp + b * M, lp + (b + 1) * M) : 0;
+      for (int64_t i = 0; i < (n + bs - 1) >> shift; ++i) {
+        const int64_t at = tp[b * nb + i] * block_stride + h * page;
+        key_pages[i] = kp + at;
+        value_pages[i] = vp + at;
+      }
+      const Pages<T> pages{key_pages.data(), value_pages.data(), shift, bs - 1};
+      run(qp + task * M * D, pages, lp + b * M, M, n, nv, static_cast<float>(scale), scores.data(), inv.data(),
+          op + task * M * D);
+    }
+  });
+}
+
+const uint16_t* bits(const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>()); }
+
 }  // namespace
 
 namespace domino_ray {
@@ -187,10 +231,12 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& key_pool,
               limits.dim() == 2,
               "decode_attention: query [r, Hkv, M, D], key/value pools [N, Hkv, bs, D], block_tables [r, nb], "
               "limits [r, M]");
-  TORCH_CHECK(query.scalar_type() == at::kFloat && key_pool.scalar_type() == at::kFloat &&
-              value_pool.scalar_type() == at::kFloat && block_tables.scalar_type() == at::kInt &&
+  const bool bf16 = key_pool.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(query.scalar_type() == at::kFloat && (bf16 || key_pool.scalar_type() == at::kFloat) &&
+              value_pool.scalar_type() == key_pool.scalar_type() && block_tables.scalar_type() == at::kInt &&
               limits.scalar_type() == at::kLong,
-              "decode_attention: float32 query/key_pool/value_pool, int32 block_tables and int64 limits");
+              "decode_attention: float32 query, float32 or bfloat16 key_pool/value_pool, int32 block_tables and "
+              "int64 limits");
   TORCH_CHECK(query.device().is_cpu() && key_pool.device().is_cpu() && value_pool.device().is_cpu() &&
               block_tables.device().is_cpu() && limits.device().is_cpu(), "decode_attention: CPU tensors");
   const auto q = query.contiguous();
@@ -223,30 +269,10 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& key_pool,
   }
 
   auto out = at::empty_like(q);
-  const float* qp = q.data_ptr<float>();
-  const float* kp = key_pool.data_ptr<float>();
-  const float* vp = value_pool.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const int64_t page = bs * D, block_stride = H * page;  // a (block, head)'s [bs, D]; a block's [H, bs, D]
-  const int shift = __builtin_ctzll(static_cast<unsigned long long>(bs));
-  const int nv = static_cast<int>(D / 8);
-  const auto run = nv == 8 ? attend<8> : nv == 16 ? attend<16> : attend<0>;
-  at::parallel_for(0, r * H, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(M * nb * bs), inv(M);
-    std::vector<const float*> key_pages(nb), value_pages(nb);
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / H, h = task % H;
-      const int64_t n = M ? *std::max_element(lp + b * M, lp + (b + 1) * M) : 0;
-      for (int64_t i = 0; i < (n + bs - 1) >> shift; ++i) {
-        const int64_t at = tp[b * nb + i] * block_stride + h * page;
-        key_pages[i] = kp + at;
-        value_pages[i] = vp + at;
-      }
-      const Pages pages{key_pages.data(), value_pages.data(), shift, bs - 1};
-      run(qp + task * M * D, pages, lp + b * M, M, n, nv, static_cast<float>(scale), scores.data(), inv.data(),
-          op + task * M * D);
-    }
-  });
+  if (bf16)
+    run_pages(q, bits(key_pool), bits(value_pool), tp, lp, r, H, M, D, nb, bs, scale, out);
+  else
+    run_pages(q, key_pool.data_ptr<float>(), value_pool.data_ptr<float>(), tp, lp, r, H, M, D, nb, bs, scale, out);
   return out;
 }
 

@@ -102,10 +102,11 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
 
 void kv_write(at::Tensor key_buffer, at::Tensor value_buffer, const at::Tensor& rows_at, const at::Tensor& keys,
               const at::Tensor& values) {
-  TORCH_CHECK(key_buffer.device().is_cpu() && key_buffer.scalar_type() == at::kFloat &&
-              value_buffer.scalar_type() == at::kFloat && keys.scalar_type() == at::kFloat &&
+  const bool bf16 = key_buffer.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(key_buffer.device().is_cpu() && (bf16 || key_buffer.scalar_type() == at::kFloat) &&
+              value_buffer.scalar_type() == key_buffer.scalar_type() && keys.scalar_type() == at::kFloat &&
               values.scalar_type() == at::kFloat && rows_at.scalar_type() == at::kLong,
-              "kv_write: fp32 CPU tensors, int64 at");
+              "kv_write: fp32 keys/values into fp32 or bf16 CPU buffers, int64 at");
   TORCH_CHECK(keys.dim() == 4 && values.sizes() == keys.sizes() && keys.stride(3) == 1 && values.stride(3) == 1,
               "kv_write: keys/values [b, Hkv, q, D], last dim contiguous");
   const int64_t b = keys.size(0), heads = keys.size(1), q = keys.size(2), d = keys.size(3);
@@ -117,16 +118,24 @@ void kv_write(at::Tensor key_buffer, at::Tensor value_buffer, const at::Tensor& 
   const int64_t* index = rows_at.data_ptr<int64_t>();
   for (int64_t n = 0; n < rows_at.numel(); ++n)
     TORCH_CHECK(index[n] >= 0 && index[n] < rows, "kv_write: index ", index[n], " out of range for ", rows, " rows");
-  float *kb = key_buffer.data_ptr<float>(), *vb = value_buffer.data_ptr<float>();
   const float *ks = keys.data_ptr<float>(), *vs = values.data_ptr<float>();
+  // One row of d values into the buffer at element offset `to`: copied, or rounded to bf16 (to nearest even, as
+  // torch's `.to(torch.bfloat16)`).
+  const auto put = [&](const at::Tensor& buffer, int64_t to, const float* from) {
+    if (bf16) {
+      at::BFloat16* dst = buffer.data_ptr<at::BFloat16>() + to;
+      for (int64_t e = 0; e < d; ++e) dst[e] = at::BFloat16(from[e]);
+    } else {
+      std::memcpy(buffer.data_ptr<float>() + to, from, d * sizeof(float));
+    }
+  };
   at::parallel_for(0, b * q, std::max<int64_t>(1, kGrainElements / (2 * heads * d)), [&](int64_t lo, int64_t hi) {
     for (int64_t bq = lo; bq < hi; ++bq) {
       const int64_t i = bq / q, p = bq % q;
       for (int64_t h = 0; h < heads; ++h) {
         const int64_t row = index[bq * heads + h];
-        std::memcpy(kb + row * d, ks + i * keys.stride(0) + h * keys.stride(1) + p * keys.stride(2), d * sizeof(float));
-        std::memcpy(vb + row * d, vs + i * values.stride(0) + h * values.stride(1) + p * values.stride(2),
-                    d * sizeof(float));
+        put(key_buffer, row * d, ks + i * keys.stride(0) + h * keys.stride(1) + p * keys.stride(2));
+        put(value_buffer, row * d, vs + i * values.stride(0) + h * values.stride(1) + p * values.stride(2));
       }
     }
   });

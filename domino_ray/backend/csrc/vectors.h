@@ -12,6 +12,7 @@ inline void store8(float* p, v8 x) { __builtin_memcpy(p, &x, sizeof x); }
 inline v8 splat(float x) { return v8{x, x, x, x, x, x, x, x}; }
 inline float lane_sum(v8 x) { return ((x[0] + x[4]) + (x[1] + x[5])) + ((x[2] + x[6]) + (x[3] + x[7])); }
 
+typedef uint16_t u16x8 __attribute__((vector_size(16)));
 typedef uint32_t u32x8 __attribute__((vector_size(32)));
 
 #ifdef __AVX512F__  // only where one register holds it: on AVX2, GCC kept 16-float vectors in memory, not in registers
