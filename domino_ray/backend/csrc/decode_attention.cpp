@@ -76,14 +76,7 @@ struct Pages {
 };
 
 inline v8 load_kv(const float* p) { return load8(p); }
-inline v8 load_kv(const uint16_t* p) {  // 8 bf16 -> 8 fp32, exactly
-  u16x8 h;
-  __builtin_memcpy(&h, p, sizeof h);
-  const u32x8 bits = __builtin_convertvector(h, u32x8) << 16;
-  v8 x;
-  __builtin_memcpy(&x, &bits, sizeof x);
-  return x;
-}
+inline v8 load_kv(const uint16_t* p) { return widen8(p); }
 
 // One (row, K/V head): q [M, D], keys/values [n, D] in pages (n = the largest limit), s scratch [M, n8],
 // out [M, D]. NV = D / 8 when it is a compile-time constant, else 0 (then nv_runtime).

@@ -12,19 +12,24 @@ inline void store8(float* p, v8 x) { __builtin_memcpy(p, &x, sizeof x); }
 inline v8 splat(float x) { return v8{x, x, x, x, x, x, x, x}; }
 inline float lane_sum(v8 x) { return ((x[0] + x[4]) + (x[1] + x[5])) + ((x[2] + x[6]) + (x[3] + x[7])); }
 
+// bf16 (`Halves`: n uint16) -> n fp32 (`Floats`), through n uint32 (`Words`).
+template <typename Floats, typename Halves, typename Words>
+inline Floats widen(const uint16_t* p) {
+  Halves h;
+  __builtin_memcpy(&h, p, sizeof h);
+  const Words bits = __builtin_convertvector(h, Words) << 16;
+  Floats x;
+  __builtin_memcpy(&x, &bits, sizeof x);
+  return x;
+}
+
 typedef uint16_t u16x8 __attribute__((vector_size(16)));
 typedef uint32_t u32x8 __attribute__((vector_size(32)));
+inline v8 widen8(const uint16_t* p) { return widen<v8, u16x8, u32x8>(p); }
 
 #ifdef __AVX512F__  // only where one register holds it: on AVX2, GCC kept 16-float vectors in memory, not in registers
 typedef float v16 __attribute__((vector_size(64)));
 typedef uint16_t u16x16 __attribute__((vector_size(32)));
 typedef uint32_t u32x16 __attribute__((vector_size(64)));
-inline v16 widen16(const uint16_t* p) {  // 16 bf16 -> 16 fp32
-  u16x16 h;
-  __builtin_memcpy(&h, p, sizeof h);
-  const u32x16 bits = __builtin_convertvector(h, u32x16) << 16;
-  v16 x;
-  __builtin_memcpy(&x, &bits, sizeof x);
-  return x;
-}
+inline v16 widen16(const uint16_t* p) { return widen<v16, u16x16, u32x16>(p); }
 #endif
