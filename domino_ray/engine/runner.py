@@ -39,8 +39,8 @@ class StepRunner:
         k = proposer.num_spec_tokens if proposer is not None else 0
         r = rows
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.kv = KVPool(cfg.num_hidden_layers, blocks, block_size, cfg.num_key_value_heads, head_dim, weight.dtype, dev,
-                         kv_dtype(target))
+        self.kv = KVPool(cfg.num_hidden_layers, blocks, block_size, cfg.num_key_value_heads, head_dim, weight.dtype,
+                         dev, kv_dtype(target))
         self.capacity = capacity
         self.tap_layers: tuple[int, ...] = ()
         if proposer is not None:  # its target_layer_ids are in range: `checkpoint.check_against_target`
@@ -175,8 +175,7 @@ class StepRunner:
         advance = torch.where(remaining > 0, accepted + 1, 0)  # padding slots (remaining 0) stay put
         self.packed[:r, 0] = accepted
         self.packed[:r, 1:w + 2] = tokens
-        if ties is not None:
-            self.packed[:r, w + 2] = ties
+        self.packed[:r, w + 2] = 0 if ties is None else ties
         self.anchor[:r] = tokens.gather(1, accepted[:, None])[:, 0]
         lens += advance
         remaining -= advance

@@ -160,8 +160,7 @@ class SpecEngine:
         self.widths = step_widths(self.row_buckets, k, self.adaptive, self.cuda_graphs)  # {r: [W, ...]}
 
     def memory_plan(self, rows: int | None = None, blocks: int | None = None) -> dict[str, int]:
-        """Bytes beyond the weights for this engine's sizes with `rows` rows and a pool of `blocks` blocks (default: its
-        own), `memory.memory_plan`."""
+        """Bytes beyond the weights with `rows` rows and `blocks` pool blocks (default: its own): `memory_plan`."""
         rows = rows or self.max_rows
         return memory_plan(self.target.config, getattr(self.proposer, "config", None),
                            max_rows=rows, num_spec_tokens=self.num_spec_tokens, capacity=self.capacity,
@@ -332,11 +331,10 @@ class SpecEngine:
         now = time.perf_counter()
         if self.width is not None:  # a step that captured a graph says nothing about its width's cost
             self.width.learn(r, t, w, now - started if timed else None, [a for a, *_ in packed] if w else (), usable)
-        counted = self.runner.sampling.tie_dtype is not None  # otherwise the last column is stale
         for i, (row, (a, *row_tokens, ties), u) in enumerate(zip(self.rows, packed, usable)):
             events.append(row.commit(row_tokens[:a + 1], now, drafted=min(w, u), width=w,
                                      logprobs=(lp_values[i], lp_ids[i]) if lp_values is not None else None,
-                                     near_ties=ties if counted else 0))
+                                     near_ties=ties))
 
     def _mean_keys(self, r: int) -> int:
         """The mean keys a row of a step over `r` slots attends at its widest (padding slots: `span`)."""
