@@ -25,7 +25,8 @@ section, so a run cut short keeps what it measured):
     taken from target-only, then from its own forced run: in bf16 a block verify and a one-token decode round
     differently). The production engine's `kv_cache` stats after its runs (peak blocks and rows, preemptions);
   - losslessness in bf16 against target-only with the near-tie rule: a row passes if it equals target-only output up
-    to the first position where they differ and target-only's top-2 logits there are within `--tie-margin`; rows
+    to the first position where they differ and target-only's top-2 logits there are a near-tie by the engine's own
+    rule (`verify.near_tie_mask`, counted in each row's `near_ties`); rows
     identical / parting at a near-tie / parting elsewhere (failures); for the adaptive, forced and real-draft runs;
   - CUDA graphs on vs off: the real draft at a fixed K on 8 rows, eager against graphed, token for token;
   - the draft step and the verify step alone at the forced engine's largest bucket over ragged ~1k-token rows.
@@ -67,6 +68,7 @@ from domino_ray.engine.spec_engine import SpecEngine  # noqa: E402
 from domino_ray.spec.checkpoint_layouts import parse_draft_config  # noqa: E402
 from domino_ray.spec.draft import DominoDraft  # noqa: E402
 from domino_ray.spec.proposer import DominoProposer  # noqa: E402
+from domino_ray.spec.verify import near_tie_mask  # noqa: E402
 from domino_ray.spec.sampling_params import SamplingParams  # noqa: E402
 
 QWEN3_4B = dict(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
@@ -107,7 +109,7 @@ def generate(engine, prompts, max_new) -> tuple[float, list]:
     return time.perf_counter() - start, [done[i] for i in range(len(prompts))]
 
 
-def tie_check(target, prompts, base, spec, margin: float) -> dict:
+def tie_check(target, prompts, base, spec) -> dict:
     """Rows identical / parting at a near-tie of target-only's top-2 logits / parting elsewhere."""
     counts = {"identical": 0, "near_tie": 0, "differ": 0}
     for prompt, b, s in zip(prompts, base, spec):
@@ -117,8 +119,9 @@ def tie_check(target, prompts, base, spec, margin: float) -> dict:
             continue
         part = min(len(b.token_ids), len(s.token_ids)) if part is None else part
         ids = torch.tensor([prompt + b.token_ids[:part]], device=target.device)
-        top2 = target(input_ids=ids).logits[0, -1].float().topk(2).values
-        counts["near_tie" if float(top2[0] - top2[1]) <= margin else "differ"] += 1
+        logits = target(input_ids=ids).logits[:, -1:]  # [1, 1, V]
+        tie = near_tie_mask(logits, torch.ones(1, dtype=torch.bool, device=ids.device), logits.dtype)
+        counts["near_tie" if int(tie) else "differ"] += 1
     return counts
 
 
@@ -164,7 +167,6 @@ def main():
     ap.add_argument("--row-length", type=int, default=1024, help="mean row length of the decode-only table")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=20, help="timed decode steps per figure")
-    ap.add_argument("--tie-margin", type=float, default=0.125, help="top-2 logit gap counted as a near-tie (bf16)")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args()
     if args.smoke:
@@ -278,7 +280,7 @@ def run(args, report: dict, target, draft):
         seconds, base[n] = generate(engine, prompts[n], args.max_new_tokens)
         row = results[str(n)]
         row.update(target_only_tok_s=sum(len(c.token_ids) for c in base[n]) / seconds,
-                   adaptive_lossless=tie_check(target, prompts[n], base[n], adaptive_out[n], args.tie_margin))
+                   adaptive_lossless=tie_check(target, prompts[n], base[n], adaptive_out[n]))
         row["adaptive_vs_target_only"] = row["adaptive_tok_s"] / row["target_only_tok_s"]
         print(f"rows {n}: target-only {row['target_only_tok_s']:.0f} tok/s, adaptive {row['adaptive_tok_s']:.0f}",
               flush=True)
@@ -303,7 +305,7 @@ def run(args, report: dict, target, draft):
                    mean_acceptance_length=sum(c.stats.mean_acceptance_length for c in spec) / n,
                    rows_at_full_acceptance=sum(c.stats.num_spec_steps == -(-(len(c.token_ids) - 1) // (k + 1))
                                                for c in spec),
-                   lossless_forced=tie_check(target, prompts[n], base[n], spec, args.tie_margin))
+                   lossless_forced=tie_check(target, prompts[n], base[n], spec))
         print(f"rows {n}: " + json.dumps({key: round(v, 3) if isinstance(v, float) else v for key, v in row.items()}),
               flush=True)
     report["graphs"]["forced"] = {"at_start": at_start, "capture_s": engine.graph_capture_s,
@@ -327,9 +329,9 @@ def run(args, report: dict, target, draft):
         _, real[mode] = generate(engine, check_prompts, args.max_new_tokens)
         del engine
         release_memory()
-    report["checks"] = {"rows": n, "graphs_on_vs_off": (tie_check(target, check_prompts, real["off"], real["on"],
-                                                                  args.tie_margin) if "on" in real else None),
-                        "real_draft_lossless": (tie_check(target, check_prompts, check_base, real["off"], args.tie_margin)
+    report["checks"] = {"rows": n, "graphs_on_vs_off": (tie_check(target, check_prompts, real["off"], real["on"])
+                                                         if "on" in real else None),
+                        "real_draft_lossless": (tie_check(target, check_prompts, check_base, real["off"])
                                                 if check_base else None)}
     section("graphs_on_off")
 

@@ -118,8 +118,8 @@ def test_f_linear_agrees_on_a_real_shape():
 
 def test_a_row_gets_the_same_numbers_in_any_batch():
     """Our kernel sums each output the same way whatever the rows and their chunking (chunks of up to 8 rows, as
-    even as they come: 9 rows run as 5 + 4, 30 as 8 + 8 + 7 + 7): a row alone or in a batch of 9, 16 or 30, at any
-    place, gives bit-identical outputs. Output columns off the 16-column panels (40: 3 panels, one of them part;
+    even as they come: 9 rows run as 5 + 4, 30 as 8 + 8 + 7 + 7): a row alone or in a batch of 9, 16, 30 or 144 (a
+    16-row verify at W = 8), at any place, gives bit-identical outputs. Output columns off the 16-column panels (40: 3 panels, one of them part;
     64: a group of 3 and one left over) and a bias, as Qwen2's q/k/v have."""
     gen = torch.Generator().manual_seed(4)
     for out_features in (40, 64):
@@ -131,6 +131,6 @@ def test_a_row_gets_the_same_numbers_in_any_batch():
         picked = (0, 7, 15, 29)
         with torch.inference_mode():
             alone = torch.cat([layer(x[i:i + 1]) for i in picked])
-            for batch in (x[:9], x[:16], x[:30], x):  # 144: a 16-row verify at W = 8
+            for batch in (x[:9], x[:16], x[:30], x):
                 rows = [i for i in picked if i < len(batch)]
                 assert torch.equal(layer(batch)[rows], alone[:len(rows)])

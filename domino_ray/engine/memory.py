@@ -150,19 +150,18 @@ def size_engine(budget: int, where: str, most_rows: int, rows, tokens, plan_for:
         blocks = pool_blocks(rows)
         if dense_cap:
             blocks = min(blocks, rows * row_blocks + 1)
-    if rows_fixed and fixed is None and blocks < row_blocks + 1:
-        rest = sum(plan_for(rows, 0).values())
-        raise ValueError(f"generation.max_batch_size={rows}: the KV pool gets what the memory budget leaves beside the "
-                         f"rows' other buffers, and {rows} rows leave {max(budget - rest, 0) / 2**30:.2f} of "
-                         f"{budget / 2**30:.2f} GiB on {where} (plan without the pool {_gib(plan_for(rows, 0))}); one "
-                         f"row at model.max_model_len needs {row_blocks * block_size} tokens: lower "
-                         "generation.max_batch_size, set generation.kv_cache_tokens, or raise "
-                         "runtime.gpu_memory_utilization")
     if blocks < row_blocks + 1:
+        need = f"one row at model.max_model_len needs {row_blocks * block_size} tokens (with its step's positions)"
+        if fixed is None and rows_fixed:  # the rows' own buffers left the pool too little (or nothing)
+            rest = sum(plan_for(rows, 0).values())
+            raise ValueError(f"generation.max_batch_size={rows}: the KV pool gets what the memory budget leaves beside "
+                             f"the rows' other buffers, and {rows} rows leave {max(budget - rest, 0) / 2**30:.2f} of "
+                             f"{budget / 2**30:.2f} GiB on {where} (plan without the pool {_gib(plan_for(rows, 0))}); "
+                             f"{need}: lower generation.max_batch_size, set generation.kv_cache_tokens, or raise "
+                             "runtime.gpu_memory_utilization")
         key = "generation.kv_cache_tokens" if fixed is not None else "runtime.gpu_memory_utilization"
-        raise ValueError(f"{key}: the KV pool holds {(blocks - 1) * block_size} tokens but one row at "
-                         f"model.max_model_len needs {row_blocks * block_size} (with its step's positions): raise "
-                         f"{key} or lower model.max_model_len")
+        raise ValueError(f"{key}: the KV pool holds {(blocks - 1) * block_size} tokens but {need}: raise {key} or "
+                         "lower model.max_model_len")
     report = (f"{rows} rows at most, KV pool {blocks - 1} blocks x {block_size} = {(blocks - 1) * block_size} tokens "
               f"on {where} (budget {budget / 2**30:.1f} GiB; plan {_gib(plan_for(rows, blocks))})")
     log.info(report)

@@ -9,7 +9,7 @@ Every decode and verify step up to `OUR_ROWS` positions takes our kernel, whatev
 take `F.linear`. Our kernel gives a row the same numbers whatever batch it is in, so a verify of W + 1 positions
 computes each position's logits bit for bit as a one-position step would (with the other ops of a step, per row as
 well): speculative decoding is then invariant to the verify's shape on CPU, sampled rows included
-(`tests/test_bf16_cpu.py`). MKL's packed GEMM was 5-10% faster from 48 rows on an AVX-512 Xeon (BENCHMARKS "The
+(`tests/test_shape_invariance.py`). MKL's packed GEMM was 5-10% faster from 48 rows on an AVX-512 Xeon (BENCHMARKS "The
 linear kernel's k-blocks") but rounds differently from ours, so a 48-row verify could pick another sample than
 target-only's one-position steps; on the AVX2 EPYC ours is faster than MKL's and `F.linear` up to 256 rows, 5%
 slower at 512 and 14% at 1,024 (BENCHMARKS "bf16 weights on CPU").
@@ -141,18 +141,18 @@ def weight_state(weight: torch.Tensor) -> tuple[int, int]:
 def keep_bf16_weights(*models: nn.Module | None, budget_share: float = 0.25) -> bool:
     """CPU, `model.dtype: bfloat16` (`llm.build_engine`, before the proposer copies any weight): bf16 `models` (None
     skipped) turn fp32 in place, each `nn.Linear` marked to pack its weight into bf16 panels (`PackedLinear`): the
-    linear layers stream bf16, everything else computes in fp32. Only on CPU, with our kernels, and when the fp32 copies and the panels (4 more bytes a parameter) fit in `budget_share` of the
-    available host memory; otherwise the models stay as they are (torch's bf16 ops) and the reason is logged. True when
-    converted."""
+    linear layers stream bf16, everything else computes in fp32. Only on CPU, with our kernels, and when the fp32
+    copies and the panels (4 more bytes a parameter) fit in `budget_share` of the available host memory; otherwise the
+    models stay as they are (torch's bf16 ops) and the reason is logged. True when converted."""
     present = [m for m in models if m is not None]
     weight = next(present[0].parameters(), None) if present else None
     if weight is None or weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
         return False
-    params = {id(p): p.numel() for m in present for p in m.parameters()}  # shared weights once
-    need, available = 4 * sum(params.values()), host_memory_available()
     if not kernels_loaded():
         log.info("model.dtype=bfloat16 on CPU runs torch's bf16 ops: our CPU kernels are off or did not build")
         return False
+    params = {id(p): p.numel() for m in present for p in m.parameters()}  # shared weights once
+    need, available = 4 * sum(params.values()), host_memory_available()
     if need > budget_share * available:
         log.info("model.dtype=bfloat16 on CPU runs torch's bf16 ops: fp32 activations with bf16 panels need %.2f GiB "
                  "more, over %.0f%% of the %.1f GiB available", need / 2**30, 100 * budget_share, available / 2**30)

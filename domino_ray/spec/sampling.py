@@ -104,10 +104,10 @@ class RowSampling:
         None), for a step of `mode` (`sampling_mode`, host-known)."""
         if mode.penalized:
             logits = self.penalties.apply(rows, logits, drafts)
-        ties = near_tie_mask(logits, self.temperature[rows] == 0, self.tie_dtype) if self.tie_dtype else None
+        temperature = self.temperature[rows]
+        ties = near_tie_mask(logits, temperature == 0, self.tie_dtype) if self.tie_dtype else None
         accepted, tokens = greedy_accept(target_logits=logits, drafts=drafts, limit=limit)
         if mode.sampled:
-            temperature = self.temperature[rows]
             probs = sampling_probs(logits, temperature, self.top_k[rows], self.top_p[rows], filtered=mode.filtered)
             # One uniform per token position (the position the token is written at): see rejection_accept.
             uniforms = counter_uniforms(self.seeds[rows], positions + 1)

@@ -36,7 +36,7 @@ def greedy_choice(logits: torch.Tensor) -> torch.Tensor:
 
 # A greedy position is a near-tie when its top two logits are within this many units in the last place of a 16-bit
 # logits dtype at the top one: there, speculative decoding may pick another token than target-only, because a verify
-# forward of W + 1 positions rounds differently from a one-position one (the same rule `bench_gpu.tie_check` applies).
+# forward of W + 1 positions rounds differently from a one-position one (`bench_gpu.tie_check` judges partings by it).
 TIE_ULPS = 2
 
 

@@ -212,8 +212,6 @@ void run_pages(const at::Tensor& q, const T* kp, const T* vp, const int32_t* tp,
   });
 }
 
-const uint16_t* bits(const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>()); }
-
 }  // namespace
 
 namespace domino_ray {
@@ -263,7 +261,7 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& key_pool,
 
   auto out = at::empty_like(q);
   if (bf16)
-    run_pages(q, bits(key_pool), bits(value_pool), tp, lp, r, H, M, D, nb, bs, scale, out);
+    run_pages(q, bf16_bits(key_pool), bf16_bits(value_pool), tp, lp, r, H, M, D, nb, bs, scale, out);
   else
     run_pages(q, key_pool.data_ptr<float>(), value_pool.data_ptr<float>(), tp, lp, r, H, M, D, nb, bs, scale, out);
   return out;

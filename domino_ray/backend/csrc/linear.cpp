@@ -182,8 +182,6 @@ void run(int64_t m, int chunk, const float* xt, const W* wp, int64_t k, int64_t 
   });
 }
 
-const uint16_t* bits(const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>()); }
-
 }  // namespace
 
 at::Tensor pack_linear(const at::Tensor& weight) {
@@ -194,7 +192,7 @@ at::Tensor pack_linear(const at::Tensor& weight) {
   const auto w = weight.contiguous();
   auto out = at::zeros({panels, k, kPanel}, w.options());
   if (bf16)
-    pack(bits(w), const_cast<uint16_t*>(bits(out)), n, k, panels);
+    pack(bf16_bits(w), bf16_bits(out), n, k, panels);
   else
     pack(w.data_ptr<float>(), out.data_ptr<float>(), n, k, panels);
   return out;
@@ -202,8 +200,8 @@ at::Tensor pack_linear(const at::Tensor& weight) {
 
 at::Tensor linear(const at::Tensor& input, const at::Tensor& packed, int64_t n, const c10::optional<at::Tensor>& bias) {
   const bool bf16 = packed.scalar_type() == at::kBFloat16;
-  TORCH_CHECK(input.device().is_cpu() && input.scalar_type() == at::kFloat && (bf16 || packed.scalar_type() == at::kFloat),
-              "linear: fp32 CPU input, fp32 or bf16 packed weight");
+  TORCH_CHECK(input.device().is_cpu() && input.scalar_type() == at::kFloat &&
+              (bf16 || packed.scalar_type() == at::kFloat), "linear: fp32 CPU input, fp32 or bf16 packed weight");
   const int64_t k = input.size(-1);
   TORCH_CHECK(packed.dim() == 3 && packed.size(1) == k && packed.size(2) == kPanel && packed.is_contiguous() &&
               packed.size(0) == (n + kPanel - 1) / kPanel, "linear: packed weight [ceil(N/16), K, 16] (pack_linear)");
@@ -232,7 +230,7 @@ at::Tensor linear(const at::Tensor& input, const at::Tensor& packed, int64_t n, 
     }
   }
   if (bf16)
-    run(m, chunk, xt.data(), bits(packed), k, n, panels, bp, op);
+    run(m, chunk, xt.data(), bf16_bits(packed), k, n, panels, bp, op);
   else
     run(m, chunk, xt.data(), packed.data_ptr<float>(), k, n, panels, bp, op);
   return out;

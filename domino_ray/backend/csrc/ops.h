@@ -8,9 +8,13 @@
 #include <ATen/core/List.h>
 #include <ATen/core/Tensor.h>
 
+#include <cstdint>
 #include <vector>
 
 namespace domino_ray {
+
+// A bf16 tensor's elements as their raw bits, what our kernels widen (`vectors.h`).
+inline uint16_t* bf16_bits(const at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); }
 
 at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& key_pool, const at::Tensor& value_pool,
                             const at::Tensor& block_tables, const at::Tensor& limits, double scale);
