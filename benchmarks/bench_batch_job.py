@@ -76,7 +76,7 @@ def direct(target_dir: str, draft_dir: str, prompts: list[str], args) -> dict:
     from domino_ray.config import generation_defaults, load_config
     from domino_ray.engine.request import Request
     from domino_ray.llm import load_engine
-    from domino_ray.model.target import encode_prompt
+    from domino_ray.target.loading import encode_prompt
 
     torch.set_num_threads(args.threads)
     start = time.perf_counter()

@@ -28,13 +28,13 @@ from pathlib import Path
 import torch
 
 from domino_ray.engine.request import Request
-from domino_ray.engine.spec_engine import SpecEngine
-from domino_ray.model.target import stop_token_ids
-from domino_ray.spec.checkpoint import load_draft
-from domino_ray.spec.draft import resolve_num_spec_tokens
-from domino_ray.spec.proposer import DominoProposer
-from domino_ray.spec.sampling_params import SamplingParams
-from domino_ray.spec.stats import per_position_acceptance, total_stats
+from domino_ray.engine.core import SpecEngine
+from domino_ray.target.loading import stop_token_ids
+from domino_ray.spec_decode.checkpoint import load_draft
+from domino_ray.spec_decode.draft import resolve_num_spec_tokens
+from domino_ray.spec_decode.proposer import DominoProposer
+from domino_ray.sample.params import SamplingParams
+from domino_ray.spec_decode.stats import per_position_acceptance, total_stats
 from domino_ray.training.evaluation import backbone_only
 
 from common import load_pair, token_digest

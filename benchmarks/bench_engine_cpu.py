@@ -25,10 +25,10 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from domino_ray.engine.request import Request
-from domino_ray.engine.spec_engine import SpecEngine
-from domino_ray.spec.draft import DominoDraft, DraftConfig
-from domino_ray.spec.proposer import DominoProposer
-from domino_ray.spec.sampling_params import SamplingParams
+from domino_ray.engine.core import SpecEngine
+from domino_ray.spec_decode.draft import DominoDraft, DraftConfig
+from domino_ray.spec_decode.proposer import DominoProposer
+from domino_ray.sample.params import SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from oracles import OracleProposer  # noqa: E402  (test support, kept out of the core)

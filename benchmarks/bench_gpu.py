@@ -64,12 +64,12 @@ from bench_engine_cpu import prompts_for  # noqa: E402
 from gpu_steps import Forced, follow_rows, peak_bandwidth, ragged_lengths, sync, time_decode, time_parts  # noqa: E402
 from domino_ray.engine.memory import MAX_AUTO_SLOTS, kv_bytes_per_token  # noqa: E402
 from domino_ray.engine.request import Request  # noqa: E402
-from domino_ray.engine.spec_engine import SpecEngine  # noqa: E402
-from domino_ray.spec.checkpoint_layouts import parse_draft_config  # noqa: E402
-from domino_ray.spec.draft import DominoDraft  # noqa: E402
-from domino_ray.spec.proposer import DominoProposer  # noqa: E402
-from domino_ray.spec.verify import near_tie_mask  # noqa: E402
-from domino_ray.spec.sampling_params import SamplingParams  # noqa: E402
+from domino_ray.engine.core import SpecEngine  # noqa: E402
+from domino_ray.spec_decode.checkpoint_layouts import parse_draft_config  # noqa: E402
+from domino_ray.spec_decode.draft import DominoDraft  # noqa: E402
+from domino_ray.spec_decode.proposer import DominoProposer  # noqa: E402
+from domino_ray.spec_decode.verify import near_tie_mask  # noqa: E402
+from domino_ray.sample.params import SamplingParams  # noqa: E402
 
 QWEN3_4B = dict(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
                 num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,

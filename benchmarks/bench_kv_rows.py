@@ -4,7 +4,7 @@ held for Qwen3-4B + Domino-b16 on an H100 and an H200 (issue 43).
     python benchmarks/bench_kv_rows.py --json /tmp/kv_rows.json
 
 A dense layout reserves every row `max_model_len + span` positions, so a budget of B tokens holds B // that rows
-whatever they hold; the paged pool (`model/kv_cache.py`) holds what the rows hold. For each workload the engine runs
+whatever they hold; the paged pool (`kv/pools.py`) holds what the rows hold. For each workload the engine runs
 with `kv_cache_tokens` = the budget and a high row cap, and the rows in flight are counted at every step (mean and
 peak), with its preemptions and prefix hits. Target-only and greedy: the counts depend on the lengths, not on the
 weights, so the "mix" workload runs a tiny random Qwen3 at max_model_len 4096.
@@ -32,10 +32,10 @@ from bench_gpu import HUANG2020_DRAFT, QWEN3_4B as PRODUCTION_TARGET  # noqa: E4
 from common import load_pair, write_results  # noqa: E402
 from domino_ray.engine.memory import kv_bytes_per_token, memory_plan, size_engine  # noqa: E402
 from domino_ray.engine.request import Request  # noqa: E402
-from domino_ray.engine.spec_engine import SpecEngine  # noqa: E402
+from domino_ray.engine.core import SpecEngine  # noqa: E402
 from domino_ray.engine.step_graphs import verify_positions  # noqa: E402
-from domino_ray.spec.checkpoint_layouts import parse_draft_config  # noqa: E402
-from domino_ray.spec.sampling_params import SamplingParams  # noqa: E402
+from domino_ray.spec_decode.checkpoint_layouts import parse_draft_config  # noqa: E402
+from domino_ray.sample.params import SamplingParams  # noqa: E402
 
 QWEN3_4B = Qwen3Config(**PRODUCTION_TARGET)
 DOMINO_B16 = parse_draft_config(HUANG2020_DRAFT, {}, "dflash")

@@ -1,4 +1,4 @@
-"""Linear layers on CPU at decode batch sizes (`domino_ray/model/packed_linear.py`): `F.linear`, MKL's packed GEMM and our
+"""Linear layers on CPU at decode batch sizes (`domino_ray/target/packed_linear.py`): `F.linear`, MKL's packed GEMM and our
 kernel (`csrc/linear.cpp`).
 
 Two measurements (BENCHMARKS.md "Our layer ops and linear kernel"):
@@ -74,7 +74,7 @@ def sweep(rows: list[int], layers: int = LAYERS, seed: int = 0):
 
 
 def engine_steps(rows: int, rounds: int = 4):
-    from domino_ray.model import packed_linear
+    from domino_ray.target import packed_linear
 
     def settings(engine):
         packed = [m for part in (engine.layers, engine.lm_head) for m in part.modules()

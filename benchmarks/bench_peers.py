@@ -92,8 +92,8 @@ def start_costs(engine):
 def run_ours(pair, mode: tuple, prompts, *, rows: int, max_new_tokens: int, ignore_eos: bool, max_model_len: int,
              width_costs=None) -> dict:
     from domino_ray.engine.request import Request
-    from domino_ray.spec.sampling_params import SamplingParams
-    from domino_ray.spec.stats import total_stats
+    from domino_ray.sample.params import SamplingParams
+    from domino_ray.spec_decode.stats import total_stats
 
     start = time.perf_counter()
     engine = our_engine(pair, mode, rows=rows, max_model_len=max_model_len, width_costs=width_costs)
@@ -155,7 +155,7 @@ def profile_ours_step(pair, name: str, mode: tuple, prompts, *, rows: int, max_m
     from torch.profiler import ProfilerActivity, profile
 
     from domino_ray.engine.request import Request
-    from domino_ray.spec.sampling_params import SamplingParams
+    from domino_ray.sample.params import SamplingParams
 
     def started_engine(width_costs=None):
         engine = our_engine(pair, mode, rows=rows, max_model_len=max_model_len, width_costs=width_costs)
@@ -295,7 +295,7 @@ def iomp_library(vllm_python: Path) -> Path:
 
 def run_vllm(mode: str, args, pair, rows: int, workdir: Path, profile_steps: int = 0) -> dict:
     """`profile_steps`: profile a decode step instead of timing runs (`vllm_step_profile`)."""
-    from domino_ray.model.target import stop_token_ids
+    from domino_ray.target.loading import stop_token_ids
 
     spec = {"mode": mode, "target": pair.target_dir, "draft": str(pair.draft_dir),
             "draft_no_head": str(workdir / "draft-no-head"),

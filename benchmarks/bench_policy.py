@@ -23,10 +23,10 @@ import torch
 
 from domino_ray.config import DEMO_ASSETS
 from domino_ray.engine.request import Request
-from domino_ray.engine.spec_engine import SpecEngine
-from domino_ray.spec.draft import DominoDraft, resolve_num_spec_tokens
-from domino_ray.spec.proposer import DominoProposer
-from domino_ray.spec.sampling_params import SamplingParams
+from domino_ray.engine.core import SpecEngine
+from domino_ray.spec_decode.draft import DominoDraft, resolve_num_spec_tokens
+from domino_ray.spec_decode.proposer import DominoProposer
+from domino_ray.sample.params import SamplingParams
 from common import demo_pair, token_digest, write_results
 from domino_ray.training.evaluation import backbone_only
 

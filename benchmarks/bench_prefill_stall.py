@@ -23,8 +23,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # runs from a plain checkout, no install
 from common import load_pair, write_results  # noqa: E402
 from domino_ray.engine.request import Request  # noqa: E402
-from domino_ray.engine.spec_engine import SpecEngine  # noqa: E402
-from domino_ray.spec.sampling_params import SamplingParams  # noqa: E402
+from domino_ray.engine.core import SpecEngine  # noqa: E402
+from domino_ray.sample.params import SamplingParams  # noqa: E402
 
 
 def one_run(target, prompts, long_prompt, rows: int, budget: int, max_model_len: int) -> dict:

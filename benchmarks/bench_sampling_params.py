@@ -22,8 +22,8 @@ import torch
 
 from domino_ray.engine.request import Request
 from domino_ray.llm import build_engine
-from domino_ray.spec.sampling_params import SamplingParams
-from domino_ray.spec.stats import total_stats
+from domino_ray.sample.params import SamplingParams
+from domino_ray.spec_decode.stats import total_stats
 
 from common import load_pair, token_digest
 

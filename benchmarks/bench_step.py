@@ -40,10 +40,10 @@ from torch.overrides import TorchFunctionMode
 
 from domino_ray.config import DEMO_ASSETS
 from domino_ray.engine.request import Request
-from domino_ray.engine.spec_engine import SpecEngine
-from domino_ray.spec.draft import DominoDraft
-from domino_ray.spec.proposer import DominoProposer
-from domino_ray.spec.sampling_params import SamplingParams
+from domino_ray.engine.core import SpecEngine
+from domino_ray.spec_decode.draft import DominoDraft
+from domino_ray.spec_decode.proposer import DominoProposer
+from domino_ray.sample.params import SamplingParams
 from common import demo_pair, write_results
 
 

@@ -36,7 +36,7 @@ def alternating_decode_steps(rows: int, settings, detail: str = "", rounds: int 
     untimed), `rounds` times, in one process; prints ms per step."""
     from domino_ray.engine.request import Request
     from domino_ray.llm import build_engine
-    from domino_ray.spec.sampling_params import SamplingParams
+    from domino_ray.sample.params import SamplingParams
 
     pair = load_pair("smollm2", num_prompts=rows)
     engine = build_engine(pair.target, None, pair.tokenizer, max_batch_size=rows, max_model_len=1024)
@@ -91,11 +91,11 @@ def load_pair(name: str = "demo", assets: Path | None = None, num_prompts: int =
     import pyarrow.parquet as pq
 
     from domino_ray.config import DEMO_ASSETS
-    from domino_ray.model.target import encode_prompt, load_target, load_tokenizer
-    from domino_ray.spec.checkpoint import load_draft
+    from domino_ray.target.loading import encode_prompt, load_target, load_tokenizer
+    from domino_ray.spec_decode.checkpoint import load_draft
 
     if name == "smollm2":
-        from domino_ray.model.smollm2 import cache_dir, is_converted
+        from domino_ray.target.smollm2 import cache_dir, is_converted
 
         if not is_converted():
             raise SystemExit(f"error: SmolLM2 is not converted at {cache_dir()}: run `make smollm2` first")

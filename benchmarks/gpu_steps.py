@@ -9,9 +9,9 @@ from itertools import accumulate
 
 import torch
 
-from domino_ray.engine.spec_engine import SpecEngine
-from domino_ray.spec.proposer import DominoProposer
-from domino_ray.spec.sampling import GREEDY
+from domino_ray.engine.core import SpecEngine
+from domino_ray.spec_decode.proposer import DominoProposer
+from domino_ray.sample.sampling import GREEDY
 
 # Peak memory bandwidth (bytes/s) by device name: (names it must contain, bandwidth); first match wins
 PEAK_BANDWIDTH = ((("H200",), 4.8e12), (("H100", "PCIe"), 2.0e12), (("H100", "HBM3"), 3.35e12),

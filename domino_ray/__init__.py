@@ -6,8 +6,10 @@ The public Python API is importable from here:
 
 Each name imports its module on first use (PEP 562), so `import domino_ray` imports neither torch nor Ray, and
 only the Ray Data names (`DominoEngineProcessorConfig`, `build_processor`) import Ray. The layers, lowest first:
-`backend` (our CPU kernels), `model` (the target as the engine runs it), `spec` (draft, checkpoints, verification,
-sampling, the verify width), `engine`, then `llm` (this API) and `training`, and the Ray edges `batch` and `serve`.
+`backend` (our CPU kernels), `kv` (the block pool, the KV pools, attention over them), `target` (the target as the
+engine runs it), `spec_decode` (draft, checkpoints, verification, the verify width, statistics), `sample` (sampling
+parameters, sampling, penalties), `engine`, `frontend` (prompts and parameters to requests, completions to text),
+then `llm` (this API), `training` and `config`, and the Ray edges `batch` and `serve`.
 """
 
 from importlib import import_module
@@ -18,13 +20,13 @@ __version__ = "0.1.0"
 _API = {
     "DominoLLM": "domino_ray.llm",
     "build_engine": "domino_ray.llm",
-    "load_target": "domino_ray.model.target",
-    "load_tokenizer": "domino_ray.model.target",
-    "encode_prompt": "domino_ray.model.target",
-    "load_draft": "domino_ray.spec.checkpoint",
-    "SamplingParams": "domino_ray.spec.sampling_params",
-    "total_stats": "domino_ray.spec.stats",
-    "SpecEngine": "domino_ray.engine.spec_engine",
+    "load_target": "domino_ray.target.loading",
+    "load_tokenizer": "domino_ray.target.loading",
+    "encode_prompt": "domino_ray.target.loading",
+    "load_draft": "domino_ray.spec_decode.checkpoint",
+    "SamplingParams": "domino_ray.sample.params",
+    "total_stats": "domino_ray.spec_decode.stats",
+    "SpecEngine": "domino_ray.engine.core",
     "Request": "domino_ray.engine.request",
     "DominoEngineProcessorConfig": "domino_ray.batch.processor",
     "build_processor": "domino_ray.batch.processor",

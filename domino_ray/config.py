@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from domino_ray.spec.sampling_params import SAMPLING_CHECKS, SamplingParams, invalid_value, is_int
+from domino_ray.sample.params import SAMPLING_CHECKS, SamplingParams, invalid_value, is_int
 
 DEMO_ASSETS = Path(__file__).parent / "assets" / "demo"
 API_KEY_ENV = "DOMINO_RAY_API_KEY"  # Serve's API key from the environment (e.g. a Kubernetes Secret)

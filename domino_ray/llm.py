@@ -17,15 +17,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from domino_ray.engine.request import Request, TokenLogprobs
-from domino_ray.engine.spec_engine import SpecEngine
-from domino_ray.model.packed_linear import keep_bf16_weights
-from domino_ray.model.target import encode_prompt, load_target, load_tokenizer, stop_token_ids
-from domino_ray.model.text_stream import row_text, stop_matcher
-from domino_ray.spec.checkpoint import load_draft
-from domino_ray.spec.draft import resolve_num_spec_tokens
-from domino_ray.spec.proposer import DominoProposer
-from domino_ray.spec.sampling_params import SamplingParams
+from domino_ray.engine.request import TokenLogprobs
+from domino_ray.engine.core import SpecEngine
+from domino_ray.target.packed_linear import keep_bf16_weights
+from domino_ray.target.loading import encode_prompt, load_target, load_tokenizer, stop_token_ids
+from domino_ray.frontend.detokenizer import row_text
+from domino_ray.frontend.requests import prompt_requests
+from domino_ray.spec_decode.checkpoint import load_draft
+from domino_ray.spec_decode.draft import resolve_num_spec_tokens
+from domino_ray.spec_decode.proposer import DominoProposer
+from domino_ray.sample.params import SamplingParams
 
 
 def build_engine(target, draft=None, tokenizer=None, *, num_draft_tokens: int | str | None = "auto",
@@ -117,24 +118,17 @@ class DominoLLM:
     def generate(self, prompts: Sequence, params: SamplingParams | Sequence[SamplingParams] = SamplingParams()
                  ) -> list[GenerationOutput]:
         """One output per prompt and sample: `n` outputs per prompt (sample i with `params.for_sample(i)`: its seed
-        derived from the prompt's), in prompt order, then sample order."""
+        derived from the prompt's), in prompt order, then sample order. The length rule (`frontend.requests`): a
+        prompt whose `max_new_tokens` do not fit is capped (`finish_reason` "length"); one that alone fills the
+        model's length raises ValueError naming it, before anything runs."""
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling parameters")
-        limit, requests = self.engine.max_model_len, []
+        requests = []
         for i, (prompt, sp) in enumerate(zip(prompts, params)):
-            ids = self.encode(prompt)
-            room = limit - len(ids)
-            if sp.max_new_tokens > room:  # as the server does: refuse what cannot fit rather than stop short of it
-                raise ValueError(f"prompts[{i}] ({len(ids)} tokens) + max_new_tokens ({sp.max_new_tokens}) exceeds "
-                                 f"the model's limit of {limit} tokens: at most {max(room, 0)} new tokens fit after "
-                                 "this prompt")
-            if sp.stop and self.tokenizer is None:
-                raise ValueError(f"stop={list(sp.stop)!r} needs a tokenizer to match text (this DominoLLM has none); "
-                                 "use stop_token_ids instead")
-            requests += [Request((i, j), ids, sp.for_sample(j), stop_matcher(self.tokenizer, sp))
-                         for j in range(sp.n)]
+            requests += prompt_requests(i, self.encode(prompt), sp, tokenizer=self.tokenizer,
+                                        max_model_len=self.engine.max_model_len, prompt_field=f"prompts[{i}]")
         return [GenerationOutput(
             prompt_token_ids=c.prompt_token_ids, text=row_text(self.tokenizer, c.token_ids, r.params, c.finish_reason == "stop") if self.tokenizer else None,
             token_ids=c.token_ids, finish_reason=c.finish_reason, stats=c.stats.to_columns(),

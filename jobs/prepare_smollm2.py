@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from domino_ray.model.smollm2 import cache_dir, convert
+from domino_ray.target.smollm2 import cache_dir, convert
 
 
 def main(argv=None):

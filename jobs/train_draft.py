@@ -9,7 +9,7 @@
    unless `--no-head`) trains on them (domino_ray/training/loop.py: random anchors, [anchor, MASK...]
    blocks, target hidden-state context, position-weighted loss, base-anchored curriculum), logging
    per-position accuracy and the acceptance length it implies.
-3. It is saved in the HF/DFlash layout that `domino_ray.spec.checkpoint.load_draft` reads (plus
+3. It is saved in the HF/DFlash layout that `domino_ray.spec_decode.checkpoint.load_draft` reads (plus
    `training.json`), and with `--eval-prompts` measured in the engine (greedy, target verifies).
 
 The generated sequences can be cached (`--sequences`, saved chunk by chunk: a stopped run resumes) and reused
@@ -26,10 +26,10 @@ from pathlib import Path
 
 import torch
 
-from domino_ray.model.target import (encode_prompt, load_target, load_tokenizer, resolve_device, resolve_dtype,
+from domino_ray.target.loading import (encode_prompt, load_target, load_tokenizer, resolve_device, resolve_dtype,
                                      stop_token_ids)
-from domino_ray.spec.checkpoint import save_draft, save_draft_speculators
-from domino_ray.spec.draft import DominoDraft
+from domino_ray.spec_decode.checkpoint import save_draft, save_draft_speculators
+from domino_ray.spec_decode.draft import DominoDraft
 from domino_ray.training.data import frequent_ids, generate_sequences, init_pruned_vocabulary, sequence_features
 from domino_ray.training.evaluation import backbone_only, engine_acceptance
 from domino_ray.training.loop import draft_config_for, train_draft

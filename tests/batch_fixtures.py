@@ -73,6 +73,18 @@ def agreeing_pair(tmp_path_factory):
     return save_agreeing_pair(tmp_path_factory.mktemp("agreeing_pair"))
 
 
+def prompt_near_limit(target_dir, limit: int = 512, room: int = 6) -> str:
+    """A plain prompt (no chat template) of at least `limit - room` and fewer than `limit` tokens: its
+    max_new_tokens past `room` are capped by the length rule (frontend.requests)."""
+    from domino_ray.target.loading import encode_prompt, load_tokenizer
+
+    tokenizer, words = load_tokenizer(target_dir), []
+    while len(encode_prompt(tokenizer, prompt=" ".join(words), chat_template=False)) < limit - room:
+        words.append(WORDS[len(words) % len(WORDS)])
+    assert len(encode_prompt(tokenizer, prompt=" ".join(words), chat_template=False)) < limit
+    return " ".join(words)
+
+
 def make_prompts(n: int, seed: int = 0) -> list[str]:
     g = torch.Generator().manual_seed(seed)
     return [" ".join(WORDS[j] for j in torch.randint(len(WORDS), (int(k),), generator=g).tolist())

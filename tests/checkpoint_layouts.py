@@ -9,8 +9,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from domino_ray.spec.checkpoint import save_draft
-from domino_ray.spec.draft import DominoDraft
+from domino_ray.spec_decode.checkpoint import save_draft
+from domino_ray.spec_decode.draft import DominoDraft
 
 HEAD_KEYS = ("prefix_gru.", "embed_proj.")
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from domino_ray.spec.draft import DominoDraft
+from domino_ray.spec_decode.draft import DominoDraft
 
 
 class OracleProposer:

@@ -13,9 +13,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 
 from domino_ray.engine.request import Request  # noqa: E402
-from domino_ray.engine.spec_engine import SpecEngine  # noqa: E402
-from domino_ray.spec.proposer import DominoProposer  # noqa: E402
-from domino_ray.spec.sampling_params import SamplingParams  # noqa: E402
+from domino_ray.engine.core import SpecEngine  # noqa: E402
+from domino_ray.spec_decode.proposer import DominoProposer  # noqa: E402
+from domino_ray.sample.params import SamplingParams  # noqa: E402
 from paged_triton_cases import patch_interpreter_index  # noqa: E402
 from tiny_models import hf_greedy, ragged_prompts, tiny_draft, tiny_target  # noqa: E402
 

@@ -17,12 +17,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from domino_ray.engine.request import Request
-from domino_ray.engine.spec_engine import SpecEngine
+from domino_ray.engine.core import SpecEngine
 from domino_ray.llm import load_draft_for
-from domino_ray.model.target import load_target, load_tokenizer, stop_token_ids
-from domino_ray.model.text_stream import stop_matcher
-from domino_ray.spec.proposer import DominoProposer
-from domino_ray.spec.width_costs import StepCosts
+from domino_ray.target.loading import load_target, load_tokenizer, stop_token_ids
+from domino_ray.frontend.detokenizer import stop_matcher
+from domino_ray.spec_decode.proposer import DominoProposer
+from domino_ray.spec_decode.width_costs import StepCosts
 from tiny_models import Recorder
 
 MIN_ACCEPTED_SHARE = 0.3  # of all generated tokens; the agreeing pair gives ~0.65 greedy at K = 4, ~0.4 sampled

@@ -12,8 +12,8 @@ from domino_ray.batch.job import run_job
 from domino_ray.batch.predictor import RowCrashesEngine
 from domino_ray.engine.loop import EngineLoop
 from domino_ray.engine.request import Request
-from domino_ray.engine.spec_engine import SpecEngine
-from domino_ray.spec.sampling_params import SamplingParams
+from domino_ray.engine.core import SpecEngine
+from domino_ray.sample.params import SamplingParams
 from faulty_predictor import faulty_predictor
 from tiny_models import tiny_target
 

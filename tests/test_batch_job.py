@@ -19,15 +19,15 @@ import ray
 import torch
 
 from batch_fixtures import (WORDS, agreeing_pair, check_output_invariants, job_config, make_prompts,  # noqa: F401
-                            ray_cluster, tiny_pair, write_shards)
+                            prompt_near_limit, ray_cluster, tiny_pair, write_shards)
 from domino_ray.batch.job import init_ray, read_inputs, run_job
 from domino_ray.batch.preflight import check_input
 from domino_ray.batch.summary import human_summary, kv_cache_totals
 from domino_ray.batch.text_stages import SAMPLES_TO_DO
 from domino_ray.config import ConfigError, load_config
 from domino_ray.llm import DominoLLM
-from domino_ray.model.target import encode_prompt, load_target, load_tokenizer, stop_token_ids
-from domino_ray.spec.sampling_params import SamplingParams
+from domino_ray.target.loading import encode_prompt, load_target, load_tokenizer, stop_token_ids
+from domino_ray.sample.params import SamplingParams
 from faulty_predictor import faulty_predictor
 
 pytestmark = pytest.mark.ray
@@ -55,8 +55,9 @@ BAD_ROWS = [
 ]
 
 
-def _input_rows():
+def _input_rows(near_limit: str):
     rows = [(p.encode(), None, None) for p in make_prompts(16)]
+    rows += [(near_limit.encode(), None, None)]  # the length rule caps it: fewer than MAX_NEW tokens fit
     rows += [(None, [{"role": "user", "content": p}], None) for p in make_prompts(3, seed=1)]
     rows += [(b"a batch of prompts", None, {"max_new_tokens": 3, "logprobs": 2}),  # the one row asking for logprobs
              (b"the lazy dog", None, {"max_new_tokens": 5})]
@@ -69,7 +70,7 @@ def _input_rows():
 @pytest.fixture(scope="module")
 def job(ray_cluster, agreeing_pair, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("job")
-    rows, good = _input_rows()
+    rows, good = _input_rows(prompt_near_limit(agreeing_pair[0]))
     ids = [1000 + i for i in range(len(rows))]
     columns = {"id": ids, "prompt": [r[0] for r in rows], "messages": [r[1] for r in rows],
                "sampling_params": [r[2] for r in rows], "topic": [f"t{i % 3}" for i in range(len(rows))]}
@@ -149,14 +150,16 @@ def test_greedy_outputs_equal_target_only(job):
     target, tokenizer = load_target(job["pair"][0]), load_tokenizer(job["pair"][0])
     eos = sorted(stop_token_ids(target, tokenizer))  # <|im_end|> and the pair's other EOS ids
     by_id = {r["id"]: r for r in pq.read_table(job["out"]).to_pylist()}
-    checked = 0
+    checked = capped = 0
     for i, (prompt, messages, overrides) in enumerate(job["rows"][:job["good"]]):
         if overrides and overrides.get("temperature"):
             continue
         row = by_id[job["ids"][i]]
         ids = (encode_prompt(tokenizer, messages=messages) if messages else
                encode_prompt(tokenizer, prompt=prompt.decode(), chat_template=False))
-        budget = (overrides or {}).get("max_new_tokens") or MAX_NEW
+        asked = (overrides or {}).get("max_new_tokens") or MAX_NEW
+        budget = min(asked, 512 - len(ids))  # the length rule caps a row near the model's 512 positions
+        capped += budget < asked
         out = target.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                               max_new_tokens=budget, do_sample=False, eos_token_id=eos, pad_token_id=eos[0])
         assert row["generated_tokens"] == out[0, len(ids):].tolist(), row["id"]
@@ -164,6 +167,7 @@ def test_greedy_outputs_equal_target_only(job):
         assert row["finish_reason"] == ("stop" if row["generated_tokens"][-1] in eos else "length")
         checked += 1
     assert checked == job["good"] - SAMPLED
+    assert capped > 0  # the row near the limit ran, capped
 
 
 def test_the_job_speculated(job):

@@ -10,7 +10,7 @@ import torch
 from batch_fixtures import REPO, job_config, job_overrides, python, tiny_pair  # noqa: F401  (fixture)
 from domino_ray.batch.preflight import check_input, check_models, check_output
 from domino_ray.config import ConfigError
-from domino_ray.spec.checkpoint import save_draft
+from domino_ray.spec_decode.checkpoint import save_draft
 from tiny_models import tiny_draft, tiny_target
 
 

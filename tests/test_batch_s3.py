@@ -14,8 +14,8 @@ from batch_fixtures import (AWS_ENV, agreeing_pair, check_output_invariants, job
 from domino_ray.batch.io import read_json, resolve
 from domino_ray.batch.job import run_job
 from domino_ray.config import S3Config
-from domino_ray.model.target import load_tokenizer
-from domino_ray.spec.sampling_params import SamplingParams
+from domino_ray.target.loading import load_tokenizer
+from domino_ray.sample.params import SamplingParams
 from speculation import check_speculated, speculate_in_process
 
 K = 4

@@ -17,8 +17,8 @@ from batch_fixtures import agreeing_pair, job_config, make_prompts, ray_cluster,
 from domino_ray.batch.job import run_job
 from domino_ray.batch.schema import TOKEN_LOGPROBS, row_params
 from domino_ray.config import generation_defaults
-from domino_ray.model.target import encode_prompt, load_target, load_tokenizer, stop_token_ids
-from domino_ray.spec.sampling_params import SamplingParams
+from domino_ray.target.loading import encode_prompt, load_target, load_tokenizer, stop_token_ids
+from domino_ray.sample.params import SamplingParams
 from speculation import speculate_in_process
 
 pytestmark = pytest.mark.ray

@@ -72,7 +72,7 @@ def test_peers_smollm2_ours_only_smoke(tmp_path):
     """`--pair smollm2`: chat prompts stopping at EOS, every batch size of `--rows` for every mode, our
     target-only and fixed-K modes token for token equal. The adaptive mode is left to the demo smoke: at
     start-up it times every step width, a minute of SmolLM2 steps here."""
-    from domino_ray.model.smollm2 import cache_dir, is_converted
+    from domino_ray.target.smollm2 import cache_dir, is_converted
 
     if not is_converted():
         pytest.skip(f"SmolLM2 is not converted at {cache_dir()}: run `make smollm2` (`make test` does)")

@@ -207,7 +207,7 @@ def test_demo_pair_benchmark_acceptance_only(tmp_path, demo_pair_timed):
 def test_demo_pair_benchmark_takes_the_smollm2_pair(tmp_path):
     """`--pair smollm2`: the converted SmolLM2 target, the shipped draft and held-out chat prompts; every draft
     generates target-only's token ids. Fails if they differ: checked as test_demo_pair_benchmark_smoke."""
-    from domino_ray.model.smollm2 import cache_dir, is_converted
+    from domino_ray.target.smollm2 import cache_dir, is_converted
 
     if not is_converted() or not (BENCH.parent / "domino_ray" / "assets" / "smollm2" / "draft").is_dir():
         pytest.skip(f"SmolLM2 is not converted at {cache_dir()} (run `make smollm2`) or no draft is shipped")
@@ -270,7 +270,7 @@ def test_linear_benchmark_smoke():
     kernels = ("F.linear", "MKL packed", "ours", "ours bf16")
     assert table["rows per call"] == ["1", "4"] and set(table) == {"rows per call", *kernels}
     assert all(positive(float(x)) for kind in kernels for x in table[kind])
-    from domino_ray.model.smollm2 import is_converted
+    from domino_ray.target.smollm2 import is_converted
     if is_converted():
         out = run_script("bench_linear.py", "--engine", "2", "--rounds", "1")
         times = [line.split(":") for line in out.splitlines() if line.startswith("  ")]
@@ -290,7 +290,7 @@ def test_attention_benchmark_smoke():
         # (+-0.5%) and the speed-up to two decimals: the tolerance is the rounding's
         rounding = 0.005 / float(speed_up) + 0.005 + 0.005
         assert float(speed_up) == pytest.approx(float(ours_rate) / float(sdpa_rate), rel=rounding)
-    from domino_ray.model.smollm2 import is_converted
+    from domino_ray.target.smollm2 import is_converted
     if is_converted():
         out = run_script("bench_attention.py", "--engine", "2", "--rounds", "1")
         times = [line.split(":") for line in out.splitlines() if line.startswith("  ")]

@@ -14,15 +14,15 @@ import torch
 
 from domino_ray.backend.library import has_bf16_arithmetic, kernels_loaded
 from domino_ray.engine.request import Request
-from domino_ray.engine.spec_engine import SpecEngine
+from domino_ray.engine.core import SpecEngine
 from domino_ray.llm import build_engine
-from domino_ray.model.packed_linear import PackedLinear, keep_bf16_weights
-from domino_ray.model.smollm2 import cache_dir
-from domino_ray.model.target import cpu_auto_dtype, encode_prompt, load_target, load_tokenizer
-from domino_ray.spec.checkpoint import load_draft
-from domino_ray.spec.proposer import DominoProposer
-from domino_ray.spec.sampling_params import SamplingParams
-from domino_ray.spec.verify import TIE_ULPS, near_tie_mask
+from domino_ray.target.packed_linear import PackedLinear, keep_bf16_weights
+from domino_ray.target.smollm2 import cache_dir
+from domino_ray.target.loading import cpu_auto_dtype, encode_prompt, load_target, load_tokenizer
+from domino_ray.spec_decode.checkpoint import load_draft
+from domino_ray.spec_decode.proposer import DominoProposer
+from domino_ray.sample.params import SamplingParams
+from domino_ray.spec_decode.verify import TIE_ULPS, near_tie_mask
 from tests.test_smollm2_pair import ASSETS, needs_draft, needs_target
 from tests.tiny_models import ragged_prompts, tiny_draft, tiny_target
 

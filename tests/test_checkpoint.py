@@ -11,10 +11,10 @@ from batch_fixtures import job_config, tiny_pair  # noqa: F401  (fixture)
 from checkpoint_layouts import write_dflash, write_hub_cache, write_speculators, write_speculators_domino
 from domino_ray.batch.preflight import check_models
 from domino_ray.config import ConfigError
-from domino_ray.spec.checkpoint import load_draft
-from domino_ray.spec.checkpoint_layouts import parse_draft_config
-from domino_ray.spec.checkpoint_sources import CheckpointError
-from domino_ray.spec.draft import DominoDraft, default_target_layer_ids
+from domino_ray.spec_decode.checkpoint import load_draft
+from domino_ray.spec_decode.checkpoint_layouts import parse_draft_config
+from domino_ray.spec_decode.checkpoint_sources import CheckpointError
+from domino_ray.spec_decode.draft import DominoDraft, default_target_layer_ids
 from tiny_models import tiny_draft, tiny_target
 from oracles import corrected_logits_full_prefix
 
@@ -347,7 +347,7 @@ def test_hub_tensors_come_by_range_requests_equal_to_the_file(target, tmp_path, 
     """Every tensor of a hub draft read by real HTTP range requests (two per tensor: the header's length, then
     its bytes) equals the file's, and nothing asked for the whole file.
     Fails if the range is not honoured: checked by making `_hub_range` send no `range` header (CheckpointError)."""
-    from domino_ray.spec.checkpoint_sources import open_draft
+    from domino_ray.spec_decode.checkpoint_sources import open_draft
 
     write_speculators(tiny_draft(target, draft_vocab=40), target, tmp_path)
     requests = fake_hub(monkeypatch, tmp_path, hub_server)

@@ -4,7 +4,7 @@ import re
 import pytest
 
 from domino_ray.config import ConfigError, JobConfig, load_config, validate
-from domino_ray.spec.sampling_params import MAX_TEMPERATURE, SamplingParams
+from domino_ray.sample.params import MAX_TEMPERATURE, SamplingParams
 
 
 def test_defaults_yaml_and_overrides(tmp_path):

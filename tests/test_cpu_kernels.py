@@ -16,9 +16,9 @@ import torch.nn.functional as F
 
 from domino_ray.backend import ops
 from domino_ray.backend.library import STALE_LOCK_S, build_key, cache_dir, has_avx512, kernels_loaded
-from domino_ray.model import layer_ops
-from domino_ray.model.kv_cache import kernel_enabled
-from domino_ray.model.layer_ops import apply_rotary
+from domino_ray.target import layer_ops
+from domino_ray.kv.pools import kernel_enabled
+from domino_ray.target.layer_ops import apply_rotary
 
 # The reference in fp64; the kernel's fp32 dot products and sums over a few hundred keys in another order, exp within
 # ~2 ulp: relative error ~1e-6; 1e-5 leaves room, a wrong key, block, limit or head is off by O(1).

@@ -1,4 +1,4 @@
-"""Linear layers over packed weights and our kernel (`model/packed_linear.py`, `backend/csrc/linear.cpp`): the same
+"""Linear layers over packed weights and our kernel (`target/packed_linear.py`, `backend/csrc/linear.cpp`): the same
 function as `nn.Linear`, in place, and the same numbers for a row whatever batch it is in."""
 
 import pytest
@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from domino_ray.backend import ops
-from domino_ray.model.packed_linear import OUR_ROWS, PackedLinear, can_pack, pack_linears
+from domino_ray.target.packed_linear import OUR_ROWS, PackedLinear, can_pack, pack_linears
 
 pytestmark = pytest.mark.skipif(not can_pack(nn.Linear(2, 2)), reason="our CPU kernels did not build")
 

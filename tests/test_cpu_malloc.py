@@ -5,8 +5,8 @@ import sys
 
 import torch
 
-import domino_ray.engine.spec_engine
-from domino_ray.engine.spec_engine import SpecEngine
+import domino_ray.engine.core
+from domino_ray.engine.core import SpecEngine
 from tiny_models import tiny_target
 
 # A fresh process each (the allocator setting is process-wide), torch alone: eight rounds of a 2-layer MLP over
@@ -52,7 +52,7 @@ def test_kept_freed_memory_ends_the_page_faults_of_repeated_forwards():
 
 def test_a_cpu_engine_keeps_freed_memory(monkeypatch):
     calls = []
-    monkeypatch.setattr(domino_ray.engine.spec_engine, "keep_freed_memory", lambda: calls.append(1) or True)
+    monkeypatch.setattr(domino_ray.engine.core, "keep_freed_memory", lambda: calls.append(1) or True)
     SpecEngine(tiny_target("llama", dtype=torch.float32), max_rows=2, max_model_len=64)
     assert calls
 

@@ -12,9 +12,9 @@ import pytest
 from domino_ray.batch.pair_probe import measure_pair
 from domino_ray.batch.summary import baseline_lines, throughput_ratio, width_line
 from domino_ray.config import DEMO_ASSETS
-from domino_ray.model.target import encode_prompt
-from domino_ray.spec.sampling_params import SamplingParams
-from domino_ray.spec.width_policy import DRAFTING_MARGIN
+from domino_ray.target.loading import encode_prompt
+from domino_ray.sample.params import SamplingParams
+from domino_ray.spec_decode.width_policy import DRAFTING_MARGIN
 from tiny_models import load_demo_pair
 
 CELL = re.compile(r"(\d+) rows? ([\d.]+)x \((speculation pays|it does not pay)\)")

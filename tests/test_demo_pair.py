@@ -10,11 +10,11 @@ import torch
 
 from domino_ray.config import DEMO_ASSETS, load_config
 from domino_ray.engine.request import Request
-from domino_ray.engine.spec_engine import SpecEngine
-from domino_ray.model.target import decode, encode_prompt, stop_token_ids
-from domino_ray.spec.proposer import DominoProposer
-from domino_ray.spec.sampling_params import SamplingParams
-from domino_ray.spec.stats import total_stats
+from domino_ray.engine.core import SpecEngine
+from domino_ray.target.loading import decode, encode_prompt, stop_token_ids
+from domino_ray.spec_decode.proposer import DominoProposer
+from domino_ray.sample.params import SamplingParams
+from domino_ray.spec_decode.stats import total_stats
 from oracles import corrected_logits_full_prefix
 from tiny_models import load_demo_pair
 

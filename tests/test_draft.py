@@ -4,7 +4,7 @@ the reference test harness), and the GRU is PyTorch's bias-free cell as the pape
 import pytest
 import torch
 
-from domino_ray.spec import draft as draft_module
+from domino_ray.spec_decode import draft as draft_module
 from tiny_models import tiny_draft, tiny_target
 from oracles import corrected_logits_full_prefix
 
@@ -54,7 +54,7 @@ def test_the_corrections_as_our_op_are_the_loops_drafts(num_uncorrected, draft_v
     """Where the engine packed the draft's linears (fp32 CPU), `draft_tokens`' corrections run as our op: the loop's
     own calls from C++ (so its drafts exactly, at every width), with a pruned vocabulary (`d2t`) too. Decisive
     corrections, so a wrong state or gate would show."""
-    from domino_ray.model.packed_linear import pack_linears
+    from domino_ray.target.packed_linear import pack_linears
 
     draft, embed, head, hidden, anchor = decisive_draft(52, num_uncorrected=num_uncorrected, draft_vocab=draft_vocab)
     draft, hidden, anchor = draft.float(), hidden[:rows].float(), anchor[:rows]
@@ -100,7 +100,7 @@ def test_gru_is_the_bias_free_cell_of_the_papers():
 
 
 def test_fused_context_keys_values_equal_each_layers_own():
-    from domino_ray.spec.draft import context_key_value_weights, context_keys_values
+    from domino_ray.spec_decode.draft import context_key_value_weights, context_keys_values
 
     target = tiny_target()
     draft = tiny_draft(target, block_size=4)

@@ -5,10 +5,10 @@ import pytest
 import torch
 
 from domino_ray.engine.request import Request
-from domino_ray.engine.spec_engine import SpecEngine
-from domino_ray.spec.proposer import DominoProposer
+from domino_ray.engine.core import SpecEngine
+from domino_ray.spec_decode.proposer import DominoProposer
 from oracles import OracleProposer
-from domino_ray.spec.sampling_params import SamplingParams
+from domino_ray.sample.params import SamplingParams
 from tiny_models import Recorder, ragged_prompts, tiny_draft, tiny_target
 
 

@@ -5,14 +5,15 @@ import torch
 from torch import nn
 
 from domino_ray.engine.request import Request
-from domino_ray.engine.spec_engine import SpecEngine
-from domino_ray.model import kv_cache, target_forward
-from domino_ray.model.fused_layers import FusedLayer, fuse_layers, fuse_linears
-from domino_ray.model.kv_cache import KVPool, StepKeys, query_limits
-from domino_ray.model.packed_linear import pack_linears
-from domino_ray.model.target_forward import RowAttention, install, rotary_table, run_decoder
-from domino_ray.spec.proposer import DominoProposer
-from domino_ray.spec.sampling_params import SamplingParams
+from domino_ray.engine.core import SpecEngine
+from domino_ray.kv import pools as kv_cache
+from domino_ray.target import forward as target_forward
+from domino_ray.target.fused_layers import FusedLayer, fuse_layers, fuse_linears
+from domino_ray.kv.pools import KVPool, StepKeys, query_limits
+from domino_ray.target.packed_linear import pack_linears
+from domino_ray.target.forward import RowAttention, install, rotary_table, run_decoder
+from domino_ray.spec_decode.proposer import DominoProposer
+from domino_ray.sample.params import SamplingParams
 from tiny_models import hf_greedy, ragged_prompts, tiny_draft, tiny_target
 
 FAMILIES = {"qwen3": {}, "llama": {}, "qwen2": {},  # Qwen2: q/k/v biases

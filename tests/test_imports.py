@@ -17,17 +17,20 @@ TESTS = Path(__file__).resolve().parent
 # from a lower layer, never from its own layer's other subpackages or from above. The package's own `__init__`
 # (the lazy public API) is above them all.
 LAYERS = {
-    "backend": 0,   # the C++ sources, their build, the only Python naming torch.ops.domino_ray
-    "model": 1,     # target loading and forward, fused layers, KV storage and attention
-    "spec": 2,      # draft, checkpoints, proposer, verify, sampling, the width policy, statistics
-    "engine": 3,    # scheduling, admission, the step, graphs, memory plan, the loop thread
-    "llm": 4,       # the Python API
-    "training": 4,  # draft training
-    "config": 4,    # the job's YAML config, for the edges
-    "batch": 5,     # the Ray Data edge
-    "serve": 5,     # the Ray Serve edge
+    "backend": 0,      # the C++ sources, their build, the only Python naming torch.ops.domino_ray
+    "kv": 1,           # the block pool, the KV pools, attention over a row's blocks
+    "target": 2,       # target loading and forward, fused layers, packed linear layers
+    "spec_decode": 3,  # draft, checkpoint layouts, proposer, verification, the width policy, statistics
+    "sample": 4,       # sampling parameters, a step's sampling and acceptance, penalties, rng
+    "engine": 5,       # scheduling, admission, the step, graphs, memory plan, the loop thread
+    "frontend": 6,     # prompt + SamplingParams -> requests; completions -> text (the only builder of a Request)
+    "llm": 7,          # the Python API
+    "training": 7,     # draft training
+    "config": 7,       # the job's YAML config, for the edges
+    "batch": 8,        # the Ray Data edge
+    "serve": 8,        # the Ray Serve edge
 }
-CORE = ("backend", "model", "spec", "engine")  # importable without Ray, omegaconf or the HTTP stack
+CORE = ("backend", "kv", "target", "spec_decode", "sample", "engine")  # importable without Ray, omegaconf or the HTTP stack
 BLOCKED = ("ray", "omegaconf", "fastapi", "starlette", "httpx", "uvicorn", "aiohttp")
 
 
@@ -72,7 +75,7 @@ def import_graph(root: Path = PACKAGE) -> dict[str, set[str]]:
 
 
 def layer_of(module: str) -> str | None:
-    """`domino_ray.spec.draft` -> "spec"; the package itself -> None."""
+    """`domino_ray.spec_decode.draft` -> "spec"; the package itself -> None."""
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else None
 
@@ -143,12 +146,12 @@ def test_the_checks_see_an_upward_import_and_a_cycle(tmp_path):
 
     copy = tmp_path / "domino_ray"
     shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("assets", "csrc", "__pycache__"))
-    kv_cache = copy / "model" / "kv_cache.py"
-    kv_cache.write_text(kv_cache.read_text() + "\n\ndef _upward():\n    from domino_ray.spec.draft import DominoDraft\n")
+    kv_cache = copy / "kv" / "pools.py"
+    kv_cache.write_text(kv_cache.read_text() + "\n\ndef _upward():\n    from domino_ray.spec_decode.draft import DominoDraft\n")
     graph = import_graph(copy)
-    assert layering_violations(graph) == ["domino_ray.model.kv_cache (layer model) imports domino_ray.spec.draft "
-                                          "(layer spec)"]
-    assert any({"domino_ray.model.kv_cache", "domino_ray.spec.draft"} <= set(c) for c in cycles(graph))
+    assert layering_violations(graph) == ["domino_ray.kv.pools (layer kv) imports domino_ray.spec_decode.draft "
+                                          "(layer spec_decode)"]
+    assert any({"domino_ray.kv.pools", "domino_ray.spec_decode.draft"} <= set(c) for c in cycles(graph))
 
 
 def test_subpackage_inits_import_nothing():
@@ -168,14 +171,14 @@ def test_the_engine_and_below_import_and_run_without_ray_config_or_http():
     """Every module of the core layers imports with Ray, omegaconf and the HTTP stack blocked (an import of any of
     them raises), and a tiny speculative engine generates."""
     core = sorted(m for m in module_files() if layer_of(m) in CORE)
-    assert {"domino_ray.engine.spec_engine", "domino_ray.spec.draft", "domino_ray.backend.ops"} <= set(core)
+    assert {"domino_ray.engine.core", "domino_ray.spec_decode.draft", "domino_ray.backend.ops"} <= set(core)
     code = (f"import sys\nfor name in {BLOCKED!r}:\n    sys.modules[name] = None\n"  # `import name` now raises
             + "".join(f"import {name}\n" for name in core)
             + "from tiny_models import ragged_prompts, tiny_draft, tiny_target\n"
               "from domino_ray.engine.request import Request\n"
-              "from domino_ray.engine.spec_engine import SpecEngine\n"
-              "from domino_ray.spec.proposer import DominoProposer\n"
-              "from domino_ray.spec.sampling_params import SamplingParams\n"
+              "from domino_ray.engine.core import SpecEngine\n"
+              "from domino_ray.spec_decode.proposer import DominoProposer\n"
+              "from domino_ray.sample.params import SamplingParams\n"
               "target = tiny_target()\n"
               "engine = SpecEngine(target, DominoProposer(tiny_draft(target), target), max_rows=2, max_model_len=64)\n"
               "out = engine.generate([Request(i, p, SamplingParams(max_new_tokens=5, ignore_eos=True))\n"
@@ -225,7 +228,7 @@ def test_every_public_name_resolves():
 
 def test_sampling_rules_and_config_import_without_torch():
     code = ("import sys; sys.modules['torch'] = None\n"  # any `import torch` now raises ImportError
-            "import domino_ray.spec.sampling_params, domino_ray.config\n"
+            "import domino_ray.sample.params, domino_ray.config\n"
             "domino_ray.config.load_config()\n"  # the checks run (generation.* via sampling_params)
             "assert not any(m == 'torch' or m.startswith('torch.') for m in sys.modules if sys.modules[m])\n")
     result = run_python(code, timeout=60)

@@ -16,8 +16,8 @@ from domino_ray.batch.schema import (GENERATED_FIELDS, RowError, engine_columns,
 from domino_ray.batch.summary import STATS_COLUMNS, human_summary, run_stats, summarize
 from domino_ray.config import ConfigError, InputConfig, S3Config, load_config
 from domino_ray.engine.request import Completion
-from domino_ray.spec.sampling_params import SamplingParams
-from domino_ray.spec.stats import RowStats
+from domino_ray.sample.params import SamplingParams
+from domino_ray.spec_decode.stats import RowStats
 
 IC = InputConfig()
 

@@ -9,11 +9,11 @@ import pytest
 
 from checkpoint_layouts import write_dflash, write_speculators, write_speculators_domino
 from domino_ray.engine.request import Request
-from domino_ray.engine.spec_engine import SpecEngine
-from domino_ray.spec.checkpoint import load_draft
-from domino_ray.spec.proposer import DominoProposer
-from domino_ray.spec.sampling_params import SamplingParams
-from domino_ray.spec.stats import total_stats
+from domino_ray.engine.core import SpecEngine
+from domino_ray.spec_decode.checkpoint import load_draft
+from domino_ray.spec_decode.proposer import DominoProposer
+from domino_ray.sample.params import SamplingParams
+from domino_ray.spec_decode.stats import total_stats
 from tiny_models import ragged_prompts, successor_draft, successor_target
 
 MAX_NEW = 24

@@ -9,9 +9,9 @@ from batch_fixtures import make_prompts
 from domino_ray.config import load_config
 from domino_ray.engine.request import Request
 from domino_ray.llm import DominoLLM, load_engine
-from domino_ray.model.target import decode, encode_prompt, load_target, load_tokenizer, stop_token_ids
-from domino_ray.spec.checkpoint import save_draft
-from domino_ray.spec.sampling_params import SamplingParams
+from domino_ray.target.loading import decode, encode_prompt, load_target, load_tokenizer, stop_token_ids
+from domino_ray.spec_decode.checkpoint import save_draft
+from domino_ray.sample.params import SamplingParams
 from speculation import FixedCosts, check_speculated, speculate_in_process
 from tiny_models import hf_greedy, save_agreeing_pair, save_tiny_pair, tiny_draft, tiny_target
 
@@ -158,15 +158,20 @@ def test_ignore_eos_keeps_a_trailing_eos_in_the_text(pair):
     assert out.text == tok.decode(plain, skip_special_tokens=True)
 
 
-def test_python_api_refuses_what_the_context_cannot_hold_as_the_server_does(pair):
+def test_python_api_caps_what_the_context_cannot_hold_and_refuses_a_prompt_that_fills_it(pair):
+    """The length rule (frontend.requests) at the Python API: max_new_tokens past the context is capped with
+    finish_reason "length" and does not fail the other prompts (vLLM's offline LLM); a prompt that alone fills the
+    context is a ValueError naming it, raised before anything runs."""
     target_dir, draft_dir = pair
     llm = DominoLLM.from_pretrained(str(target_dir), draft=str(draft_dir), max_model_len=40)
     prompt = list(range(1, 31))  # 30 tokens: 10 new tokens fit
-    with pytest.raises(ValueError, match=r"prompts\[0\] \(30 tokens\) \+ max_new_tokens \(11\) exceeds the "
-                                         r"model's limit of 40 tokens: at most 10 new tokens fit"):
-        llm.generate([prompt], SamplingParams(max_new_tokens=11, ignore_eos=True))
-    (out,) = llm.generate([prompt], SamplingParams(max_new_tokens=10, ignore_eos=True))
-    assert len(out.token_ids) == 10 and out.finish_reason == "length"
+    capped, short = llm.generate([prompt, [5, 6, 7]], SamplingParams(max_new_tokens=11, ignore_eos=True))
+    assert len(capped.token_ids) == 10 and capped.finish_reason == "length"
+    assert len(short.token_ids) == 11 and short.finish_reason == "length"
+    (exact,) = llm.generate([prompt], SamplingParams(max_new_tokens=10, ignore_eos=True))
+    assert exact.token_ids == capped.token_ids
+    with pytest.raises(ValueError, match=r"prompts\[1\] has 40 tokens; the model's limit is 40 tokens"):
+        llm.generate([prompt, list(range(1, 41))], SamplingParams(max_new_tokens=1))
 
 
 def test_n_samples_come_prompt_major_each_as_its_own_request_would(agreeing):

@@ -9,7 +9,7 @@ from transformers import Qwen3Config
 
 from domino_ray.engine.memory import AUTO_ROW_TOKENS, check_memory_fits, kv_bytes_per_token, memory_plan, plan_slots, size_engine
 from domino_ray.engine.step_graphs import verify_positions
-from domino_ray.spec.draft import DraftConfig
+from domino_ray.spec_decode.draft import DraftConfig
 
 REPO = Path(__file__).resolve().parents[1]
 GiB = 2**30
@@ -103,9 +103,9 @@ def test_a_fixed_pool_leaves_the_rest_to_the_rows():
 
 def test_auto_slots_on_cpu_follow_the_threads_and_the_engine_runs_at_that_size():
     from domino_ray.engine.request import Request
-    from domino_ray.engine.spec_engine import SpecEngine
-    from domino_ray.spec.proposer import DominoProposer
-    from domino_ray.spec.sampling_params import SamplingParams
+    from domino_ray.engine.core import SpecEngine
+    from domino_ray.spec_decode.proposer import DominoProposer
+    from domino_ray.sample.params import SamplingParams
     from tiny_models import ragged_prompts, tiny_draft, tiny_target
 
     target = tiny_target("qwen3")

@@ -131,7 +131,7 @@ def read_result(out: Path) -> tuple:
 
 def greedy_target_only(pair, prompts: list[str]) -> list[list[int]]:
     """What the target alone generates greedily (Hugging Face `generate`): the one-node reference."""
-    from domino_ray.model.target import encode_prompt, load_target, load_tokenizer
+    from domino_ray.target.loading import encode_prompt, load_target, load_tokenizer
 
     target, tokenizer = load_target(pair[0]), load_tokenizer(pair[0])
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")

@@ -11,13 +11,13 @@ import pytest
 
 from domino_ray.engine.loop import EngineLoop
 from domino_ray.engine.request import Request
-from domino_ray.engine.spec_engine import SpecEngine
-from domino_ray.model.target import decode, encode_prompt
-from domino_ray.model.text_stream import TextStream
+from domino_ray.engine.core import SpecEngine
+from domino_ray.target.loading import decode, encode_prompt
+from domino_ray.frontend.detokenizer import TextStream
 from domino_ray.serve.openai_api import APIError, ModelSpec, parse_request
 from domino_ray.serve.responses import chunk_body, response_body
-from domino_ray.serve.text_stream import generate
-from domino_ray.spec.sampling_params import SamplingParams
+from domino_ray.serve.choices import generate
+from domino_ray.sample.params import SamplingParams
 from tiny_models import tiny_target, tiny_tokenizer
 
 
@@ -170,7 +170,7 @@ BAD = [  # (kind, body, status, param, words in the message)
     ("completion", {"prompt": [1, 2, 96]}, 400, "prompt", "[0, 96)"),
     ("completion", {"prompt": {"text": "a"}}, 400, "prompt", "string or a list"),
     ("completion", {"prompt": [1] * 64}, 400, "prompt", "at most 63 prompt tokens fit"),
-    ("completion", {"prompt": [1] * 60, "max_tokens": 5}, 400, "max_tokens", "at most 4 completion tokens fit"),
+    ("completion", {"prompt": [1] * 60, "max_tokens": 5}, 400, "max_tokens", "at most 4 new tokens fit"),
     ("completion", b'{"prompt": "a\\ud800b", "max_tokens": 4}', 400, None, "surrogate"),
     ("chat", b'{"messages": [{"role": "user", "content": "\\udfff"}]}', 400, None, "surrogate"),
     ("completion", b'{"prompt": "a", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, None, "nested too deeply"),

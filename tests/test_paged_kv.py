@@ -5,11 +5,11 @@ seed), nor lets a row read a key it did not write."""
 import pytest
 import torch
 
-from domino_ray.engine.blocks import BlockPool
+from domino_ray.kv.blocks import BlockPool
 from domino_ray.engine.request import Request
-from domino_ray.engine.spec_engine import SpecEngine
-from domino_ray.spec.proposer import DominoProposer
-from domino_ray.spec.sampling_params import SamplingParams
+from domino_ray.engine.core import SpecEngine
+from domino_ray.spec_decode.proposer import DominoProposer
+from domino_ray.sample.params import SamplingParams
 from tiny_models import hf_greedy, ragged_prompts, tiny_draft, tiny_target
 
 NEW = 20

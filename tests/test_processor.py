@@ -14,14 +14,14 @@ import pyarrow.parquet as pq
 import pytest
 import ray
 
-from batch_fixtures import (agreeing_pair, job_config, make_prompts, ray_cluster, tiny_pair,  # noqa: F401
-                            write_shards)
+from batch_fixtures import (agreeing_pair, job_config, make_prompts, prompt_near_limit, ray_cluster,  # noqa: F401
+                            tiny_pair, write_shards)
 from domino_ray.batch.job import run_job
 from domino_ray.batch.processor import DominoEngineProcessorConfig, build_processor
 from domino_ray.batch.summary import TOTALS
 from domino_ray.config import ConfigError
 from domino_ray.llm import DominoLLM
-from domino_ray.spec.sampling_params import SamplingParams
+from domino_ray.sample.params import SamplingParams
 from speculation import check_speculated, speculate_in_process
 
 pytestmark = pytest.mark.ray
@@ -105,6 +105,8 @@ def test_pandas_in_and_out_through_rays_build_processor_with_stages_around_it_an
     rows = [{"id": f"p{i}", "prompt": p, "sampling_params": sampled.get(i), "topic": f"t{i % 3}"}
             for i, p in enumerate(prompts)]
     rows += [{**r, "topic": "bad"} for r in _bad_rows()]
+    # The length rule: a prompt near the target's 512 positions runs with its max_new_tokens capped
+    rows += [{"id": "near", "prompt": prompt_near_limit(agreeing_pair[0]), "sampling_params": None, "topic": "t1"}]
     processor = rays_build_processor(processor_config(agreeing_pair, chat_template_stage=False,
                                                       error_column="__inference_error__",
                                                       engine_kwargs={"num_draft_tokens": "auto"}))
@@ -133,6 +135,8 @@ def test_pandas_in_and_out_through_rays_build_processor_with_stages_around_it_an
     assert list(ok["generated_text"]) == [e.text for e in expected]
     # The adaptive width's drafting follows step costs measured on a busy machine: accepted drafts, not their share
     assert int(ok["num_accepted_draft_tokens"].sum()) > 0
+    near = ok[ok["id"] == "near"].iloc[0]
+    assert near["num_input_tokens"] + near["num_generated_tokens"] <= 512 and near["num_generated_tokens"] < MAX_NEW
     assert sum(is_sampled) >= 3 and sum(n for n, s in zip(ok["num_accepted_draft_tokens"], is_sampled) if s) > 0
 
 

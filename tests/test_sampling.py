@@ -12,11 +12,11 @@ import itertools
 import torch
 
 from domino_ray.engine.request import Request
-from domino_ray.engine.spec_engine import SpecEngine
+from domino_ray.engine.core import SpecEngine
 from oracles import OracleProposer
-from domino_ray.spec.sampling import sampling_probs
-from domino_ray.spec.sampling_params import SamplingParams
-from domino_ray.spec.verify import rejection_accept, sample_from_probs
+from domino_ray.sample.sampling import sampling_probs
+from domino_ray.sample.params import SamplingParams
+from domino_ray.spec_decode.verify import rejection_accept, sample_from_probs
 from tiny_models import tiny_target
 
 # 0.999 quantiles of chi-square by degrees of freedom (scipy.stats.chi2.ppf(0.999, df)).

@@ -10,10 +10,10 @@ import torch
 
 from domino_ray.engine.request import Request
 from domino_ray.llm import build_engine
-from domino_ray.model.target import decode, load_target, load_tokenizer, stop_token_ids
-from domino_ray.model.text_stream import StopStrings
-from domino_ray.spec.checkpoint import load_draft
-from domino_ray.spec.sampling_params import SamplingParams
+from domino_ray.target.loading import decode, load_target, load_tokenizer, stop_token_ids
+from domino_ray.frontend.detokenizer import StopStrings
+from domino_ray.spec_decode.checkpoint import load_draft
+from domino_ray.sample.params import SamplingParams
 from speculation import FixedCosts
 from tiny_models import ragged_prompts, save_agreeing_pair
 

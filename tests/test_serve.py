@@ -26,8 +26,8 @@ from batch_fixtures import make_prompts
 from domino_ray.config import load_config
 from domino_ray.engine.request import Request
 from domino_ray.llm import DominoLLM
-from domino_ray.model.target import encode_prompt
-from domino_ray.spec.sampling_params import SamplingParams
+from domino_ray.target.loading import encode_prompt
+from domino_ray.sample.params import SamplingParams
 from speculation import check_speculated, speculate_in_process
 from tiny_models import CORPUS, save_agreeing_pair
 
@@ -540,7 +540,7 @@ def test_health_check_fails_when_the_engine_loop_dies(app):
     from ray import serve
 
     from domino_ray.engine.loop import EngineLoop
-    from domino_ray.engine.spec_engine import SpecEngine
+    from domino_ray.engine.core import SpecEngine
     from domino_ray.serve.app import DominoServer
     from tiny_models import tiny_target
 

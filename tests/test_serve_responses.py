@@ -10,12 +10,12 @@ from types import SimpleNamespace
 import pytest
 
 from domino_ray.engine.request import Completion
-from domino_ray.model.text_stream import StopStrings
+from domino_ray.frontend.detokenizer import StopStrings
 from domino_ray.serve.openai_api import ModelSpec, parse_request
 from domino_ray.serve.responses import MIN_LOGPROB, chunk_body, logprobs_body, response_body, usage_chunk_body
-from domino_ray.serve.text_stream import generate
-from domino_ray.spec.sampling_params import SamplingParams
-from domino_ray.spec.stats import RowStats
+from domino_ray.serve.choices import generate
+from domino_ray.sample.params import SamplingParams
+from domino_ray.spec_decode.stats import RowStats
 from tiny_models import tiny_tokenizer
 
 EOS = 3  # the tiny tokenizer's <|im_end|>

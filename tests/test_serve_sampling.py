@@ -4,10 +4,10 @@ it used to crash the engine loop (an in-place broadcast of a [n, 1, V] mask agai
 import torch
 
 from domino_ray.engine.request import Request
-from domino_ray.engine.spec_engine import SpecEngine
-from domino_ray.spec.proposer import DominoProposer
-from domino_ray.spec.sampling import sampling_probs
-from domino_ray.spec.sampling_params import SamplingParams
+from domino_ray.engine.core import SpecEngine
+from domino_ray.spec_decode.proposer import DominoProposer
+from domino_ray.sample.sampling import sampling_probs
+from domino_ray.sample.params import SamplingParams
 from tiny_models import tiny_draft, tiny_target
 
 

@@ -1,5 +1,5 @@
 """On CPU with our kernels, a verify forward of W + 1 positions computes every position bit for bit as a one-position
-step would (`model/packed_linear.py`: every decode and verify step takes our row-invariant linear kernel; attention,
+step would (`target/packed_linear.py`: every decode and verify step takes our row-invariant linear kernel; attention,
 norms and sampling are per row). So speculative decoding equals target-only exactly, not only where no near-tie or
 sampling boundary is met: greedy tokens and their logprobs (the logits' log-softmax, compared as floats), and sampled
 tokens per seed, on the demo pair (it accepts ~6 drafts a step) at 16 rows and K = 8: verifies of 144 positions
@@ -14,8 +14,8 @@ import torch
 from domino_ray.backend.library import kernels_loaded
 from domino_ray.engine.request import Request
 from domino_ray.llm import build_engine
-from domino_ray.model.packed_linear import keep_bf16_weights
-from domino_ray.spec.sampling_params import SamplingParams
+from domino_ray.target.packed_linear import keep_bf16_weights
+from domino_ray.sample.params import SamplingParams
 from tests.tiny_models import load_demo_pair
 
 pytestmark = pytest.mark.skipif(not kernels_loaded(), reason="our CPU kernels did not build")

@@ -25,15 +25,15 @@ import pytest
 import torch
 
 from domino_ray.engine.request import Request
-from domino_ray.engine.spec_engine import SpecEngine
-from domino_ray.model.smollm2 import cache_dir, is_converted
-from domino_ray.model.target import encode_prompt, load_target, load_tokenizer, stop_token_ids
-from domino_ray.spec.checkpoint import load_draft
-from domino_ray.spec.checkpoint_layouts import detect_layout
-from domino_ray.spec.proposer import DominoProposer
-from domino_ray.spec.sampling import sampling_probs
-from domino_ray.spec.sampling_params import SamplingParams
-from domino_ray.spec.stats import total_stats
+from domino_ray.engine.core import SpecEngine
+from domino_ray.target.smollm2 import cache_dir, is_converted
+from domino_ray.target.loading import encode_prompt, load_target, load_tokenizer, stop_token_ids
+from domino_ray.spec_decode.checkpoint import load_draft
+from domino_ray.spec_decode.checkpoint_layouts import detect_layout
+from domino_ray.spec_decode.proposer import DominoProposer
+from domino_ray.sample.sampling import sampling_probs
+from domino_ray.sample.params import SamplingParams
+from domino_ray.spec_decode.stats import total_stats
 
 ASSETS = __import__("pathlib").Path(__file__).resolve().parents[1] / "domino_ray" / "assets" / "smollm2"
 MAX_ASSET_BYTES = 30 * 2**20

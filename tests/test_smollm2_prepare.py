@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from domino_ray.model import smollm2
+from domino_ray.target import smollm2
 
 ROOT = Path(__file__).resolve().parents[1]
 

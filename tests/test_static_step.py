@@ -9,10 +9,10 @@ from torch.overrides import TorchFunctionMode
 
 from domino_ray.engine.memory import check_memory_fits
 from domino_ray.engine.request import Request
-from domino_ray.engine.spec_engine import SpecEngine
-from domino_ray.spec.draft import gru_cell
-from domino_ray.spec.proposer import DominoProposer
-from domino_ray.spec.sampling_params import SamplingParams
+from domino_ray.engine.core import SpecEngine
+from domino_ray.spec_decode.draft import gru_cell
+from domino_ray.spec_decode.proposer import DominoProposer
+from domino_ray.sample.params import SamplingParams
 from oracles import OracleProposer
 from tiny_models import ragged_prompts, tiny_draft, tiny_target
 

@@ -1,6 +1,6 @@
 import pytest
 
-from domino_ray.spec.stats import RowStats, merge_histograms, per_position_acceptance, total_stats
+from domino_ray.spec_decode.stats import RowStats, merge_histograms, per_position_acceptance, total_stats
 
 
 def test_row_stats_conventions():

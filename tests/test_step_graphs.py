@@ -4,11 +4,11 @@ engine's own steps checked against them on CPU: a greedy step never meets a key 
 import pytest
 
 from domino_ray.engine.request import Request
-from domino_ray.engine.spec_engine import SpecEngine
+from domino_ray.engine.core import SpecEngine
 from domino_ray.engine.step_graphs import greedy_step_keys, row_buckets, verify_positions
-from domino_ray.spec.proposer import DominoProposer
-from domino_ray.spec.sampling_params import SamplingParams
-from domino_ray.spec.width_costs import MAX_VERIFY_POSITIONS, step_widths
+from domino_ray.spec_decode.proposer import DominoProposer
+from domino_ray.sample.params import SamplingParams
+from domino_ray.spec_decode.width_costs import MAX_VERIFY_POSITIONS, step_widths
 from test_memory_plan import production_sizes
 from tiny_models import ragged_prompts, tiny_draft, tiny_target
 

@@ -10,8 +10,8 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from domino_ray.model.target import load_target
-from domino_ray.spec.checkpoint import load_draft
+from domino_ray.target.loading import load_target
+from domino_ray.spec_decode.checkpoint import load_draft
 from tiny_models import CORPUS, save_tiny_pair
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,7 +58,7 @@ def test_cli_pruned_vocabulary_in_the_speculators_layout(tmp_path, capsys):
     layout (d2t/t2d), read back by the real loader; a rerun reuses every stage."""
     from safetensors.torch import load_file
 
-    from domino_ray.spec.checkpoint_layouts import detect_layout
+    from domino_ray.spec_decode.checkpoint_layouts import detect_layout
 
     target_dir, _ = save_tiny_pair(tmp_path / "pair")
     prompts = tmp_path / "prompts.parquet"

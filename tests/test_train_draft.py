@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from domino_ray.engine.request import Request
-from domino_ray.engine.spec_engine import SpecEngine
-from domino_ray.spec.draft import DominoDraft
-from domino_ray.spec.proposer import DominoProposer
-from domino_ray.spec.sampling_params import SamplingParams
+from domino_ray.engine.core import SpecEngine
+from domino_ray.spec_decode.draft import DominoDraft
+from domino_ray.spec_decode.proposer import DominoProposer
+from domino_ray.sample.params import SamplingParams
 from domino_ray.training.data import collate, context_features, generate_sequences, sample_anchors
 from domino_ray.training.evaluation import backbone_only, engine_acceptance, evaluate_blocks
 from domino_ray.training.loop import draft_config_for, train_draft

@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from domino_ray.spec.sampling import sampling_probs
+from domino_ray.sample.sampling import sampling_probs
 
-from domino_ray.spec.sampling_params import SamplingParams
-from domino_ray.spec.verify import greedy_accept, greedy_choice, rejection_accept, sample_from_probs
+from domino_ray.sample.params import SamplingParams
+from domino_ray.spec_decode.verify import greedy_accept, greedy_choice, rejection_accept, sample_from_probs
 
 V = 10
 

@@ -11,12 +11,12 @@ import torch
 
 from domino_ray.engine.context_ring import DEFERRED_STEPS
 from domino_ray.engine.request import Request
-from domino_ray.engine.spec_engine import SpecEngine
+from domino_ray.engine.core import SpecEngine
 from domino_ray.engine.start_up_costs import measure_costs
-from domino_ray.spec.proposer import DominoProposer
-from domino_ray.spec.sampling_params import SamplingParams
-from domino_ray.spec.width_costs import candidate_widths, smooth_costs, StepCosts
-from domino_ray.spec.width_policy import (CONTEXT_FLOOR, DRAFTING_MARGIN, HOLD_STEPS, TRIAL_TRIES, AcceptanceEstimates,
+from domino_ray.spec_decode.proposer import DominoProposer
+from domino_ray.sample.params import SamplingParams
+from domino_ray.spec_decode.width_costs import candidate_widths, smooth_costs, StepCosts
+from domino_ray.spec_decode.width_policy import (CONTEXT_FLOOR, DRAFTING_MARGIN, HOLD_STEPS, TRIAL_TRIES, AcceptanceEstimates,
                                           best_width, choose_width, expected_tokens, WidthController, width_rates)
 from oracles import OracleProposer
 from speculation import FixedCosts
@@ -462,7 +462,7 @@ def test_sampled_text_is_the_target_only_sample_for_the_same_seed(target, top_p)
 
 
 def test_step_costs_grow_with_the_context_and_learn_from_real_steps():
-    from domino_ray.spec.width_costs import StepCosts
+    from domino_ray.spec_decode.width_costs import StepCosts
 
     def fresh():
         return StepCosts.from_two_lengths({1: {0: 1.0, 4: 2.0}}, {1: {0: 2.0, 4: 6.0}}, 100, 500)
@@ -487,7 +487,7 @@ def test_a_machine_that_changes_pace_keeps_the_widths_ratios():
     """Only W = 0 runs (drafting does not pay at many rows), and the machine slows down or speeds up (other work on
     the cores): the drafting widths follow the plain step's pace, so the choice between them is still what the
     widths cost, not the drift (a W = 0 figure tracking the machine alone made drafting look cheaper or dearer)."""
-    from domino_ray.spec.width_costs import StepCosts
+    from domino_ray.spec_decode.width_costs import StepCosts
 
     for pace in (1.5, 0.7):
         costs = StepCosts.from_two_lengths({1: {0: 1.0, 4: 2.0}}, {1: {0: 2.0, 4: 6.0}}, 100, 500)
@@ -502,7 +502,7 @@ def test_a_machine_that_changes_pace_keeps_the_widths_ratios():
 def test_row_counts_between_the_timed_buckets_start_on_the_line_between_them():
     """Eager steps run exactly their active rows: a count start-up never timed gets the line between the
     neighbouring buckets (the nearest bucket's figure outside them), then learns from its own steps alone."""
-    from domino_ray.spec.width_costs import StepCosts
+    from domino_ray.spec_decode.width_costs import StepCosts
 
     costs = StepCosts.from_two_lengths({2: {0: 2.0, 1: 3.0}, 4: {0: 4.0, 1: 7.0}},
                                        {2: {0: 4.0, 1: 5.0}, 4: {0: 8.0, 1: 11.0}}, 100, 300)
@@ -520,8 +520,8 @@ def test_row_counts_between_the_timed_buckets_start_on_the_line_between_them():
 def test_a_step_that_captured_a_graph_teaches_acceptance_not_cost():
     """`learn(seconds=None)` (the engine's first use of a lazily captured graph: a stall, not a step's cost)
     updates the acceptance counts and leaves the cost table as it was; a timed step moves it."""
-    from domino_ray.spec.width_costs import StepCosts
-    from domino_ray.spec.width_policy import WidthController
+    from domino_ray.spec_decode.width_costs import StepCosts
+    from domino_ray.spec_decode.width_policy import WidthController
 
     width = WidthController(4, 2, StepCosts({2: {0: 1.0, 4: 2.0}}))
     before = width.costs.at(2, 0)
@@ -675,7 +675,7 @@ def test_a_new_draft_gets_a_trial_of_narrow_probes_before_misses_stop_it():
 def test_start_up_times_four_widths_and_puts_the_rest_on_their_line():
     """Eagerly every width 0..K is a candidate, but start-up runs W = 0 and three drafting widths per bucket and
     length; the other widths get the figure of the line through the timed ones (where `smooth_costs` puts them)."""
-    from domino_ray.spec.width_costs import drafting_line, measure_step_costs, widths_to_time
+    from domino_ray.spec_decode.width_costs import drafting_line, measure_step_costs, widths_to_time
 
     assert widths_to_time(range(9)) == [0, 1, 5, 8] and widths_to_time([0, 1, 2, 4, 8]) == [0, 1, 4, 8]
     assert widths_to_time([0, 1, 2, 3]) == [0, 1, 2, 3] and widths_to_time([0]) == [0]

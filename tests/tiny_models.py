@@ -6,7 +6,7 @@ import torch
 from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
                           Qwen3ForCausalLM)
 
-from domino_ray.spec.draft import DominoDraft, DraftConfig
+from domino_ray.spec_decode.draft import DominoDraft, DraftConfig
 
 VOCAB = 96
 
@@ -112,7 +112,7 @@ def save_tiny_pair(directory, *, block_size: int = 4, seed: int = 0, dtype: torc
     layout under `directory`; returns (target_dir, draft_dir) as strings."""
     from pathlib import Path
 
-    from domino_ray.spec.checkpoint import save_draft
+    from domino_ray.spec_decode.checkpoint import save_draft
 
     directory = Path(directory)
     target = tiny_target("qwen3", seed=seed, dtype=dtype, max_positions=max_positions)
@@ -135,7 +135,7 @@ def save_agreeing_pair(directory, *, block_size: int = 4, max_positions: int = 5
     draft. Returns (target_dir, draft_dir)."""
     from pathlib import Path
 
-    from domino_ray.spec.checkpoint import save_draft
+    from domino_ray.spec_decode.checkpoint import save_draft
 
     directory = Path(directory)
     # Seed 2: chat prompts (which all end in the template's same tokens) neither stop at once nor accept
@@ -257,8 +257,8 @@ def successor_draft(target, vectors, predecessor, *, block_size: int, shift_labe
 def load_demo_pair():
     """The shipped demo pair (domino_ray/assets/demo) through the real loaders: (target, tokenizer, draft)."""
     from domino_ray.config import DEMO_ASSETS
-    from domino_ray.model.target import load_target, load_tokenizer
-    from domino_ray.spec.checkpoint import load_draft
+    from domino_ray.target.loading import load_target, load_tokenizer
+    from domino_ray.spec_decode.checkpoint import load_draft
 
     target = load_target(str(DEMO_ASSETS / "target"), dtype="auto", device="cpu")
     tokenizer = load_tokenizer(str(DEMO_ASSETS / "target"))

@@ -37,6 +37,7 @@ from domino_ray.batch.summary import (STATS_COLUMNS, busy_throughput, human_summ
                                       throughput_ratio)
 from domino_ray.batch.text_stages import SAMPLES_TO_DO, tokenize_batch
 from domino_ray.config import ConfigError, JobConfig, generation_defaults, to_dict
+from domino_ray.frontend.requests import prompt_requests
 
 
 def _prepare(table: pa.Table, done_keys, cfg: JobConfig, generated_id: bool) -> pa.Table:
@@ -295,8 +296,15 @@ def run_probe(cfg: JobConfig, plan: InputPlan, rows: int) -> dict:
 def _probe_task(cfg: JobConfig, first_rows: pa.Table, rows: int) -> dict:
     ic, base = cfg.input, generation_defaults(cfg.generation)
     # Token ids only: the measurement runs without stop strings (a row ends at a stop id or its budget).
-    prompts = [(row["prompt_token_ids"], replace(row_params(row.get(ic.sampling_column), base, cfg.generation.seed,
-                                                            row.get(ic.id_column)).for_sample(row["sample_index"]),
-                                                 stop=()))
-               for row in tokenize_batch(first_rows, cfg).to_pylist() if row["error"] is None]
+    prompts = []
+    for row in tokenize_batch(first_rows, cfg).to_pylist():
+        if row["error"] is None:
+            params = replace(row_params(row.get(ic.sampling_column), base, cfg.generation.seed, row.get(ic.id_column)),
+                             stop=())
+            try:
+                [request] = prompt_requests(len(prompts), row["prompt_token_ids"], params,
+                                            max_model_len=cfg.model.max_model_len, samples=[row["sample_index"]])
+            except ValueError:  # a row the job made an error row of
+                continue
+            prompts.append((request.prompt_token_ids, request.params))
     return probe_pair(cfg.model, cfg.draft, cfg.generation, cfg.runtime, prompts, rows)

@@ -18,12 +18,12 @@ import time
 from typing import Sequence
 
 from domino_ray.batch.summary import ratio
-from domino_ray.engine.request import Request
+from domino_ray.frontend.requests import id_requests
 from domino_ray.llm import build_engine, engine_settings, load_draft_for
-from domino_ray.model.target import load_target, load_tokenizer
-from domino_ray.spec.draft import resolve_num_spec_tokens
-from domino_ray.spec.sampling_params import SamplingParams
-from domino_ray.spec.stats import per_position_acceptance, total_stats
+from domino_ray.target.loading import load_target, load_tokenizer
+from domino_ray.spec_decode.draft import resolve_num_spec_tokens
+from domino_ray.sample.params import SamplingParams
+from domino_ray.spec_decode.stats import per_position_acceptance, total_stats
 
 ONE_ROW_PROMPTS = 4  # prompts timed one at a time: a few seconds of target-only decoding on the demo pair
 PASSES = 2           # interleaved passes per side (the first side alternates)
@@ -72,7 +72,7 @@ def measure_pair(target, draft, tokenizer, prompts: Sequence[tuple[list[int], Sa
 
 
 def _run(engine, prompts):
-    return engine.generate([Request(i, list(ids), params) for i, (ids, params) in enumerate(prompts)])
+    return engine.generate(id_requests([ids for ids, _ in prompts], [params for _, params in prompts]))
 
 
 def cost_tables(costs, key_length: float) -> dict:

@@ -22,7 +22,7 @@ from domino_ray.batch.schema import RowError, engine_columns, error_row, ok_row,
 from domino_ray.config import JobConfig, generation_defaults
 from domino_ray.engine.loop import EngineDead
 from domino_ray.engine.request import Request
-from domino_ray.model.text_stream import stop_matcher
+from domino_ray.frontend.requests import LengthError, prompt_requests
 
 
 class RowCrashesEngine(RuntimeError):
@@ -96,7 +96,7 @@ class DominoPredictor:
             try:
                 if row["error"] is not None:
                     raise RowError(row["error"])
-                params = self._params(row)
+                request = self._request(row)
             except RowError as exc:
                 generated[i] = error_row(str(exc), num_spec_tokens=self.num_spec_tokens)
                 continue
@@ -105,9 +105,9 @@ class DominoPredictor:
                 raise RowCrashesEngine(
                     f"input row {key_name(key, ic.id_column)} crashes the engine ({self._culprits[key]}); it did so "
                     "running alone, so the job stops here. Fix or remove the row and rerun: finished rows are kept.")
-            runnable.append((i, key, row["prompt_token_ids"], params))
+            runnable.append((i, key, request))
         self._busy(+1)
-        done = await asyncio.gather(*(self._complete(key, ids, params) for _, key, ids, params in runnable),
+        done = await asyncio.gather(*(self._complete(key, request) for _, key, request in runnable),
                                     return_exceptions=True)
         for (i, *_), result in zip(runnable, done):
             if isinstance(result, EngineDead):
@@ -121,23 +121,24 @@ class DominoPredictor:
                    key_positions=sum(r["num_input_tokens"] + r["num_generated_tokens"] / 2 for r in ok))
         return with_columns(batch, engine_columns(generated))
 
-    def _params(self, row: dict):
-        """Sample `sample_index` of the row: its parameters after the seed derivation (schema.row_params), then
-        `for_sample` (sample 0 is the n = 1 row; a rerun draws the same n samples)."""
+    def _request(self, row: dict) -> Request:
+        """The engine request for sample `sample_index` of the row: its parameters after the seed derivation
+        (schema.row_params), then the front end (sample 0 is the n = 1 row; a rerun draws the same n samples; stop
+        strings end the row inside the engine, as Serve's; the length rule caps max_new_tokens). RowError when the
+        front end refuses it (a prompt that fills the model's length, stop strings without a tokenizer, ...)."""
         ic = self.cfg.input
         params = row_params(row.get(ic.sampling_column), self.base, self.cfg.generation.seed, row.get(ic.id_column))
-        if params.stop and self.tokenizer is None:
-            raise RowError("sampling_params.stop: stop strings need a tokenizer (model.tokenizer or model.source), "
-                           "and this engine has none")
         try:
-            return params.for_sample(row.get("sample_index") or 0)
-        except ValueError as exc:  # a sample_index column of the caller's, outside the row's n
-            raise RowError(f"sample_index: {exc}") from None
+            [request] = prompt_requests(next(self.request_ids), row["prompt_token_ids"], params,
+                                        tokenizer=self.tokenizer, max_model_len=self.loop.engine.max_model_len,
+                                        samples=[row.get("sample_index") or 0])
+        except LengthError as exc:
+            raise RowError(str(exc)) from None
+        except ValueError as exc:  # stop strings without a tokenizer; a sample_index column outside the row's n
+            raise RowError(f"sampling_params: {exc}") from None
+        return request
 
-    async def _complete(self, key, ids: list[int], params) -> object:
-        # Stop strings as Serve matches them: the engine ends the row on the step its string completes.
-        stop = stop_matcher(self.tokenizer, params)
-        request = Request(next(self.request_ids), ids, params, stop_strings=stop)
+    async def _complete(self, key, request: Request) -> object:
         if key in self._suspects:  # inside the engine when one crashed: run it alone to find the culprit
             async with self._alone:
                 while self._in_engine:

@@ -17,9 +17,9 @@ import pyarrow.parquet as pq
 from domino_ray.batch.io import Location, list_parquet_files, overlap, resolve
 from domino_ray.batch.schema import GENERATED_NAMES, OVERRIDE_KEYS, sample_count
 from domino_ray.config import ConfigError, InputConfig, JobConfig, generation_defaults, to_dict
-from domino_ray.spec.checkpoint import check_draft
-from domino_ray.spec.checkpoint_sources import CheckpointError, open_draft
-from domino_ray.spec.draft import resolve_num_spec_tokens
+from domino_ray.spec_decode.checkpoint import check_draft
+from domino_ray.spec_decode.checkpoint_sources import CheckpointError, open_draft
+from domino_ray.spec_decode.draft import resolve_num_spec_tokens
 
 
 # Per-row columns users name like OpenAI / vLLM fields; only `input.sampling_column` overrides sampling.
@@ -221,7 +221,7 @@ def check_models(cfg: JobConfig) -> int:
     (draft tokens per step, 0 = target only)."""
     from transformers import AutoConfig
 
-    from domino_ray.model.target import load_tokenizer
+    from domino_ray.target.loading import load_tokenizer
 
     try:
         target_config = AutoConfig.from_pretrained(cfg.model.source)

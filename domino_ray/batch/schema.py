@@ -19,8 +19,8 @@ from dataclasses import dataclass, fields, replace
 import pyarrow as pa
 
 from domino_ray.config import InputConfig
-from domino_ray.model.target import check_messages
-from domino_ray.spec.sampling_params import SamplingParams, derive_seed
+from domino_ray.target.loading import check_messages
+from domino_ray.sample.params import SamplingParams, derive_seed
 
 # Each generated token's logprob and the top N: [{token_id, logprob}, ...] with the generated token first.
 TOKEN_LOGPROBS = pa.list_(pa.struct([("token_id", pa.int64()), ("logprob", pa.float32())]))

@@ -12,8 +12,8 @@ from collections import Counter
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from domino_ray.spec.stats import RowStats, merge_histograms, per_position_acceptance
-from domino_ray.spec.width_policy import DRAFTING_MARGIN, best_width
+from domino_ray.spec_decode.stats import RowStats, merge_histograms, per_position_acceptance
+from domino_ray.spec_decode.width_policy import DRAFTING_MARGIN, best_width
 
 STATS_COLUMNS = ["finish_reason", "error", "num_input_tokens", "num_generated_tokens", "num_spec_tokens",
                  "num_spec_steps", "num_draft_tokens", "num_accepted_draft_tokens", "acceptance_histogram",

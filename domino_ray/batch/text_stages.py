@@ -20,7 +20,7 @@ import pyarrow as pa
 from domino_ray.batch.schema import (RowError, is_null, output_table, read_row, row_params, sample_count,
                                      with_columns)
 from domino_ray.config import JobConfig, generation_defaults
-from domino_ray.model.text_stream import row_text
+from domino_ray.frontend.detokenizer import row_text
 
 # The samples of a row still to generate (list<int32>), set by the job's resume (job._prepare); absent or null: all n.
 SAMPLES_TO_DO = "__samples_to_do"
@@ -34,7 +34,7 @@ class RowFailed(RuntimeError):
 def _tokenizer(source: str):
     """One tokenizer per worker process and source: Ray reuses task workers, so loading (and importing
     transformers, seconds) happens once per process, not per batch."""
-    from domino_ray.model.target import load_tokenizer
+    from domino_ray.target.loading import load_tokenizer
 
     return load_tokenizer(source)
 
@@ -64,7 +64,7 @@ def tokenize_batch(batch: pa.Table, cfg: JobConfig) -> pa.Table:
 
 
 def _encode(row: dict, cfg: JobConfig, tokenizer, base) -> tuple[str | None, list[int], str | None]:
-    from domino_ray.model.target import encode_prompt
+    from domino_ray.target.loading import encode_prompt
 
     ic, m = cfg.input, cfg.model
     prompt = None

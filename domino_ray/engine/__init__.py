@@ -1,2 +1,2 @@
 """The engine: requests, scheduling and admission, the step over fixed-address buffers, CUDA graphs, the memory
-plan, and the loop thread the Ray edges drive. Imports spec and below; no Ray, YAML config or HTTP."""
+plan, and the loop thread the Ray edges drive. Imports sample, spec_decode and below; no Ray, YAML config or HTTP."""

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Hashable
 
 from domino_ray.engine.request import Completion, Request, StepEvent
-from domino_ray.engine.spec_engine import SpecEngine
-from domino_ray.spec.stats import RowStats
+from domino_ray.engine.core import SpecEngine
+from domino_ray.spec_decode.stats import RowStats
 
 
 class QueueFull(RuntimeError):

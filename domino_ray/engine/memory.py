@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 
 from domino_ray.backend.malloc import host_memory_available
-from domino_ray.spec.sampling_params import MAX_LOGPROBS
+from domino_ray.sample.params import MAX_LOGPROBS
 
 log = logging.getLogger(__name__)
 

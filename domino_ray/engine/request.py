@@ -4,13 +4,13 @@ the engine's host-side state of a request while it runs (`Row`)."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Hashable, Protocol
 
 import torch
 
-from domino_ray.spec.sampling_params import SamplingParams
-from domino_ray.spec.stats import RowStats
+from domino_ray.sample.params import SamplingParams
+from domino_ray.spec_decode.stats import RowStats
 
 
 class StopMatcher(Protocol):
@@ -77,7 +77,7 @@ class Row:
     first_token_time: float = 0.0
     finish_reason: str | None = None
     logprobs: list[TokenLogprobs] | None = None  # per token of `tokens`, when params.logprobs is set
-    # Paged KV (`engine/blocks.py`): the row's block table, how much of `context_ids` its keys hold, how many leading
+    # Paged KV (`kv/blocks.py`): the row's block table, how much of `context_ids` its keys hold, how many leading
     # blocks it published for sharing, and its admission order (a preemption takes the latest admitted).
     blocks: list[int] = field(default_factory=list)
     prefilled: int = 0
@@ -141,14 +141,15 @@ def new_row(request: Request, *, vocab_size: int, max_model_len: int, eos_token_
     check_prompt(ids, vocab_size, max_model_len)
     params.validate()
     if params.n != 1:
-        raise ValueError(f"n={params.n}: the engine runs one sample per request; expand n at the edge "
-                         "(SamplingParams.for_sample)")
+        raise ValueError(f"n={params.n}: the engine runs one sample per request; the front end expands n "
+                         "(frontend.requests.prompt_requests)")
     seed = 0
     if not params.greedy:
         seed = params.seed if params.seed is not None else int(torch.randint(2**62, (1,), generator=rng))
     if params.stop and request.stop_strings is None:
-        raise ValueError("params.stop needs a stop matcher: Request(stop_strings=StopStrings(tokenizer, stop))")
-    return Row(request=Request(request.request_id, list(ids), params, request.stop_strings),
+        raise ValueError("params.stop needs a stop matcher: build requests with frontend.requests.prompt_requests "
+                         "and a tokenizer")
+    return Row(request=replace(request, prompt_token_ids=list(ids)),  # the caller's list may change under us
                max_new=min(params.max_new_tokens, max_model_len - len(ids)),
                stop_ids=frozenset(params.stop_ids(eos_token_ids)), seed=int(seed), stats=RowStats(num_spec_tokens),
                arrival=time.perf_counter())

@@ -6,7 +6,7 @@ the pool, and the fixed-shape step over slots `0..r` (draft W tokens, verify the
 is pure device work (no host sync, no shape that varies with the rows' lengths: they are read from `lens` and the block
 tables), so on CUDA each step key is one graph (`step_graphs.py`); the host reads its outcome once, through
 `read_packed`. Which rows sit in which slot, which blocks they hold, and when a step runs at which width, is the
-engine's (`spec_engine.py`).
+engine's (`core.py`).
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ import torch
 from domino_ray.backend import paged_triton
 from domino_ray.engine.context_ring import ContextRing
 from domino_ray.engine.step_graphs import row_buckets
-from domino_ray.model.kv_cache import KVPool, StepKeys, query_limits
-from domino_ray.model.packed_linear import kv_dtype
-from domino_ray.model.target_forward import RowAttention, rotary_table, run_decoder
-from domino_ray.spec.sampling import RowSampling, StepMode, token_logprobs
-from domino_ray.spec.sampling_params import MAX_LOGPROBS
+from domino_ray.kv.pools import KVPool, StepKeys, query_limits
+from domino_ray.target.packed_linear import kv_dtype
+from domino_ray.target.forward import RowAttention, rotary_table, run_decoder
+from domino_ray.sample.sampling import RowSampling, StepMode, token_logprobs
+from domino_ray.sample.params import MAX_LOGPROBS
 
 
 class StepRunner:

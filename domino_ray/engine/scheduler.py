@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import deque
 from itertools import takewhile
 
-from domino_ray.engine.blocks import BlockPool
+from domino_ray.kv.blocks import BlockPool
 from domino_ray.engine.request import Row
 
 # Positions past its next step each active row (and each row admitted before it in the same step) keeps room for

@@ -3,15 +3,15 @@
 Free slots are padding rows, which a step leaves unchanged: for the timing their lengths are set to fill the keys
 timed and their block tables to distinct blocks (on the null block alone they would read one block from the cache),
 since attention reads only the keys a row holds; both are set back after. Real steps then refine the figures
-(`spec/width_costs.py`).
+(`spec_decode/width_costs.py`).
 """
 
 from __future__ import annotations
 
 import torch
 
-from domino_ray.spec.sampling import GREEDY
-from domino_ray.spec.width_costs import StepCosts, measure_step_costs
+from domino_ray.sample.sampling import GREEDY
+from domino_ray.spec_decode.width_costs import StepCosts, measure_step_costs
 
 
 @torch.inference_mode()

@@ -29,8 +29,8 @@ from typing import Callable, Hashable, Mapping, Sequence
 
 import torch
 
-from domino_ray.spec.sampling import GREEDY
-from domino_ray.spec.width_costs import step_widths
+from domino_ray.sample.sampling import GREEDY
+from domino_ray.spec_decode.width_costs import step_widths
 
 log = logging.getLogger(__name__)
 

@@ -46,7 +46,7 @@ from domino_ray.serve.metrics import Metrics
 from domino_ray.serve.openai_api import APIError, ModelSpec, ParsedRequest, parse_request
 from domino_ray.serve.responses import (SSE_DONE, chunk_body, logprobs_body, models_body, response_body, sse,
                                         usage_chunk_body)
-from domino_ray.serve.text_stream import Piece, generate
+from domino_ray.serve.choices import Piece, generate
 
 logger = logging.getLogger("ray.serve")
 api = FastAPI(title="domino-ray", description="OpenAI-compatible speculative decoding (target + Domino draft)")

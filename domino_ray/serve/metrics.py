@@ -7,7 +7,7 @@ from typing import Callable
 
 from ray.util import metrics
 
-from domino_ray.serve.text_stream import Piece
+from domino_ray.serve.choices import Piece
 
 TTFT_BOUNDARIES = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
 LATENCY_BOUNDARIES = [0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0]

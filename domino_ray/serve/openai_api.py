@@ -2,7 +2,7 @@
 or `/v1/chat/completions` into token ids and `SamplingParams`, or raises `APIError` (a 4xx with an OpenAI-style
 body whose `param` names the field). Values are judged by SamplingParams' own rules (SAMPLING_CHECKS); fields we
 do not implement are refused unless they hold their neutral value, so nothing a client asks for is silently
-ignored. Response bodies are responses.py's; one request's text stream, between the two, text_stream.py's.
+ignored. Response bodies are responses.py's; one request's text stream, between the two, choices.py's.
 """
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from domino_ray.model.target import encode_prompt
-from domino_ray.spec.sampling_params import MAX_LOGPROBS, SAMPLING_CHECKS, SamplingParams, invalid_value, is_int
+from domino_ray.frontend.requests import LengthError, check_length
+from domino_ray.target.loading import encode_prompt
+from domino_ray.sample.params import MAX_LOGPROBS, SAMPLING_CHECKS, SamplingParams, invalid_value, is_int
 
 # Fields we accept only at a neutral value (OpenAI and vLLM features this server does not implement).
 NEUTRAL = {
@@ -163,17 +164,14 @@ def _sampling(body: dict, kind: str, model: ModelSpec, prompt_len: int, prompt_f
               ) -> SamplingParams:
     """The request's SamplingParams; fields it leaves out take the config's `generation:` values, but for `n`
     and `logprobs`, which shape the response: those are the client's (1 and none unless asked)."""
-    room = model.max_model_len - prompt_len
-    if room < 1:
-        raise APIError(400, f"{prompt_field} has {prompt_len} tokens; this model's limit is {model.max_model_len} "
-                            f"tokens for prompt and completion together, so at most {model.max_model_len - 1} "
-                            "prompt tokens fit", prompt_field, code="context_length_exceeded")
     max_tokens = _int(body, max_tokens_field, None, lo=1)
-    if max_tokens is not None and max_tokens > room:
-        raise APIError(400, f"{prompt_field} ({prompt_len} tokens) + {max_tokens_field} ({max_tokens}) exceeds this "
-                            f"model's limit of {model.max_model_len} tokens: at most {room} completion tokens fit "
-                            "after this prompt", max_tokens_field, code="context_length_exceeded")
-    max_new_tokens = max_tokens if max_tokens is not None else min(model.defaults.max_new_tokens, room)
+    try:  # the length rule (frontend.requests): a server refuses what does not fit rather than stop short of it
+        check_length(prompt_len, max_tokens or 1, model.max_model_len, over_length="refuse",
+                     prompt_field=prompt_field, max_tokens_field=max_tokens_field)
+    except LengthError as exc:
+        raise APIError(400, str(exc), exc.field, code="context_length_exceeded") from None
+    max_new_tokens = max_tokens if max_tokens is not None else min(model.defaults.max_new_tokens,
+                                                                   model.max_model_len - prompt_len)
     d = model.defaults
     stop_ids = body.get("stop_token_ids") or []
     if not isinstance(stop_ids, list) or not all(is_int(t) and 0 <= t < model.vocab_size for t in stop_ids):

@@ -17,7 +17,7 @@ import json
 
 from domino_ray.engine.request import Completion, TokenLogprobs
 from domino_ray.serve.openai_api import ModelSpec, ParsedRequest
-from domino_ray.spec.stats import total_stats
+from domino_ray.spec_decode.stats import total_stats
 
 SSE_DONE = "data: [DONE]\n\n"
 MIN_LOGPROB = -9999.0  # what -inf becomes (vLLM's floor): JSON has no infinity

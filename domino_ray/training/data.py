@@ -1,7 +1,7 @@
 """What a draft learns from: the target's own greedy continuations of prompts (`generate_sequences`, our engine,
 target only), batched with random anchors, the target's context features (computed per step or once,
 `sequence_features`), and the pruned draft vocabulary they define (`frequent_ids`, `init_pruned_vocabulary`).
-Tensor glossary: see `engine/spec_engine.py`; here b sequences, A anchors per sequence.
+Tensor glossary: see `engine/core.py`; here b sequences, A anchors per sequence.
 """
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ from typing import Callable
 
 import torch
 
-from domino_ray.engine.request import Request
-from domino_ray.engine.spec_engine import SpecEngine
-from domino_ray.spec.draft import DominoDraft
-from domino_ray.spec.sampling_params import SamplingParams
+from domino_ray.frontend.requests import id_requests
+from domino_ray.engine.core import SpecEngine
+from domino_ray.spec_decode.draft import DominoDraft
+from domino_ray.sample.params import SamplingParams
 
 
 def generate_sequences(target, prompts: list[list[int]], *, max_new_tokens: int, batch_size: int = 32,
@@ -31,7 +31,7 @@ def generate_sequences(target, prompts: list[list[int]], *, max_new_tokens: int,
             if on_progress:
                 on_progress(len(done))
 
-    engine.generate([Request(i, list(p), params) for i, p in enumerate(prompts)], on_event=on_event)
+    engine.generate(id_requests(prompts, params), on_event=on_event)
     return [(list(p) + done[i], len(p)) for i, p in enumerate(prompts)]
 
 

@@ -7,12 +7,12 @@ from dataclasses import replace
 
 import torch
 
-from domino_ray.engine.request import Request
-from domino_ray.engine.spec_engine import SpecEngine
-from domino_ray.spec.draft import DominoDraft
-from domino_ray.spec.proposer import DominoProposer
-from domino_ray.spec.sampling_params import SamplingParams
-from domino_ray.spec.stats import per_position_acceptance, total_stats
+from domino_ray.frontend.requests import id_requests
+from domino_ray.engine.core import SpecEngine
+from domino_ray.spec_decode.draft import DominoDraft
+from domino_ray.spec_decode.proposer import DominoProposer
+from domino_ray.sample.params import SamplingParams
+from domino_ray.spec_decode.stats import per_position_acceptance, total_stats
 from domino_ray.training.data import collate, collate_features, context_features, sample_anchors
 from domino_ray.training.objective import TrainConfig, accuracy_stats, block_labels, block_logits
 
@@ -57,7 +57,7 @@ def engine_acceptance(target, draft: DominoDraft, prompts: list[list[int]], *, m
     engine = SpecEngine(target, DominoProposer(draft, target), max_rows=batch_size, eos_token_ids=eos_token_ids,
                         max_model_len=max_model_len)
     params = SamplingParams(max_new_tokens=max_new_tokens)
-    out = engine.generate([Request(i, list(p), params) for i, p in enumerate(prompts)])
+    out = engine.generate(id_requests(prompts, params))
     total = total_stats(c.stats for c in out)
     return {"mean_acceptance_length": total.mean_acceptance_length, "steps": total.num_spec_steps,
             "per_position_acceptance": per_position_acceptance(total.acceptance_histogram),

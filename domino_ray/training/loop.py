@@ -10,7 +10,7 @@ from typing import Callable
 
 import torch
 
-from domino_ray.spec.draft import DominoDraft, DraftConfig, default_target_layer_ids
+from domino_ray.spec_decode.draft import DominoDraft, DraftConfig, default_target_layer_ids
 from domino_ray.training.data import collate, collate_features, context_features, sample_anchors
 from domino_ray.training.evaluation import evaluate_blocks
 from domino_ray.training.objective import (TrainConfig, accuracy_stats, blended_loss, block_labels, block_logits,

@@ -1,5 +1,5 @@
 """The training objective: blocks at the anchors, their labels, the position-weighted loss and its curriculum, and
-the teacher-forced accuracy that estimates acceptance. Tensor glossary: see `engine/spec_engine.py`; here b
+the teacher-forced accuracy that estimates acceptance. Tensor glossary: see `engine/core.py`; here b
 sequences, A anchors per sequence, B block size, K draft tokens per block.
 """
 
@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from domino_ray.spec.draft import DominoDraft
+from domino_ray.spec_decode.draft import DominoDraft
 
 
 @dataclass

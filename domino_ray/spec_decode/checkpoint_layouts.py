@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from domino_ray.spec.checkpoint_sources import CheckpointError
-from domino_ray.spec.draft import DraftConfig, default_target_layer_ids
+from domino_ray.spec_decode.checkpoint_sources import CheckpointError
+from domino_ray.spec_decode.draft import DraftConfig, default_target_layer_ids
 
 DOMINO_PROJECTORS = ("domino", "causal_v5")  # causal_v5: older official alias
 HEAD_PREFIXES = ("logit_head.", "domino_head.", "logits_correction.")

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from typing import Mapping, Sequence
 
-from domino_ray.spec.width_costs import StepCosts
+from domino_ray.spec_decode.width_costs import StepCosts
 
 
 def expected_tokens_by_width(accept: Sequence[float], usable: int, k: int) -> list[float]:

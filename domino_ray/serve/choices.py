@@ -1,5 +1,5 @@
-"""One request's text, Ray-free: `generate` submits a parsed request (openai_api.py) to an `EngineLoop` as n
-engine requests, one per choice (`SamplingParams.for_sample`), and yields text `Piece`s of all of them as the
+"""One request's n choices, Ray-free: `generate` submits a parsed request (openai_api.py) to an `EngineLoop` as n
+engine requests, one per choice (built by `frontend.requests`), and yields text `Piece`s of all of them as the
 engine commits tokens: incremental detokenization (`TextStream`), the text held back while a stop string may be
 forming, and an engine abort of every unfinished choice when the consumer goes away.
 
@@ -15,11 +15,12 @@ from dataclasses import dataclass
 from typing import AsyncIterator
 
 from domino_ray.engine.loop import EngineDead, EngineLoop, QueueFull, RequestStream
-from domino_ray.engine.request import Completion, Request, TokenLogprobs
-from domino_ray.model.text_stream import TextStream, stop_matcher
+from domino_ray.engine.request import Completion, TokenLogprobs
+from domino_ray.frontend.detokenizer import TextStream
+from domino_ray.frontend.requests import prompt_requests
 from domino_ray.serve.openai_api import APIError, ModelSpec, ParsedRequest
-from domino_ray.spec.sampling_params import SamplingParams
-from domino_ray.spec.stats import RowStats
+from domino_ray.sample.params import SamplingParams
+from domino_ray.spec_decode.stats import RowStats
 
 
 @dataclass
@@ -42,18 +43,20 @@ async def generate(loop: EngineLoop, response_id: str, parsed: ParsedRequest, mo
     the engine refuses one. If the consumer stops early (client disconnect, cancellation) or a choice fails, the
     unfinished choices are aborted, which frees their slots.
     """
-    n = parsed.params.n
-    request_ids = [(response_id, i) for i in range(n)]
-    samples = [parsed.params.for_sample(i) for i in range(n)]
+    try:  # parse_request applied the same rules (naming the client's fields): this refuses nothing it let through
+        requests = prompt_requests(response_id, parsed.prompt_token_ids, parsed.params, tokenizer=model.tokenizer,
+                                   max_model_len=model.max_model_len, over_length="refuse")
+    except ValueError as exc:
+        raise APIError(400, str(exc)) from None
+    n = len(requests)
     finished: set[int] = set()
     streams: list[RequestStream] = []
     pumps: list[asyncio.Task] = []
     try:
-        for rid, sample in zip(request_ids, samples):  # all before the first await: a full queue refuses them all
-            stop = stop_matcher(model.tokenizer, sample)
-            streams.append(_submit(loop, Request(rid, parsed.prompt_token_ids, sample, stop)))
+        for request in requests:  # all before the first await: a full queue refuses them all
+            streams.append(_submit(loop, request))
         queue: asyncio.Queue = asyncio.Queue()
-        pumps = [asyncio.create_task(_pump(_choice(i, stream, samples[i], model), queue))
+        pumps = [asyncio.create_task(_pump(_choice(i, stream, requests[i].params, model), queue))
                  for i, stream in enumerate(streams)]
         while len(finished) < n:
             item = await queue.get()
@@ -65,7 +68,7 @@ async def generate(loop: EngineLoop, response_id: str, parsed: ParsedRequest, mo
     finally:
         for i in range(len(streams)):
             if i not in finished:
-                loop.abort(request_ids[i])
+                loop.abort(requests[i].request_id)
         for task in pumps:
             task.cancel()
         await asyncio.gather(*pumps, return_exceptions=True)

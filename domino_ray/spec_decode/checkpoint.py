@@ -16,9 +16,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from domino_ray.spec.checkpoint_layouts import detect_layout, parse_draft_config, tensor_names
-from domino_ray.spec.checkpoint_sources import CheckpointError, DraftFiles, local_files, resolve_checkpoint_dir
-from domino_ray.spec.draft import DominoDraft, DraftConfig
+from domino_ray.spec_decode.checkpoint_layouts import detect_layout, parse_draft_config, tensor_names
+from domino_ray.spec_decode.checkpoint_sources import CheckpointError, DraftFiles, local_files, resolve_checkpoint_dir
+from domino_ray.spec_decode.draft import DominoDraft, DraftConfig
 
 
 def check_draft(files: DraftFiles, target_config=None) -> tuple[DraftConfig, dict[str, str]]:

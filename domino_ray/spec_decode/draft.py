@@ -11,7 +11,7 @@ Architecture (reference/domino.md §1-2; attribute names are the checkpoint's ke
 - Domino head: a bias-free GRU walks the target embeddings of `[anchor, d_1, d_2, ...]`; draft i uses
   `base_i + embed_proj(cat[z_i, s_i])`; the first P drafts are uncorrected.
 
-The draft owns no embedding; it never runs the target. Tensor glossary: see `engine/spec_engine.py`.
+The draft owns no embedding; it never runs the target. Tensor glossary: see `engine/core.py`.
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ from torch import nn
 
 from domino_ray.backend import ops
 from domino_ray.backend.library import takes
-from domino_ray.model import layer_ops
-from domino_ray.model.kv_cache import row_attention
-from domino_ray.model.packed_linear import ONE_OP_POSITIONS, PackedLinear
-from domino_ray.spec.verify import greedy_choice
+from domino_ray.target import layer_ops
+from domino_ray.kv.pools import row_attention
+from domino_ray.target.packed_linear import ONE_OP_POSITIONS, PackedLinear
+from domino_ray.spec_decode.verify import greedy_choice
 
 
 @dataclass(frozen=True)

@@ -8,10 +8,10 @@ from typing import Iterable, NamedTuple, Sequence
 
 import torch
 
-from domino_ray.spec.penalties import RowPenalties, compute_dtype
-from domino_ray.spec.rng import counter_uniforms
-from domino_ray.spec.sampling_params import SamplingParams
-from domino_ray.spec.verify import greedy_accept, near_tie_mask, rejection_accept
+from domino_ray.sample.penalties import RowPenalties, compute_dtype
+from domino_ray.sample.rng import counter_uniforms
+from domino_ray.sample.params import SamplingParams
+from domino_ray.spec_decode.verify import greedy_accept, near_tie_mask, rejection_accept
 
 
 def sampling_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,

@@ -3,7 +3,7 @@
 A model's keys and values live in `[L, N, Hkv, bs, D]` (N blocks of `bs` positions). A row holds a *block table*, the
 ids of its blocks in order: its position p is block `table[p // bs]`, offset `p % bs`. Rows take blocks as they grow
 and give them back when they end, so the pool holds what the rows hold, not `max_model_len` per row; rows whose
-prompts share whole blocks share those blocks (`engine/blocks.py`). Block 0 is the *null block*: padding rows (a CUDA
+prompts share whole blocks share those blocks (`kv/blocks.py`). Block 0 is the *null block*: padding rows (a CUDA
 graph's row bucket above the active rows) and free slots point every entry there and write into it; no real row ever
 reads it. The target and the draft's context use the same table (the same positions), each in its own pool.
 

@@ -6,7 +6,7 @@ A proposer is any object with these members (duck-typed; the engine needs nothin
 - `target_layer_ids`: target layers whose outputs it needs as context (empty: none).
 - `graph_safe`: its `propose` is device work on fixed shapes (CUDA-graph capturable).
 - `allocate(num_blocks, block_size, capacity)`: its own KV pool of the engine's blocks (the rows' block tables serve
-  it too: `model/kv_cache.py`), rows of up to `capacity` positions.
+  it too: `kv/pools.py`), rows of up to `capacity` positions.
 - `append_context(tables, target_hidden, offsets)`: new target hidden states `[b, q, L*C]` of positions
   `offsets[b] + arange(q)` of the rows with block tables `tables [b, nb]`; entries past a row's committed length are
   junk it must tolerate (they are overwritten later).
@@ -15,7 +15,7 @@ A proposer is any object with these members (duck-typed; the engine needs nothin
   their own blocks (`keys`, `kv_cache.StepKeys`); `committed`/`request_ids` are the host's view of the real rows
   (test proposers use them).
 - optionally `draft`: its model (an `nn.Module`), whose linear layers the engine packs like the target's on
-  CPU (`model/packed_linear.py`).
+  CPU (`target/packed_linear.py`).
 
 `DominoProposer` runs a Domino/DFlash draft. (The tests' `OracleProposer` knows the target's continuation.)
 """
@@ -25,11 +25,11 @@ from __future__ import annotations
 import torch
 
 from domino_ray.backend import ops
-from domino_ray.model.kv_cache import KVPool, StepKeys, paged_attention, query_limits
-from domino_ray.model.packed_linear import kv_dtype, one_op_layers, pack_as, packed_states
-from domino_ray.model.target_forward import decode_layers_args
-from domino_ray.spec.checkpoint import check_against_target
-from domino_ray.spec.draft import DominoDraft, context_key_value_weights, context_keys_values, resolve_num_spec_tokens
+from domino_ray.kv.pools import KVPool, StepKeys, paged_attention, query_limits
+from domino_ray.target.packed_linear import kv_dtype, one_op_layers, pack_as, packed_states
+from domino_ray.target.forward import decode_layers_args
+from domino_ray.spec_decode.checkpoint import check_against_target
+from domino_ray.spec_decode.draft import DominoDraft, context_key_value_weights, context_keys_values, resolve_num_spec_tokens
 
 
 class DominoProposer:

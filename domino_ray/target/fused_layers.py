@@ -27,9 +27,9 @@ import torch
 from torch import nn
 
 from domino_ray.backend import ops
-from domino_ray.model.layer_ops import RMS_NORMS, rms_norm, rotary
-from domino_ray.model.packed_linear import packed_states
-from domino_ray.model.target_forward import engine_attention, one_op_step
+from domino_ray.target.layer_ops import RMS_NORMS, rms_norm, rotary
+from domino_ray.target.packed_linear import packed_states
+from domino_ray.target.forward import engine_attention, one_op_step
 
 # The layer classes whose forward `FusedLayer` reproduces: pre-norm residual blocks, q/k/v/o attention with the
 # rotary embedding on q and k (Qwen3: after a per-head RMSNorm of each), a gated MLP.

@@ -20,7 +20,7 @@ from typing import Sequence
 
 import torch
 
-from domino_ray.spec.sampling_params import SamplingParams
+from domino_ray.sample.params import SamplingParams
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -3,16 +3,16 @@
 Token ids in, token ids out: no text, no IO, no Ray. Glossary (shape comments): n active rows (at most R slots),
 r = the rows a step runs (n, or with CUDA graphs n padded up to a row bucket), q query positions, K draft tokens per step, B draft block size (S <= B the slots a step runs), V vocabulary, C hidden size,
 F = len(target_layer_ids) * C.
-Speculative-decoding words (draft tokens, accepted, bonus, step) are defined in `spec/verify.py`.
+Speculative-decoding words (draft tokens, accepted, bonus, step) are defined in `spec_decode/verify.py`.
 
 A row's committed tokens are prompt + generated. Its last committed token, the *anchor*, has not been
 through the target yet: the target KV holds positions `[0, lens)` with `lens = committed - 1`, and so
 does the draft's context. One step, for all active rows at once:
   0. width:  the verify width W (0..K) for this step: K, or for an adaptive engine the width
-             controller's choice from measured costs and acceptance estimates (`spec/width_policy.py`)
+             controller's choice from measured costs and acceptance estimates (`spec_decode/width_policy.py`)
   1. draft:  the proposer turns each anchor into W draft tokens (none when W = 0)      -> [n, W]
   2. verify: one target forward over `[anchor, d_1..d_W]` at positions `lens + 0..W`  -> [n, W+1, V]
-  3. accept: `spec/verify.py` picks a (accepted) and the bonus; `lens += a + 1`; the hidden states of the
+  3. accept: `spec_decode/verify.py` picks a (accepted) and the bonus; `lens += a + 1`; the hidden states of the
      a + 1 newly committed positions become the draft's new context (an eager adaptive engine's W = 0
      steps defer that: `context_ring.py`). Rejected positions stay in the buffers beyond `lens` and are
      overwritten next step: nothing is cropped.
@@ -23,7 +23,7 @@ Target-only decoding is the same loop with K = 0 (no proposer): the baseline.
 Steps 1-3 are pure device work (`runner.py`) on fixed-address buffers with fixed shapes per *bucket*: with CUDA
 graphs the active rows are padded to a row bucket (1, 2, 4, 8, ... up to R; eager steps run the active rows alone).
 Padding slots are free slots with `remaining == 0`: they compute but never advance, write into the null block, and
-the host never reads them. The KV is paged (`model/kv_cache.py`): a row holds blocks of `kv_block_size` positions,
+the host never reads them. The KV is paged (`kv/pools.py`): a row holds blocks of `kv_block_size` positions,
 taken as it grows from a pool sized in tokens (`kv_cache_tokens`), and attention reads each row's own blocks up to
 its own length, so the step's shape does not depend on the rows' lengths. On CUDA steps 1-3 are one CUDA graph per
 row bucket, width and sampling mode, every greedy one captured at engine start (`step_graphs.py`). On CPU the same
@@ -44,7 +44,7 @@ import torch
 
 from domino_ray.backend.malloc import keep_freed_memory
 from domino_ray.engine.context_ring import DEFERRED_STEPS, ContextRing
-from domino_ray.engine.blocks import BlockPool
+from domino_ray.kv.blocks import BlockPool
 from domino_ray.engine.memory import check_memory_fits, free_device_memory, memory_budget, memory_plan, size_engine
 from domino_ray.engine.request import Completion, Request, Row, StepEvent, new_row
 from domino_ray.engine.runner import StepRunner
@@ -52,14 +52,14 @@ from domino_ray.engine.scheduler import Scheduler
 from domino_ray.engine.start_up_costs import measure_costs
 from domino_ray.engine.step_graphs import (StepGraphs, capture_steps, greedy_step_keys, row_buckets, use_cuda_graphs,
                                            verify_positions)
-from domino_ray.model.fused_layers import fuse_layers
-from domino_ray.model.kv_cache import reads_in_place
-from domino_ray.model.packed_linear import kv_dtype, pack_linears, weight_precision
-from domino_ray.model.target_forward import install
-from domino_ray.spec.draft import DraftConfig
-from domino_ray.spec.sampling import StepMode, sampling_mode
-from domino_ray.spec.width_costs import StepCosts, step_widths
-from domino_ray.spec.width_policy import WidthController
+from domino_ray.target.fused_layers import fuse_layers
+from domino_ray.kv.pools import reads_in_place
+from domino_ray.target.packed_linear import kv_dtype, pack_linears, weight_precision
+from domino_ray.target.forward import install
+from domino_ray.spec_decode.draft import DraftConfig
+from domino_ray.sample.sampling import StepMode, sampling_mode
+from domino_ray.spec_decode.width_costs import StepCosts, step_widths
+from domino_ray.spec_decode.width_policy import WidthController
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ class SpecEngine:
     `kv_cache_tokens`: the KV pool in tokens, or "auto": what the memory left after the rest of the plan holds (on CPU
     at most every row at `max_model_len`).
     `cuda_graphs`: "auto" (on for CUDA), "on" or "off".
-    `adaptive`: pick the verify width 0..K every step (`spec/width_policy.py`; the config's
+    `adaptive`: pick the verify width 0..K every step (`spec_decode/width_policy.py`; the config's
     `num_draft_tokens: auto`, resolved by `draft.resolve_num_spec_tokens`); otherwise every step verifies K.
     `width_costs`: seconds per step by row bucket and verify width for the adaptive width, as
     `{bucket: {W: seconds}}` or a `StepCosts`; None = measure them now.

@@ -1,4 +1,4 @@
-"""The host's book of a paged KV pool (`model/kv_cache.py`): free blocks, reference counts, shared prompt blocks.
+"""The host's book of a paged KV pool (`kv/pools.py`): free blocks, reference counts, shared prompt blocks.
 
 A block is free, or held by the rows that reference it. Rows whose prompts start with the same whole blocks of tokens
 share those blocks: a block of prompt tokens, once its keys are written (or being written by the forward the sharing
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from domino_ray.model.kv_cache import NULL_BLOCK
+from domino_ray.kv.pools import NULL_BLOCK
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 We run `embed_tokens`, the model's rotary embedding, each decoder layer and `norm` ourselves, so the
 hidden states the draft needs are taken between layers (no `output_hidden_states` capture), and the keys
-and values go to the engine's paged pool (`kv_cache.py`). The layers are the engine's (`fused_layers.py`: our forward for the Llama family
+and values go to the engine's paged pool (`kv/pools.py`). The layers are the engine's (`fused_layers.py`: our forward for the Llama family
 over the same weights, HF's own layer otherwise); the attention function is ours either way, installed
 through transformers' attention-function registration under the name `domino_ray`. It reads the
 `RowAttention` passed through the layers' keyword arguments; any other caller of the model (HF
@@ -19,9 +19,9 @@ from dataclasses import dataclass
 import torch
 
 from domino_ray.backend import ops
-from domino_ray.model.kv_cache import KVPool, StepKeys, paged_attention, prefill_attention
-from domino_ray.model.layer_ops import rms_norm
-from domino_ray.model.packed_linear import one_op_layers
+from domino_ray.kv.pools import KVPool, StepKeys, paged_attention, prefill_attention
+from domino_ray.target.layer_ops import rms_norm
+from domino_ray.target.packed_linear import one_op_layers
 
 ATTENTION = "domino_ray"
 
