@@ -71,7 +71,7 @@ test: smollm2
 test-multinode: smollm2
 	$(BIN)/python -m pytest -q -m multinode
 
-# The day-to-day loop: everything but the tests marked slow (README "Tests").
+# The day-to-day loop: everything but the tests marked slow (docs/development.md "Tests").
 test-fast: smollm2
 	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile -m "not slow"
 
@@ -100,7 +100,7 @@ $(VLLM_VENV)/bin/.installed:
 
 peers-venv: $(VLLM_VENV)/bin/.installed
 
-# Ours vs vLLM CPU on the demo pair (BENCHMARKS.md "Peers"). Extra flags: make bench-peers ARGS="--repeats 2".
+# Ours vs vLLM CPU on the demo pair (BENCHMARKS.md, the vLLM rows). Extra flags: make bench-peers ARGS="--repeats 2".
 # On the SmolLM2 pair: make bench-peers ARGS="--pair smollm2" (converts SmolLM2 first, as `make smollm2`).
 bench-peers: setup peers-venv $(if $(findstring smollm2,$(ARGS)),smollm2)
 	$(BIN)/python benchmarks/bench_peers.py --vllm-python $(VLLM_VENV)/bin/python $(ARGS)

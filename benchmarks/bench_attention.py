@@ -1,7 +1,7 @@
 """Decode attention on CPU (`domino_ray/backend/library.py`): our kernel over the paged KV pool against torch's SDPA
 under the mask over the same keys gathered.
 
-Two measurements (BENCHMARKS.md "Our decode-attention kernel"):
+Two measurements (docs/benchmarks-log.md "Our decode-attention kernel"):
 - `sweep` (default): one decode step's attention over every layer of a model's shape (random fp32 K/V pools
   `[N, Hkv, bs, D]` a layer, each row's blocks a random permutation of the pool's, each layer's read once per
   pass, so from memory as in a real step), `--rows` rows, each at key lengths `--keys` (limits a little under them)

@@ -1,7 +1,7 @@
 """Linear layers on CPU at decode batch sizes (`domino_ray/target/packed_linear.py`): `F.linear`, MKL's packed GEMM and our
 kernel (`csrc/linear.cpp`).
 
-Two measurements (BENCHMARKS.md "Our layer ops and linear kernel"):
+Two measurements (docs/benchmarks-log.md "Our layer ops and linear kernel"):
 - `sweep` (default): the projections of a SmolLM2-shaped decoder (30 layers x q/k/v/o/gate/up/down + the LM
   head, random weights rounded to bf16, each read once per pass) at each row count: `F.linear`, MKL's packed op
   (weights packed for 64 rows, what the engine used before our kernel), ours over fp32 panels and ours over bf16

@@ -85,10 +85,11 @@ def baseline_engine(ref: str) -> dict:
                 return found
         raise ImportError(f"{name} not found in {modules} at {ref}")
 
-    return {"SpecEngine": first("SpecEngine", "engine.spec_engine", "engine"),
+    return {"SpecEngine": first("SpecEngine", "engine.core", "engine.spec_engine", "engine"),
             "Request": first("Request", "engine.request", "request", "engine"),
-            "DominoProposer": first("DominoProposer", "spec.proposer", "proposer"),
-            "SamplingParams": first("SamplingParams", "spec.sampling_params", "sampling_params", "engine", "sampling")}
+            "DominoProposer": first("DominoProposer", "spec_decode.proposer", "spec.proposer", "proposer"),
+            "SamplingParams": first("SamplingParams", "sample.params", "spec.sampling_params", "sampling_params",
+                                    "engine", "sampling")}
 
 
 def run(target, draft, prompts, rows, max_new_tokens, count_calls=False, api=CURRENT):

@@ -45,7 +45,7 @@ class ModelConfig:
 @dataclass
 class DraftSection:
     source: str | None = str(DEMO_ASSETS / "draft")  # draft: local directory or hub id; null = target only
-    # auto = adaptive: each step verifies W = 0..K drafts, K the most the checkpoint supports (README
+    # auto = adaptive: each step verifies W = 0..K drafts, K the most the checkpoint supports (docs/engine.md
     # "Verify width"); an int = a fixed K; null = a fixed K at the checkpoint's most
     num_draft_tokens: Any = "auto"
 

@@ -12,7 +12,7 @@ Steps (all seeded): a byte-level BPE tokenizer (4096 ids) on the training files;
 from scratch on random 256-token windows of the training files (each file ends with `<|endoftext|>`,
 the EOS the target emits); `prompts.parquet` (held-out function starts) in `--out`; the draft's
 training prompts (training-file function starts and line windows) in `--work`. The draft is then
-trained by `jobs/train_draft.py` (README, section "demo pair").
+trained by `jobs/train_draft.py` (docs/demo-pairs.md "The demo pair").
 
 A different Python version or stdlib contents (a distro may patch files) would build a different pair:
 the script compares with the shipped `corpus.json` and refuses unless `--allow-different-corpus`.

@@ -78,11 +78,18 @@ def prompt_near_limit(target_dir, limit: int = 512, room: int = 6) -> str:
     max_new_tokens past `room` are capped by the length rule (frontend.requests)."""
     from domino_ray.target.loading import encode_prompt, load_tokenizer
 
-    tokenizer, words = load_tokenizer(target_dir), []
-    while len(encode_prompt(tokenizer, prompt=" ".join(words), chat_template=False)) < limit - room:
-        words.append(WORDS[len(words) % len(WORDS)])
-    assert len(encode_prompt(tokenizer, prompt=" ".join(words), chat_template=False)) < limit
-    return " ".join(words)
+    tokenizer = load_tokenizer(target_dir)
+    text = " ".join(WORDS * (limit // len(WORDS) + 1))  # at least a token a word: over `limit` tokens
+
+    def count(chars: int) -> int:
+        return len(encode_prompt(tokenizer, prompt=text[:chars], chat_template=False))
+
+    lo, hi = 1, len(text)  # the shortest prefix of `limit - room` tokens or more
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (mid + 1, hi) if count(mid) < limit - room else (lo, mid)
+    assert limit - room <= count(lo) < limit, count(lo)
+    return text[:lo]
 
 
 def make_prompts(n: int, seed: int = 0) -> list[str]:

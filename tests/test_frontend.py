@@ -71,3 +71,8 @@ def test_stop_strings_need_a_tokenizer_and_id_requests_take_neither_n_nor_stop()
     for bad in (SamplingParams(n=2), SamplingParams(stop=("x",))):
         with pytest.raises(ValueError, match="one sample per prompt without stop strings"):
             id_requests([[1]], bad)
+
+
+def test_without_a_known_length_the_rule_is_left_to_the_engine():
+    [request] = prompt_requests(0, [1] * 1000, SamplingParams(max_new_tokens=5000), max_model_len=None)
+    assert len(request.prompt_token_ids) == 1000 and request.params.max_new_tokens == 5000

@@ -233,3 +233,33 @@ def test_sampling_rules_and_config_import_without_torch():
             "assert not any(m == 'torch' or m.startswith('torch.') for m in sys.modules if sys.modules[m])\n")
     result = run_python(code, timeout=60)
     assert result.returncode == 0, result.stderr
+
+
+MAX_MODULE_LINES, MAX_FUNCTION_LINES = 400, 60
+
+
+def oversized(root: Path = PACKAGE) -> list[str]:
+    """Modules over MAX_MODULE_LINES lines and functions over MAX_FUNCTION_LINES (decorators and docstring included):
+    each should be readable in one sitting."""
+    bad = []
+    for name, path in module_files(root).items():
+        source = path.read_text()
+        if source.count("\n") > MAX_MODULE_LINES:
+            bad.append(f"{name}: {source.count(chr(10))} lines")
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                if length > MAX_FUNCTION_LINES:
+                    bad.append(f"{name}.{node.name}: {length} lines")
+    return bad
+
+
+def test_no_module_over_400_lines_and_no_function_over_60():
+    assert oversized() == []
+
+
+def test_the_size_check_sees_a_long_function(tmp_path):
+    package = tmp_path / "domino_ray"
+    package.mkdir()
+    (package / "long.py").write_text("def f():\n" + "    x = 1\n" * MAX_FUNCTION_LINES)
+    assert oversized(package) == ["domino_ray.long.f: 61 lines"]

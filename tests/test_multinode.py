@@ -71,7 +71,7 @@ class Watch:
         self.mn, self.out, self.start = mn, out, time.monotonic()
 
     def files(self) -> dict[str, tuple[int, int]]:
-        """Complete output files (their footer reads: README "Resume guarantee") -> (mtime, size)."""
+        """Complete output files (their footer reads: docs/batch.md "Resume guarantee") -> (mtime, size)."""
         done = {}
         for p in self.out.glob("*.parquet"):
             stat = p.stat()

@@ -238,13 +238,13 @@ class RecordingSteps:
     """Each decode step's committed tokens per row as the device gave them (before any host cut)."""
 
     def __init__(self, eng):
-        self.steps, read = [], eng.runner.read_packed
+        self.steps, read = [], eng.runner.read_output
 
         def recording(n, w, logprobs=None):
             out = read(n, w, logprobs)
-            self.steps.append([row[1:row[0] + 2] for row in out[0]])
+            self.steps.append([out.committed(i) for i in range(n)])
             return out
-        eng.runner.read_packed = recording
+        eng.runner.read_output = recording
 
 
 def stop_string_for(tokenizer, tokens, index: int, span: bool) -> str | None:

@@ -4,8 +4,8 @@ A CPU forward allocates and frees its activations every layer. glibc serves bloc
 (128 KiB, rising with use up to 32 MiB) with fresh `mmap`s and gives freed heap tops back to the kernel past
 its trim threshold, so a prefill's intermediates (a 1,700-token SmolLM2 prefill: 10-20 MB a tensor) are
 page-faulted in, zeroed by the kernel, again in every layer. With blocks up to 32 MiB served from the heap
-and the heap never trimmed, freed memory is reused as it is: a 16-prompt SmolLM2 prefill 1.84 -> 1.65 s on
-the 2-core VM (BENCHMARKS). The cost is a resident set that stays at its peak (the engine's own working set,
+and the heap never trimmed, freed memory is reused as it is (a prefill ~10% faster: docs/benchmarks-log.md). The
+cost is a resident set that stays at its peak (the engine's own working set,
 which it reaches again at its next prefill anyway).
 
 Process-wide, so called where the process is the engine's (`SpecEngine` on CPU); a no-op off glibc.

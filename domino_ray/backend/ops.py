@@ -5,7 +5,7 @@ Callers decide where an op applies (fp32 CPU tensors, nothing for autograd to re
 inputs in C++. The schemas are registered in one place (`csrc/registration.cpp`). An op is looked up at each
 call, so a test may replace it on `torch.ops.domino_ray`.
 
-Why each op (BENCHMARKS has the figures):
+Why each op (docs/benchmarks-log.md has the figures):
 - `decode_attention` (`csrc/decode_attention.cpp`): torch's CPU attention reads a decode step's keys at about half
   the rate two cores stream them: each (row, K/V head) is a handful of queries against a few hundred KB of keys, a
   shape SDPA's flash kernel and the matmul formulations handle with GEMM machinery built for larger ones, and over

@@ -1,4 +1,4 @@
-"""Domino as a Ray Data stage, shaped like Ray Data LLM's processors (README "From Ray Data LLM").
+"""Domino as a Ray Data stage, shaped like Ray Data LLM's processors (docs/ray-data.md).
 
     from domino_ray import DominoEngineProcessorConfig, build_processor
 

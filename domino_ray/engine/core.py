@@ -1,37 +1,44 @@
 """The batched speculative engine: ragged rows over a paged KV pool, continuous batching.
 
 Token ids in, token ids out: no text, no IO, no Ray. Glossary (shape comments): n active rows (at most R slots),
-r = the rows a step runs (n, or with CUDA graphs n padded up to a row bucket), q query positions, K draft tokens per step, B draft block size (S <= B the slots a step runs), V vocabulary, C hidden size,
-F = len(target_layer_ids) * C.
+r = the rows a step runs (n, or with CUDA graphs n padded up to a row bucket), q query positions, K draft tokens per
+step, B draft block size (S <= B the slots a step runs), V vocabulary, C hidden size, F = len(target_layer_ids) * C.
 Speculative-decoding words (draft tokens, accepted, bonus, step) are defined in `spec_decode/verify.py`.
 
 A row's committed tokens are prompt + generated. Its last committed token, the *anchor*, has not been
 through the target yet: the target KV holds positions `[0, lens)` with `lens = committed - 1`, and so
-does the draft's context. One step, for all active rows at once:
-  0. width:  the verify width W (0..K) for this step: K, or for an adaptive engine the width
+does the draft's context. One step (`SpecEngine.step`), its parts numbered at the lines that do them:
+  1. schedule: the scheduler's `StepPlan` (`step_types.py`) names the prompt segments prefilled this step, within its
+             token budget; rows whose prompt is then in join the active rows with their first token
+  2. room:   the plan's decode part, made once they joined (a first token may finish its row): the rows preempted
+             while the pool cannot hold every active row's next step, and the blocks the others take
+  3. width:  the verify width W (0..K) for this step: K, or for an adaptive engine the width
              controller's choice from measured costs and acceptance estimates (`spec_decode/width_policy.py`)
-  1. draft:  the proposer turns each anchor into W draft tokens (none when W = 0)      -> [n, W]
-  2. verify: one target forward over `[anchor, d_1..d_W]` at positions `lens + 0..W`  -> [n, W+1, V]
-  3. accept: `spec_decode/verify.py` picks a (accepted) and the bonus; `lens += a + 1`; the hidden states of the
+  4. draft:  the proposer turns each anchor into W draft tokens (none when W = 0)      -> [n, W]
+  5. verify: one target forward over `[anchor, d_1..d_W]` at positions `lens + 0..W`  -> [n, W+1, V]
+  6. accept: `spec_decode/verify.py` picks a (accepted) and the bonus; `lens += a + 1`; the hidden states of the
      a + 1 newly committed positions become the draft's new context (an eager adaptive engine's W = 0
      steps defer that: `context_ring.py`). Rejected positions stay in the buffers beyond `lens` and are
      overwritten next step: nothing is cropped.
-  4. one host sync: accepted counts and tokens (and logprobs when a row asks); stop checks (stop ids, stop
-     strings), statistics, finished rows leave.
+  7. one host sync: accepted counts and tokens, near-ties (and logprobs when a row asks): the runner's `StepOutput`
+  8. update: `commit.update_from_output` cuts each row at its stop ids and stop strings and its length limit, and
+     counts its statistics; finished rows leave.
 Target-only decoding is the same loop with K = 0 (no proposer): the baseline.
 
-Steps 1-3 are pure device work (`runner.py`) on fixed-address buffers with fixed shapes per *bucket*: with CUDA
+Parts 4-6 are pure device work (`runner.py`) on fixed-address buffers with fixed shapes per *bucket*: with CUDA
 graphs the active rows are padded to a row bucket (1, 2, 4, 8, ... up to R; eager steps run the active rows alone).
 Padding slots are free slots with `remaining == 0`: they compute but never advance, write into the null block, and
 the host never reads them. The KV is paged (`kv/pools.py`): a row holds blocks of `kv_block_size` positions,
 taken as it grows from a pool sized in tokens (`kv_cache_tokens`), and attention reads each row's own blocks up to
-its own length, so the step's shape does not depend on the rows' lengths. On CUDA steps 1-3 are one CUDA graph per
+its own length, so the step's shape does not depend on the rows' lengths. On CUDA parts 4-6 are one CUDA graph per
 row bucket, width and sampling mode, every greedy one captured at engine start (`step_graphs.py`). On CPU the same
 functions run eagerly.
 
 Admission is by free blocks, prompts are prefilled in chunks within a per-step budget between decode steps, whole
 prompt blocks are shared, and a row preempted when the pool runs out is prefilled again later from its prompt and
-generated tokens, its output unchanged (`scheduler.py`, `_reserve`).
+generated tokens, its output unchanged (`scheduler.py`).
+
+Building an engine is staged too (`build.py`): patch the model, plan memory, allocate, capture, start-up costs.
 """
 
 from __future__ import annotations
@@ -42,20 +49,20 @@ from typing import Callable, Hashable, Iterable
 
 import torch
 
-from domino_ray.backend.malloc import keep_freed_memory
+from domino_ray.engine.build import patch_model
+from domino_ray.engine.commit import commit, update_from_output
 from domino_ray.engine.context_ring import DEFERRED_STEPS, ContextRing
 from domino_ray.kv.blocks import BlockPool
-from domino_ray.engine.memory import check_memory_fits, free_device_memory, memory_budget, memory_plan, size_engine
+from domino_ray.engine.memory import fit_to_memory, memory_plan
 from domino_ray.engine.request import Completion, Request, Row, StepEvent, new_row
 from domino_ray.engine.runner import StepRunner
 from domino_ray.engine.scheduler import Scheduler
-from domino_ray.engine.start_up_costs import measure_costs
+from domino_ray.engine.start_up_costs import width_controller
 from domino_ray.engine.step_graphs import (StepGraphs, capture_steps, greedy_step_keys, row_buckets, use_cuda_graphs,
                                            verify_positions)
-from domino_ray.target.fused_layers import fuse_layers
+from domino_ray.engine.step_types import PrefillSegment, StepOutput, StepPlan
 from domino_ray.kv.pools import reads_in_place
-from domino_ray.target.packed_linear import kv_dtype, pack_linears, weight_precision
-from domino_ray.target.forward import install
+from domino_ray.target.packed_linear import kv_dtype
 from domino_ray.spec_decode.draft import DraftConfig
 from domino_ray.sample.sampling import StepMode, sampling_mode
 from domino_ray.spec_decode.width_costs import StepCosts, step_widths
@@ -69,9 +76,8 @@ GATHER_CHUNK = 256  # the gather path's key lengths are multiples of this (`_key
 class SpecEngine:
     """Batched speculative (or, without a proposer, target-only) generation on one device.
 
-    `max_rows`: rows decoded together at most (slots), or "auto": on CUDA as many as leave `POOL_SHARE` of
-    `gpu_memory_utilization` of the memory free after the weights to the KV pool (`memory.size_engine`); on CPU a
-    default from the cores and host memory.
+    `max_rows`: rows decoded together at most (slots), or "auto": as many as `gpu_memory_utilization` of the memory
+    free after the weights holds beside the KV pool (`memory.size_engine`); on CPU at most a default from the cores.
     `kv_block_size`: positions per KV block (a power of two; our CPU kernel wants a multiple of 8).
     `kv_cache_tokens`: the KV pool in tokens, or "auto": what the memory left after the rest of the plan holds (on CPU
     at most every row at `max_model_len`).
@@ -103,19 +109,14 @@ class SpecEngine:
         self.eos_token_ids = frozenset(eos_token_ids)
         weight = next(target.parameters())
         self.device, self.dtype = weight.device, weight.dtype
-        install(target)
-        if self.device.type == "cpu":
-            keep_freed_memory()  # the forwards' large activations reuse freed memory: `backend/malloc.py`
-        self.layers = fuse_layers(self.decoder)  # the Llama family's layers over fused projections
-        pack_linears(self.layers, self.lm_head, getattr(proposer, "draft", None))  # CPU, fp32: `packed_linear.py`
-        self.precision = weight_precision(target)  # "float32", "bfloat16 weights and KV, float32 activations", ...
-        graphs = use_cuda_graphs(cuda_graphs, self.device)
+        self.layers, self.precision = patch_model(target, proposer)  # 1. patch the model
+        # The step's shape, which the memory plan, the buffers and the graphs are sized by
+        self.cuda_graphs = graphs = use_cuda_graphs(cuda_graphs, self.device)
         # A step writes up to `span` positions past a row's committed context (verify K+1, draft block B).
         self.span = max(k + 1, proposer.block_size if proposer is not None else 1)
         self.block_size = kv_block_size
         self.capacity = _round_up(self.max_model_len + self.span, kv_block_size)
         self.adaptive = adaptive and k > 0
-        self.cuda_graphs = graphs
         # Graphs need fixed shapes: a step's rows padded up to a row bucket. Eager steps run the active rows alone.
         self.pad_rows = graphs
         # W = 0 steps keep their taps and feed the draft's context in batches (`DEFERRED_STEPS`): eager steps only
@@ -124,40 +125,38 @@ class SpecEngine:
         head_dims += [proposer.config.head_dim] if isinstance(getattr(proposer, "config", None), DraftConfig) else []
         # Whether a step gathers the rows' keys up to its key_len (`_key_len`) instead of reading them in place
         self.gathers = not all(reads_in_place(self.device, self.dtype, d, kv_block_size) for d in head_dims)
-        budget, where, most = memory_budget(self.device, gpu_memory_utilization)
-        self.max_rows, self.kv_blocks, self.slot_report = size_engine(
-            budget, where, most, max_rows, kv_cache_tokens, lambda rows, blocks: self.memory_plan(rows, blocks),
-            kv_block_size, self.capacity, dense_cap=self.device.type != "cuda")
-        if self.device.type == "cuda":  # before allocating anything
-            check_memory_fits(self.memory_plan(), free_device_memory(self.device), self.device, gpu_memory_utilization)
-        self.blocks = BlockPool(self.kv_blocks, kv_block_size)
-        self.scheduler = Scheduler(self.blocks, max_rows=self.max_rows, span=self.span,
-                                   max_prefill_tokens=max_prefill_tokens)
-        self.pending = self.scheduler.pending  # waiting rows in order; those holding blocks are being prefilled
-        self._allocate(self.max_rows, k)
-        self.rows: list[Row] = []      # active rows; rows[i] lives in slot i
-        self._running_ids: set = set()  # request ids of pending and active rows
-        self.rng = torch.Generator().manual_seed(seed)
-        self.graphs = StepGraphs(self.device, required=cuda_graphs == "on") if graphs else None
-        # Every greedy step key captured now, while every slot is free (padding rows: the steps leave them
-        # unchanged). Host-side proposers (tests) have no graphs.
-        self.graph_capture_s = capture_steps(
-            self.graphs, greedy_step_keys(self.row_buckets, self.widths),
-            lambda key: self._device_step(key[1], self.capacity, *key[2:])) if graphs and not self.host_drafts else 0.0
-        self.width: WidthController | None = None  # None: every step verifies K
-        if self.adaptive:
-            costs = (width_costs if isinstance(width_costs, StepCosts) else StepCosts(width_costs) if width_costs
-                     else measure_costs(self, self.widths))
-            self.width = WidthController(k, self.max_rows, costs, lazy_context=self.defer_context)
+        self.max_rows, self.kv_blocks, self.slot_report = fit_to_memory(  # 2. plan memory
+            self.device, gpu_memory_utilization, max_rows, kv_cache_tokens, self.memory_plan, kv_block_size,
+            self.capacity)
+        self._allocate(seed)  # 3. allocate
+        self._capture(required=cuda_graphs == "on")  # 4. capture
+        self.width: WidthController | None = width_controller(self, width_costs)  # 5. start-up costs; None: W = K
 
-    def _allocate(self, r: int, k: int):
-        """The per-slot state, once: the ring, the device buffers (the KV pools, the block tables, the proposer's
-        state, row state, step outputs: `runner.py`), the step widths of each row bucket."""
+    def _allocate(self, seed: int):
+        """The per-slot state, once: the block book and the queue (`scheduler.py`), the ring, the device buffers (the
+        KV pools, the block tables, the proposer's state, row state, step outputs: `runner.py`), the step widths of
+        each row bucket."""
+        r = self.max_rows
+        self.blocks = BlockPool(self.kv_blocks, self.block_size)
+        self.scheduler = Scheduler(self.blocks, max_rows=r, span=self.span, max_prefill_tokens=self.max_prefill_tokens)
+        self.pending = self.scheduler.pending  # waiting rows in order; those holding blocks are being prefilled
         self.ring = ContextRing(self.proposer, self.device, self.defer_context)  # the draft's context not fed yet
         self.runner = StepRunner(self.target, self.layers, self.proposer, self.ring, rows=r, capacity=self.capacity,
                                  blocks=self.kv_blocks, block_size=self.block_size)
         self.row_buckets = row_buckets(r)
-        self.widths = step_widths(self.row_buckets, k, self.adaptive, self.cuda_graphs)  # {r: [W, ...]}
+        self.widths = step_widths(self.row_buckets, self.num_spec_tokens, self.adaptive, self.cuda_graphs)  # {r: [W]}
+        self.rows: list[Row] = []      # active rows; rows[i] lives in slot i
+        self._running_ids: set = set()  # request ids of pending and active rows
+        self.rng = torch.Generator().manual_seed(seed)
+
+    def _capture(self, required: bool):
+        """With CUDA graphs, every greedy step key captured now, while every slot is free (padding rows: the steps
+        leave them unchanged); `required`: a failed capture raises. Host-side proposers (tests) have no graphs."""
+        self.graphs = StepGraphs(self.device, required=required) if self.cuda_graphs else None
+        self.graph_capture_s = capture_steps(
+            self.graphs, greedy_step_keys(self.row_buckets, self.widths),
+            lambda key: self._device_step(key[1], self.capacity, *key[2:])) \
+            if self.graphs is not None and not self.host_drafts else 0.0
 
     def memory_plan(self, rows: int | None = None, blocks: int | None = None) -> dict[str, int]:
         """Bytes beyond the weights with `rows` rows and `blocks` pool blocks (default: its own): `memory_plan`."""
@@ -168,7 +167,8 @@ class SpecEngine:
                            max_prefill_tokens=self.max_prefill_tokens, itemsize=self.dtype.itemsize,
                            kv_itemsize=kv_dtype(self.target).itemsize,
                            cuda_graphs=self.cuda_graphs, paged_kernel=not self.gathers,
-                           verify_positions=verify_positions(rows, self.num_spec_tokens, self.adaptive, self.cuda_graphs),
+                           verify_positions=verify_positions(rows, self.num_spec_tokens, self.adaptive,
+                                                             self.cuda_graphs),
                            deferred_positions=DEFERRED_STEPS if self.defer_context else 0)
 
     def kv_cache_stats(self) -> dict[str, int]:
@@ -219,37 +219,38 @@ class SpecEngine:
                     done[event.request_id] = event.completion
         return [done[rid] for rid in order]
 
-    # ---- the loop ---------------------------------------------------------------------------------
+    # ---- the step ---------------------------------------------------------------------------------
 
     @torch.inference_mode()
     def step(self) -> list[StepEvent]:
-        """Prefill pending prompts within the step's token budget (rows whose prompt is in join), make room for the
-        active rows' next step, then one speculative step for all active rows."""
+        """One step, its parts numbered as in the module docstring: prefill pending prompts within the step's token
+        budget (rows whose prompt is in join), make room for the active rows' next step, one speculative step for all
+        active rows, its tokens committed."""
         events: list[StepEvent] = []
         self._evict(events)  # aborted rows free their slots first
-        self._admit(events)
-        self._evict(events)
-        stats = self.blocks.stats  # counted before the step, which may finish rows
+        plan = self.scheduler.schedule(self.rows)  # 1. schedule: this step's prefill
+        if plan.prefill:
+            self._admit(plan.prefill, events)  # rows whose prompt is then in join, with their first token
+            self._evict(events)  # rows their first token finished
+        stats = self.blocks.stats  # counted before the decode, which may finish rows
         stats.peak_rows = max(stats.peak_rows, len(self.rows) + len(self.scheduler.holders()))
         if self.rows:
-            self._reserve()
-            self._decode(events)
+            plan = self.scheduler.make_room(plan, self.rows)  # 2. room: preemptions, the next step's blocks
+            self._apply_plan(plan)
+            output, now = self._decode()  # 3-7. width, draft, verify, accept, one host sync
+            events += update_from_output(self.rows, output, now)  # 8. stop and length rules, statistics
             self._evict(events)
         return events
 
-    def _admit(self, events: list[StepEvent]):
-        """Prefill pending prompts within this step's token budget (`Scheduler.prefill_segments`); rows whose prompt is
-        then in join the active rows (`_join`)."""
-        segments = self.scheduler.prefill_segments(self.rows)
-        if not segments:
-            return
-        ids = torch.tensor([t for _, context, start, n in segments for t in context[start:start + n]])[None]  # [1, N]
-        tables = [torch.tensor(row.blocks, dtype=torch.int32)[None].to(self.device) for row, *_ in segments]
-        hidden, taps = self.runner.prefill(ids, [(row.blocks, start, n, table)
-                                                 for (row, _, start, n), table in zip(segments, tables)])
+    def _admit(self, segments: list[PrefillSegment], events: list[StepEvent]):
+        """Prefill `segments` in one forward (`StepPlan.prefill`); rows whose prompt is then in join the active rows
+        (`_join`)."""
+        ids = torch.tensor([t for segment in segments for t in segment.ids])[None]  # [1, N]
+        tables = [torch.tensor(s.row.blocks, dtype=torch.int32)[None].to(self.device) for s in segments]  # [1, nb]
+        hidden, taps = self.runner.prefill(ids, segments, tables)
         if taps is not None:
-            self.ring.add_prompts([row for row, *_ in segments], tables, [start for _, _, start, _ in segments], taps,
-                                  [n for *_, n in segments])
+            self.ring.add_prompts([s.row for s in segments], tables, [s.start for s in segments], taps,
+                                  [s.length for s in segments])
         done, ends = self.scheduler.finish_segments(segments)
         if done:
             self._join(events, done, hidden[0, ends])
@@ -285,36 +286,33 @@ class SpecEngine:
             self.rows.append(row)
             if i < f:
                 row.first_token_time = now
-                events.append(row.commit([first_tokens[i]], now,
-                                         logprobs=(logprobs[0][i], logprobs[1][i]) if logprobs else None))
+                events.append(commit(row, [first_tokens[i]], now,
+                                     logprobs=(logprobs[0][i], logprobs[1][i]) if logprobs else None))
 
-    def _reserve(self):
-        """Blocks for every active row's next step. When the pool runs out the latest admitted row (decoding or being
-        prefilled) gives its blocks back (`_preempt`), until the rest fit."""
-        while self.scheduler.growth(self.rows) > self.blocks.free_count:
-            self._preempt(self.scheduler.victim(self.rows))
-        new = self.scheduler.grow(self.rows)
-        if new[0]:
-            self.runner.add_blocks(*new)
-
-    def _preempt(self, row: Row):
-        """`row` gives its blocks back and waits at the front of the queue; prefilled again (prompt and generated
-        tokens) when it comes back, it goes on as if nothing happened (greedy tokens; per-seed samples)."""
-        if any(row is active for active in self.rows):
-            self._vacate(next(slot for slot, active in enumerate(self.rows) if active is row))
-        self._release(row)
-        self.scheduler.requeue(row)
-        log.debug("preempted request %r at %d tokens", row.request.request_id, row.committed)
+    def _apply_plan(self, plan: StepPlan):
+        """The engine's side of `plan`'s decode part (`Scheduler.make_room`): preempted active rows leave their slots
+        (`_vacate`), preempted rows' prompt taps not fed yet are dropped (their blocks may go to another row), and the
+        active rows' block tables gain the blocks granted."""
+        for row in plan.preempt:
+            slot = next((slot for slot, active in enumerate(self.rows) if active is row), None)
+            if slot is not None:
+                self._vacate(slot)
+            self.ring.drop(row)
+            log.debug("preempted request %r at %d tokens", row.request.request_id, row.committed)
+        if plan.grants:
+            slot_of = {id(row): slot for slot, row in enumerate(self.rows)}
+            self.runner.add_blocks([slot_of[id(grant.row)] for grant in plan.grants], plan.grants)
 
     def _release(self, row: Row):
         self.ring.drop(row)  # its prompt's taps not fed yet: its blocks may go to another row
         self.scheduler.release(row)
 
-    def _decode(self, events: list[StepEvent]):
+    def _decode(self) -> tuple[StepOutput, float]:
+        """Parts 3-7 of the step for the active rows: its outcome and the host's time at its sync."""
         n = len(self.rows)
         r = next(b for b in self.row_buckets if b >= n) if self.pad_rows else n
         mode = sampling_mode(row.request.params for row in self.rows)
-        w, context, t = self.num_spec_tokens, True, 0
+        w, context, t = self.num_spec_tokens, True, 0  # 3. width
         held = self.width.held(r, n) if self.width is not None else None  # W = 0 standing: (its look's t, context)
         if held is not None:
             w, (t, context) = 0, held
@@ -326,15 +324,12 @@ class SpecEngine:
         usable = self._usable() if w else [0] * n
         started = time.perf_counter()
         self.ring.before_step(w, context, n, self.runner.lens, self.runner.block_tables)  # timed with the step
-        timed = self._device_step(r, key_len, w, mode, context)
-        packed, lp_values, lp_ids = self.runner.read_packed(n, w, mode.logprobs)  # the step's one host sync
+        timed = self._device_step(r, key_len, w, mode, context)  # 4-6. draft, verify, accept
+        output = self.runner.read_output(n, w, mode.logprobs)  # 7. the step's one host sync
         now = time.perf_counter()
         if self.width is not None:  # a step that captured a graph says nothing about its width's cost
-            self.width.learn(r, t, w, now - started if timed else None, [a for a, *_ in packed] if w else (), usable)
-        for i, (row, (a, *row_tokens, ties), u) in enumerate(zip(self.rows, packed, usable)):
-            events.append(row.commit(row_tokens[:a + 1], now, drafted=min(w, u), width=w,
-                                     logprobs=(lp_values[i], lp_ids[i]) if lp_values is not None else None,
-                                     near_ties=ties))
+            self.width.learn(r, t, w, now - started if timed else None, output.accepted if w else (), usable)
+        return output, now
 
     def _mean_keys(self, r: int) -> int:
         """The mean keys a row of a step over `r` slots attends at its widest (padding slots: `span`)."""
@@ -348,8 +343,8 @@ class SpecEngine:
         return min(_round_up(longest, max(GATHER_CHUNK, self.block_size)), self.capacity)
 
     def _usable(self) -> list[int]:
-        """Drafts each active row's budget allows, in slot order (the bonus token always comes)."""
-        return [row.max_new - len(row.tokens) - 1 for row in self.rows]
+        """Drafts each active row's budget allows, in slot order (`Row.draft_budget`)."""
+        return [row.draft_budget for row in self.rows]
 
     def _device_step(self, r: int, key_len: int, w: int, mode: StepMode, context: bool | None) -> bool:
         """Draft `w` tokens (none when 0), then verify and accept them as `mode` asks, for slots `0..r` (their keys

@@ -1,4 +1,4 @@
-"""The engine's memory plan, its row cap and its KV pool: bytes beyond the weights, from the shapes alone (README
+"""The engine's memory plan, its row cap and its KV pool: bytes beyond the weights, from the shapes alone (docs/engine.md
 "Memory").
 
 `memory_plan`, `plan_slots` and `size_engine` are pure functions of the model configs and the engine's sizes, so a
@@ -165,6 +165,19 @@ def size_engine(budget: int, where: str, most_rows: int, rows, tokens, plan_for:
     report = (f"{rows} rows at most, KV pool {blocks - 1} blocks x {block_size} = {(blocks - 1) * block_size} tokens "
               f"on {where} (budget {budget / 2**30:.1f} GiB; plan {_gib(plan_for(rows, blocks))})")
     log.info(report)
+    return rows, blocks, report
+
+
+def fit_to_memory(device: torch.device, utilization: float, rows, tokens,
+                  plan_for: Callable[[int, int], dict[str, int]], block_size: int, capacity: int) -> tuple[int, int, str]:
+    """(rows, pool blocks with the null block, a one-line report) of an engine on `device` within `utilization` of its
+    memory (`memory_budget`, `size_engine`: `rows`, `tokens` and `plan_for` as there); on CUDA the whole plan is then
+    checked against free memory, before anything is allocated."""
+    budget, where, most = memory_budget(device, utilization)
+    rows, blocks, report = size_engine(budget, where, most, rows, tokens, plan_for, block_size, capacity,
+                                       dense_cap=device.type != "cuda")
+    if device.type == "cuda":
+        check_memory_fits(plan_for(rows, blocks), free_device_memory(device), device, utilization)
     return rows, blocks, report
 
 

@@ -14,7 +14,7 @@ from domino_ray.spec_decode.stats import RowStats
 
 
 class StopMatcher(Protocol):
-    """Stop strings as the engine sees them (text is the edge's: `model/text_stream.StopStrings`)."""
+    """Stop strings as the engine sees them (text is the front end's: `frontend/detokenizer.StopStrings`)."""
 
     def push(self, new_ids: list[int]) -> int | None:
         """A step's committed ids -> None, or the count of generated ids to keep once a stop string completed."""
@@ -66,7 +66,8 @@ def check_prompt(ids, vocab_size: int, max_model_len: int):
 
 @dataclass
 class Row:
-    """A running request on the host: its tokens so far, stop rules, statistics."""
+    """A running request on the host: its tokens so far, stop rules, statistics (its steps' tokens come in through
+    `commit.commit`)."""
     request: Request
     max_new: int                     # generated tokens allowed (max_new_tokens capped by the model length)
     stop_ids: frozenset
@@ -92,38 +93,15 @@ class Row:
     def committed(self) -> int:
         return len(self.request.prompt_token_ids) + len(self.tokens)
 
+    @property
+    def draft_budget(self) -> int:
+        """Drafts a step may verify for this row within its token budget (the bonus token always comes)."""
+        return self.max_new - len(self.tokens) - 1
+
     def context_ids(self) -> list[int]:
         """What a prefill writes into the KV: the prompt, and for a preempted row also its generated tokens but the
         last (the anchor: the next step's first input, never in the KV before it)."""
         return self.request.prompt_token_ids + self.tokens[:-1]
-
-    def commit(self, new_tokens: list[int], now: float, drafted: int | None = None,
-               width: int | None = None, logprobs: tuple[list, list] | None = None, near_ties: int = 0) -> StepEvent:
-        """Append a step's tokens (cut after a stop token; `drafted`/`width` for a decode step, not the
-        prefill's first token): the step's event, with the completion when the row finished. `logprobs`: the
-        step's (values `[q][1 + N]`, ids `[q][N]`) per position, N the step's largest; the row keeps its own N
-        for the tokens it keeps. `near_ties`: a bit mask over `new_tokens`, the near-ties (`verify.near_tie_mask`)."""
-        cut = next((i + 1 for i, t in enumerate(new_tokens) if t in self.stop_ids), None)
-        if cut is not None:
-            new_tokens, self.finish_reason = new_tokens[:cut], "stop"
-        matcher = self.request.stop_strings
-        if matcher is not None:  # a stop string may complete inside the step's tokens: later ones are dropped
-            keep = matcher.push(new_tokens[:-1] if cut is not None else new_tokens)  # a stop token is no text
-            if keep is not None:
-                new_tokens, self.finish_reason = new_tokens[:max(keep - len(self.tokens), 1)], "stop"
-        if drafted is not None:
-            self.stats.observe_step(drafted, len(new_tokens) - 1, width)
-        self.stats.near_ties += (near_ties & ((1 << len(new_tokens)) - 1)).bit_count()  # of the tokens kept
-        self.tokens.extend(new_tokens)
-        new_logprobs = None
-        if self.logprobs is not None:
-            top = self.request.params.logprobs
-            new_logprobs = [[(t, v[0]), *zip(i[:top], v[1:top + 1])] for t, v, i in zip(new_tokens, *logprobs)]
-            self.logprobs.extend(new_logprobs)
-        if self.finish_reason is None and len(self.tokens) >= self.max_new:
-            self.finish_reason = "length"
-        return StepEvent(self.request.request_id, new_tokens,
-                         self.completion(now) if self.finish_reason is not None else None, new_logprobs)
 
     def completion(self, now: float) -> Completion:
         return Completion(request_id=self.request.request_id, prompt_token_ids=self.request.prompt_token_ids,

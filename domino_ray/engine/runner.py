@@ -5,8 +5,8 @@ sampling parameters) and a step's outputs, and runs the target forwards over the
 the pool, and the fixed-shape step over slots `0..r` (draft W tokens, verify them, accept, advance the rows). The step
 is pure device work (no host sync, no shape that varies with the rows' lengths: they are read from `lens` and the block
 tables), so on CUDA each step key is one graph (`step_graphs.py`); the host reads its outcome once, through
-`read_packed`. Which rows sit in which slot, which blocks they hold, and when a step runs at which width, is the
-engine's (`core.py`).
+`read_output` (a `StepOutput`). Which rows sit in which slot, which blocks they hold, and when a step runs at which
+width, is the engine's (`core.py`).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import torch
 from domino_ray.backend import paged_triton
 from domino_ray.engine.context_ring import ContextRing
 from domino_ray.engine.step_graphs import row_buckets
+from domino_ray.engine.step_types import BlockGrant, PrefillSegment, StepOutput
 from domino_ray.kv.pools import KVPool, StepKeys, query_limits
 from domino_ray.target.packed_linear import kv_dtype
 from domino_ray.target.forward import RowAttention, rotary_table, run_decoder
@@ -72,20 +73,19 @@ class StepRunner:
         self.key_positions = torch.arange(capacity, device=dev)       # [T]
         self.cos_sin = rotary_table(self.decoder, capacity, weight.dtype)  # ([T, D], [T, D]) or None
 
-    def prefill(self, ids: torch.Tensor, segments: list[tuple[list[int], int, int, torch.Tensor]]
+    def prefill(self, ids: torch.Tensor, segments: list[PrefillSegment], tables: list[torch.Tensor]
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One target forward over prompt segments `ids [1, N]` laid back to back (no padding): segment i is
-        `(blocks, offset, length, table)`, `length` tokens at positions `offset..` of the row holding `blocks` (its
-        earlier positions already in the pool; `table` the same blocks as a `[1, nb]` int32 tensor on the device).
-        Returns the normed hidden states `[1, N, C]` and the taps `[1, N, F]` (None without tap layers)."""
+        """One target forward over prompt `segments` (`ids [1, N]`, their tokens laid back to back, no padding): each
+        writes its tokens at positions `start..` of its row (the earlier ones already in the pool), whose blocks are
+        `tables[i] [1, nb]` (int32, on the device). Returns the normed hidden states `[1, N, C]` and the taps
+        `[1, N, F]` (None without tap layers)."""
         bs = self.kv.block_size
-        token_blocks = [blocks[p // bs] for blocks, offset, n, _ in segments for p in range(offset, offset + n)]
-        positions = torch.cat([self.key_positions[o:o + n] for _, o, n, _ in segments])[None]  # [1, N]
-        where = torch.tensor(token_blocks, dtype=torch.long).to(self.device)                     # [N]
+        token_blocks = [s.row.blocks[p // bs] for s in segments for p in range(s.start, s.start + s.length)]
+        positions = torch.cat([self.key_positions[s.start:s.start + s.length] for s in segments])[None]  # [1, N]
+        where = torch.tensor(token_blocks, dtype=torch.long).to(self.device)                              # [N]
         attention = RowAttention(self.kv, self.kv.flat_index_of(where, positions[0] % bs),
-                                 prefill_lengths=tuple(n for _, _, n, _ in segments),
-                                 prefill_offsets=tuple(o for _, o, _, _ in segments),
-                                 prefill_tables=tuple(table for *_, table in segments))
+                                 prefill_lengths=tuple(s.length for s in segments),
+                                 prefill_offsets=tuple(s.start for s in segments), prefill_tables=tuple(tables))
         return run_decoder(self.decoder, self.layers, ids.to(self.device), positions, attention, self.tap_layers,
                            cos_sin=self.cos_sin)
 
@@ -129,9 +129,10 @@ class StepRunner:
             table[i, :len(b)] = torch.tensor(b, dtype=torch.int32)
         self.block_tables[torch.tensor(slots, device=self.device)] = table.to(self.device)
 
-    def add_blocks(self, slots: list[int], indices: list[int], blocks: list[int]):
-        """Entry `indices[i]` of slot `slots[i]`'s table is block `blocks[i]` (rows growing into new blocks)."""
-        where = torch.tensor([slots, indices, blocks], dtype=torch.long).to(self.device)
+    def add_blocks(self, slots: list[int], grants: list[BlockGrant]):
+        """Slot `slots[i]`'s table gains the blocks of `grants[i]` (rows growing into new blocks)."""
+        entries = [(slot, g.index + j, block) for slot, g in zip(slots, grants) for j, block in enumerate(g.blocks)]
+        where = torch.tensor(entries, dtype=torch.long).T.to(self.device)  # [3, m]: slot, table entry, block
         self.block_tables[where[0], where[1]] = where[2].to(torch.int32)
 
     # ---- the fixed-shape step (device work only: no host syncs, no shape that varies within a bucket) ----
@@ -146,10 +147,10 @@ class StepRunner:
                                                     committed, request_ids)
 
     def verify(self, r: int, key_len: int, w: int, mode: StepMode, context: bool | None = True):
-        """Verify `[anchor, drafts[:w]]` for slots `0..r` (their keys below `key_len`: `StepKeys`), accept (as `mode` asks), advance the rows
-        and write `self.packed[:r, :w+3]` = (accepted, tokens, near-ties), with `mode.logprobs` also `self.logprobs` and
-        `self.logprob_ids`; `context`: also feed the draft's context (None: nor keep the taps for later,
-        `ContextRing.keeps`)."""
+        """Verify `[anchor, drafts[:w]]` for slots `0..r` (their keys below `key_len`: `StepKeys`), accept (as `mode`
+        asks), advance the rows and write `self.packed[:r, :w+3]` = (accepted, tokens, near-ties), with `mode.logprobs`
+        also `self.logprobs` and `self.logprob_ids` (`read_output` reads them); `context`: also feed the draft's
+        context (None: nor keep the taps for later, `ContextRing.keeps`)."""
         lens, remaining = self.lens[:r], self.remaining[:r]
         verify_ids = torch.cat([self.anchor[:r, None], self.drafts[:r, :w]], 1)  # [r, W+1]
         positions = lens[:, None] + self.verify_offsets[:w + 1]                  # [r, W+1]
@@ -180,9 +181,9 @@ class StepRunner:
         lens += advance
         remaining -= advance
 
-    def read_packed(self, n: int, w: int, logprobs: int | None = None) -> tuple[list, list | None, list | None]:
-        """Rows `0..n` of (accepted, W+1 tokens), read to the host, and with `logprobs` (the step's N) their
-        positions' logprobs and top ids (`[n, W+1, 1+N]`, `[n, W+1, N]`) at the same sync."""
+    def read_output(self, n: int, w: int, logprobs: int | None = None) -> StepOutput:
+        """The outcome of a step at width `w` for slots `0..n`, read to the host at one sync: accepted counts, tokens
+        and near-ties, and with `logprobs` (the step's N) the positions' logprobs and top ids."""
         views = [(self.packed[:n, :w + 3], self.packed_host[:n, :w + 3])]
         if logprobs is not None:
             views += [(self.logprobs[:n, :w + 1, :logprobs + 1], self.logprobs_host[:n, :w + 1, :logprobs + 1]),
@@ -191,8 +192,9 @@ class StepRunner:
             for device, host in views:
                 host.copy_(device, non_blocking=True)
             torch.cuda.current_stream(self.device).synchronize()
-        out = [(host if self.device.type == "cuda" else device).tolist() for device, host in views]
-        return out[0], *(out[1:] if logprobs is not None else (None, None))
+        packed, *lp = [(host if self.device.type == "cuda" else device).tolist() for device, host in views]  # [n, W+3]
+        return StepOutput(w, [row[0] for row in packed], [row[1:w + 2] for row in packed],
+                          [row[w + 2] for row in packed], *lp)
 
     # ---- slots ------------------------------------------------------------------------------------
 

@@ -1,29 +1,27 @@
 """Which rows hold which KV blocks: the queue, admission by free blocks, chunked prefill, the choice of preemption.
 
-Host bookkeeping only (`SpecEngine` does the device side): rows wait in `pending` in order; the rows at its front that
-hold blocks are being prefilled. Admission is by free blocks, not a slot count: a row not started takes the blocks for
-its prompt and first step (its prompt's published whole blocks shared, `blocks.BlockPool.share_prefix`) only if the
-pool has them beside what the active rows take over their next `HEADROOM` positions (so admitting it does not force
-a preemption soon), and nobody jumps the queue. Prompts are prefilled in order within a per-step token budget, a long one in chunks over
-several steps, while the active rows keep decoding. When the active rows' next step needs more blocks than are free,
-the latest admitted row gives its blocks back (`victim`): preemption by recompute, as vLLM does.
+Host bookkeeping only (`SpecEngine` does the device side), handed over as a `StepPlan` (`step_types.py`): rows wait in
+`pending` in order; the rows at its front that hold blocks are being prefilled. Admission is by free blocks, not a slot
+count: a row not started takes the blocks for its prompt and first step (its prompt's published whole blocks shared,
+`blocks.BlockPool.share_prefix`) only if the pool has them beside what the active rows take over their next `HEADROOM`
+positions (so admitting it does not force a preemption soon), and nobody jumps the queue. Prompts are prefilled in
+order within a per-step token budget, a long one in chunks over several steps, while the active rows keep decoding
+(`schedule`). When the active rows' next step needs more blocks than are free, the latest admitted row gives its blocks
+back (`victim`): preemption by recompute, as vLLM does; then the active rows take their next step's blocks
+(`make_room`).
 """
 
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import replace
 from itertools import takewhile
 
 from domino_ray.kv.blocks import BlockPool
 from domino_ray.engine.request import Row
+from domino_ray.engine.step_types import BlockGrant, PrefillSegment, StepPlan
 
-# Positions past its next step each active row (and each row admitted before it in the same step) keeps room for
-# when a new row is admitted: admitting into a full pool only to preempt as the rows grow recomputes prefills
-# (benchmarks/bench_kv_rows.py, the demo prompts in a pool of 16 rows' worth: 1,763 preemptions in 69 s with none,
-# 219 in 55 s with 64, fewer rows in flight (32 mean against 42); the length mix: 105 -> 0, rows in flight the same).
-HEADROOM = 64
-
-Segment = tuple[Row, list[int], int, int]  # (row, its context ids, first position, tokens) prefilled in one step
+HEADROOM = 64  # positions admission leaves each active row: rows admitted into a full pool get preempted as they grow
 
 
 class Scheduler:
@@ -43,33 +41,20 @@ class Scheduler:
     def growth(self, rows: list[Row], ahead: int = 0) -> int:
         return sum(max(n, 0) for n in self.needs(rows, ahead))
 
-    def grow(self, rows: list[Row]) -> tuple[list[int], list[int], list[int]]:
-        """Each active row takes the blocks its next step needs (the caller made them free): (slots, table entries,
-        blocks) to write into the rows' block tables."""
-        slots, indices, new = [], [], []
-        for slot, (row, n) in enumerate(zip(rows, self.needs(rows))):
-            if n > 0:
-                got = self.blocks.take(n)
-                slots += [slot] * n
-                indices += range(len(row.blocks), len(row.blocks) + n)
-                new += got
-                row.blocks += got
-        return slots, indices, new
-
     def holders(self) -> list[Row]:
         """Pending rows holding blocks (being prefilled): the queue's leading rows with blocks, as rows take blocks in
         queue order, and a row requeued at the front has none (the latest admitted row, a holder when there is one,
         is preempted first). Walks those only, not the whole queue: it runs every step."""
         return list(takewhile(lambda row: bool(row.blocks), self.pending))
 
-    def prefill_segments(self, rows: list[Row]) -> list[Segment]:
-        """This step's prefill beside the active `rows`: pending rows in order within `max_prefill_tokens` tokens, each
-        row not started first taking its blocks (`take_blocks`) beside the active rows' `HEADROOM`; stops at the first
-        row with no room. Publishes the
-        whole blocks each segment writes, so the rows behind it in the same forward share them already (a layer
-        writes every segment's keys before any segment attends)."""
+    def schedule(self, rows: list[Row]) -> StepPlan:
+        """This step's prefill beside the active `rows` (the plan's decode part comes after it: `make_room`): pending
+        rows in order within `max_prefill_tokens` tokens, each row not started first taking its blocks (`take_blocks`)
+        beside the active rows' `HEADROOM`; stops at the first row with no room. Publishes the whole blocks each segment
+        writes, so the rows behind it in the same forward share them already (a layer writes every segment's keys
+        before any segment attends)."""
         if not self.pending:  # the steady state of a drained queue: nothing to walk
-            return []
+            return StepPlan(prefill=[])
         budget, segments, growth = self.max_prefill_tokens, [], self.growth(rows, HEADROOM)
         holders = len(self.holders())
         for row in self.pending:
@@ -82,23 +67,42 @@ class Scheduler:
                 holders += 1  # the rows behind it leave room for its headroom too
                 growth += self.blocks.blocks_for(len(context) + self.span + HEADROOM) - len(row.blocks)
             n = min(len(context) - row.prefilled, budget)
-            segments.append((row, context, row.prefilled, n))
+            segments.append(PrefillSegment(row, context, row.prefilled, n))
             budget -= n
             stop = (row.prefilled + n) // self.blocks.block_size
             row.published = self.blocks.publish(context, row.blocks, row.published, stop)
-        return segments
+        return StepPlan(prefill=segments)
 
-    def finish_segments(self, segments: list[Segment]) -> tuple[list[Row], list[int]]:
+    def finish_segments(self, segments: list[PrefillSegment]) -> tuple[list[Row], list[int]]:
         """After the prefill forward: the rows whose context is now in (leaving the queue) and each one's last token's
         index in the forward's positions."""
         done, ends, end = [], [], 0
-        for row, context, start, n in segments:
-            end += n
-            row.prefilled = start + n
-            if row.prefilled == len(context):  # every segment but the last completes its row
+        for segment in segments:
+            end += segment.length
+            segment.row.prefilled = segment.start + segment.length
+            if segment.row.prefilled == len(segment.context):  # every segment but the last completes its row
                 ends.append(end - 1)
                 done.append(self.pending.popleft())
         return done, ends
+
+    def make_room(self, plan: StepPlan, rows: list[Row]) -> StepPlan:
+        """`plan` with its decode part, for the active `rows` once the prefill's rows joined: while their next step
+        needs more blocks than are free, the latest admitted row (active or being prefilled, `victim`) gives its
+        blocks back and waits at the front of the queue (`preempt`; the engine frees the active ones' slots); then
+        each active row left takes the blocks its next step needs (`grants`)."""
+        preempt = []
+        while self.growth(rows) > self.blocks.free_count:
+            row = self.victim(rows)
+            rows = [active for active in rows if active is not row]
+            self.release(row)
+            self.requeue(row)
+            preempt.append(row)
+        grants = []
+        for row, n in zip(rows, self.needs(rows)):
+            if n > 0:
+                grants.append(BlockGrant(row, len(row.blocks), self.blocks.take(n)))
+                row.blocks += grants[-1].blocks
+        return replace(plan, preempt=preempt, grants=grants)
 
     def take_blocks(self, row: Row, context: list[int], growth: int) -> bool:
         """Blocks for `row`'s `context` and its first step, the published whole blocks it starts with shared (not the

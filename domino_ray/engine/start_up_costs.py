@@ -1,4 +1,5 @@
-"""The adaptive width's start-up step costs, timed on the engine's own device step while every slot is free.
+"""The adaptive width's start-up step costs, timed on the engine's own device step while every slot is free (the last
+stage of building an engine, `width_controller`).
 
 Free slots are padding rows, which a step leaves unchanged: for the timing their lengths are set to fill the keys
 timed and their block tables to distinct blocks (on the null block alone they would read one block from the cache),
@@ -12,6 +13,17 @@ import torch
 
 from domino_ray.sample.sampling import GREEDY
 from domino_ray.spec_decode.width_costs import StepCosts, measure_step_costs
+from domino_ray.spec_decode.width_policy import WidthController
+
+
+def width_controller(engine, width_costs: dict | StepCosts | None) -> WidthController | None:
+    """The adaptive width of `engine` (None for a fixed one) from `width_costs` (`{bucket: {W: seconds}}` or a
+    `StepCosts`), or from its own steps timed now when None (`measure_costs`)."""
+    if not engine.adaptive:
+        return None
+    costs = (width_costs if isinstance(width_costs, StepCosts) else StepCosts(width_costs) if width_costs
+             else measure_costs(engine, engine.widths))
+    return WidthController(engine.num_spec_tokens, engine.max_rows, costs, lazy_context=engine.defer_context)
 
 
 @torch.inference_mode()
@@ -23,7 +35,7 @@ def measure_costs(engine, widths: dict[int, list[int]], repeats: int = 3) -> Ste
     def run_step(r: int, t: int, w: int):
         runner.lens[:r] = t - engine.span  # a step writes `span` positions past a row's length
         engine._device_step(r, t, w, GREEDY, True)
-        runner.read_packed(0, w)
+        runner.read_output(0, w)
         if engine.device.type == "cuda":
             torch.cuda.synchronize(engine.device)
 

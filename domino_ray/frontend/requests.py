@@ -50,16 +50,18 @@ def check_length(prompt_len: int, max_new_tokens: int, max_model_len: int, *, ov
 
 
 def prompt_requests(request_id: Hashable, prompt_token_ids: Sequence[int], params: SamplingParams, *,
-                    tokenizer=None, max_model_len: int, over_length: OverLength = "cap",
+                    tokenizer=None, max_model_len: int | None, over_length: OverLength = "cap",
                     samples: Sequence[int] | None = None, prompt_field: str = "prompt") -> list[Request]:
     """One prompt's engine requests, one per sample in `samples` (default: all of `params.n`), with ids
     `(request_id, i)`. Raises ValueError naming the problem: stop strings without a tokenizer, a sample index
-    outside n, the length rule (LengthError)."""
+    outside n, the length rule (LengthError). `max_model_len` None: the engine's length is not known here, and the
+    engine applies the same rule (it caps, and refuses a prompt that fills its length)."""
     if params.stop and tokenizer is None:
         raise ValueError(f"stop={list(params.stop)!r} needs a tokenizer to match text, and there is none; use "
                          "stop_token_ids instead")
-    check_length(len(prompt_token_ids), params.max_new_tokens, max_model_len, over_length=over_length,
-                 prompt_field=prompt_field)
+    if max_model_len is not None:
+        check_length(len(prompt_token_ids), params.max_new_tokens, max_model_len, over_length=over_length,
+                     prompt_field=prompt_field)
     ids = list(prompt_token_ids)
     out = []
     for i in range(params.n) if samples is None else samples:

@@ -1,6 +1,6 @@
 """Sampling on the device (torch): the target distribution that sampling parameters define, the per-slot
 sampling settings, the one acceptance call every step makes and the generated tokens' logprobs. The parameters
-themselves and their checks are in sampling_params.py (torch-free); penalties and min_tokens in penalties.py."""
+themselves and their checks are in params.py (torch-free); penalties and min_tokens in penalties.py."""
 
 from __future__ import annotations
 

@@ -79,7 +79,7 @@ class DominoProposer:
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # [b, q, D]
         ours = one_op_layers(self.kv.kernel, taps.shape[0] * taps.shape[1]) and taps.dtype == torch.float32
         native = self._native_context() if ours else None
-        if native is not None:  # one op of ours for ~25 torch ops (`decode_layer.cpp`; demo pair, 1 row: 356 -> 200 us)
+        if native is not None:  # one op of ours for ~25 torch ops (`decode_layer.cpp`)
             ops.context_update(taps, *native, self.kv.keys, self.kv.values, self.kv.flat_index(tables, positions),
                                cos, sin)
             return

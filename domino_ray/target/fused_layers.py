@@ -9,7 +9,7 @@ and the norms' summation order may differ (fp32: within the tests' 1e-5).
 
 On fp32 CPU tensors with the linears packed (`packed_linear.pack_linears`), a decode or verify step of up to 32
 positions runs each layer as one op of ours (`csrc/decode_layer.cpp`: this forward's math calling our kernels
-directly), not ~48 dispatched ops: 12-20% off a SmolLM2 step at 1 and 16 rows (BENCHMARKS "One op a layer").
+directly), not ~48 dispatched ops: 12-20% off a SmolLM2 step at 1 and 16 rows (docs/benchmarks-log.md "One op a layer").
 Prefills, other dtypes and devices, larger steps and non-SiLU MLPs run the forward below.
 
 No second copy of the weights: the fused `[q; k; v]` and `[gate; up]` matrices are built once and the HF

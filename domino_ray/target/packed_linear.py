@@ -1,18 +1,16 @@
 """Linear layers over packed weights, for decoding on CPU: our kernel (`csrc/linear.cpp`).
 
 At the rows a CPU engine decodes (a few to a hundred positions per forward), fp32 `F.linear` is far from
-the weight-read bound: on the 2-core VM the projections of a SmolLM2-shaped model take ~50 ms at 16 rows
-against ~21 at one. Our kernel, over the weight packed once into panels of 16 output columns, streamed once a call
-with a prefetch while chunks of up to 8 rows accumulate in registers block by block, takes ~30 ms.
+the weight-read bound. Our kernel reads the weight packed once into panels of 16 output columns, streamed once a
+call with a prefetch while chunks of up to 8 rows accumulate in registers block by block.
 
 Every decode and verify step up to `OUR_ROWS` positions takes our kernel, whatever its size, and prefills beyond
 take `F.linear`. Our kernel gives a row the same numbers whatever batch it is in, so a verify of W + 1 positions
 computes each position's logits bit for bit as a one-position step would (with the other ops of a step, per row as
 well): speculative decoding is then invariant to the verify's shape on CPU, sampled rows included
-(`tests/test_shape_invariance.py`). MKL's packed GEMM was 5-10% faster from 48 rows on an AVX-512 Xeon (BENCHMARKS "The
-linear kernel's k-blocks") but rounds differently from ours, so a 48-row verify could pick another sample than
-target-only's one-position steps; on the AVX2 EPYC ours is faster than MKL's and `F.linear` up to 256 rows, 5%
-slower at 512 and 14% at 1,024 (BENCHMARKS "bf16 weights on CPU").
+(`tests/test_shape_invariance.py`). That is why no other GEMM (MKL's, oneDNN's) takes a verify, even at row counts
+where one measures faster: it rounds differently, so a wide verify could pick another sample than target-only's
+one-position steps (figures by row count: docs/benchmarks-log.md "bf16 on CPU").
 
 `pack_linears` packs what the engine holds on CPU in fp32 when the copy fits and our kernels built
 (`backend/library.py`).

@@ -1,7 +1,7 @@
 // A decoder layer's elementwise passes on CPU, one op each instead of a chain of torch ops, fp32.
 //
 // At the rows a CPU engine decodes (16 rows x 576 features), HF's RMSNorm is eight dispatched ops over a few KB
-// and the rotary embedding nine: per-op overhead, not arithmetic (BENCHMARKS "Our layer ops and linear kernel").
+// and the rotary embedding nine: per-op overhead, not arithmetic (docs/benchmarks-log.md "Our layer ops and linear kernel").
 // The math is HF's, in HF's order per element: RMSNorm `weight * (x * rsqrt(mean(x^2) + eps))` with the mean in
 // fp32, the rotary embedding `x * cos + rotate_half(x) * sin`; only the sum of squares' order differs (and the
 // compiler may fuse a multiply-add): within fp32 rounding.

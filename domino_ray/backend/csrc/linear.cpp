@@ -9,7 +9,7 @@
 // from memory, with a software prefetch ahead of the loads, k-block by k-block (64 k): every chunk of up to 8 rows
 // of x (transposed, so one step's broadcasts share a cache line) runs over the block while it is in L1, 8 rows x 3
 // panels accumulating in 24 registers. Running each chunk over the whole group in turn instead left memory idle
-// while the later chunks computed (16 rows: 29.5 ms a pass against 35.9, BENCHMARKS "The linear kernel's k-blocks").
+// while the later chunks computed (16 rows: 29.5 ms a pass against 35.9, docs/benchmarks-log.md "The linear kernel's k-blocks").
 //
 // Every output is the same fp32 sum whatever M, the tile, or a row's place in the batch (a verify of W+1 positions
 // computes each position as a one-row step would): fused multiply-add chains over blocks of 64 k in order, the
@@ -36,7 +36,7 @@ using vec = v16;                 // a panel's row is one register
 constexpr int kRows = 8;         // rows per tile: 8 x 3 accumulators of the 32 vector registers
 constexpr int kPanels = 3;       // panels per group
 #else  // AVX2: a panel's row is two of the 16 registers. GCC keeps a 16-float vector it cannot hold in one register in
-       // memory, not in two: the accumulators went through the stack (4-11x slower, BENCHMARKS "The AVX2 build")
+       // memory, not in two: the accumulators went through the stack (4-11x slower, docs/benchmarks-log.md "The AVX2 build")
 using vec = v8;
 constexpr int kRows = 6;         // 6 x 2 accumulators, 2 for the weights, 1 for x
 constexpr int kPanels = 1;
