@@ -20,6 +20,8 @@ size our modes run in interleaved repeats; each vLLM mode starts once and runs i
 `--isa avx2` on an AVX-512 machine runs both engines as an AVX2-only CPU would (our 2-core AMD EPYC kind): our
 kernels built for `haswell`, torch's, MKL's and oneDNN's capped at AVX2 (`AVX2_ENV`), vLLM's AVX2 kernel library
 (its engine then in the worker's process): a proxy for that CPU, the same cores and memory with the other ISA.
+Every figure, in each table's header and in the JSON (`meta.cpu`, each result's and profile's `cpu`), names the CPU
+it was measured on, its model and ISA class (AVX2 / AVX-512 / AVX512_BF16 / AMX, `cpu_kind`).
 
 The same file is the vLLM worker (`--vllm-worker SPEC OUT`): that side imports vllm only, never
 domino_ray or our torch, so the top of this file imports nothing but the standard library.
@@ -328,6 +330,37 @@ def run_vllm(mode: str, args, pair, rows: int, workdir: Path, profile_steps: int
 
 # ---- the table -------------------------------------------------------------------------------------------
 
+# The ISA classes a figure depends on, widest first, by their /proc/cpuinfo flag: our kernels, torch's, oneDNN's and
+# vLLM's each pick their code paths by these (and bf16 arithmetic needs AVX512_BF16 or AMX).
+ISA_CLASSES = (("amx_bf16", "AMX"), ("avx512_bf16", "AVX512_BF16"), ("avx512f", "AVX-512"), ("avx2", "AVX2"))
+
+
+def cpu_kind(cpuinfo: str) -> dict:
+    """The CPU every figure was measured on, from /proc/cpuinfo's text: its model name, its widest ISA class
+    (`ISA_CLASSES`; "below AVX2", or "unknown" without a flags line) and which of those flags it has, and `label`,
+    what the table prints."""
+    fields: dict = {}
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())  # the first processor's
+    flags = set(fields.get("flags", "").split())
+    isa = next((name for flag, name in ISA_CLASSES if flag in flags), "below AVX2") if flags else "unknown"
+    model = fields.get("model name") or platform.processor() or platform.machine()
+    return {"model": model, "isa": isa, "isa_flags": [f for f, _ in ISA_CLASSES[::-1] if f in flags],
+            "label": f"{model} ({isa})"}
+
+
+def this_cpu(isa_arg: str) -> dict:
+    """`cpu_kind` of this machine, with `--isa` (`run_isa`): a run capped at AVX2 says so beside the CPU's own."""
+    try:
+        kind = cpu_kind(Path("/proc/cpuinfo").read_text())
+    except OSError:  # not Linux
+        kind = cpu_kind("")
+    if isa_arg == "avx2":
+        kind["label"] += ", run capped at AVX2"
+    return {**kind, "run_isa": isa_arg}
+
+
 def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
     """Prompts whose greedy token ids are equal, and the mean length of the common prefix."""
     def common(x, y):
@@ -388,10 +421,11 @@ def measure_batch(pair, modes: dict, vllm_modes: list, args, rows: int, loads: d
     return entries, vllm_results
 
 
-def print_table(entries: list, vllm_results: dict, args, rows: int, loads: dict):
+def print_table(entries: list, vllm_results: dict, args, rows: int, loads: dict, cpu: dict):
     stopping = "ignore_eos" if args.ignore_eos else "stopping at EOS"
-    print(f"\n{args.pair} pair, {args.dtype}, {rows} rows: {args.prompts} prompts x {args.max_new_tokens} greedy new "
-          f"tokens at most ({stopping}), {args.threads} threads, {args.repeats} repeat(s), "
+    print(f"\n{args.pair} pair on {cpu['label']}, {args.dtype}, {rows} rows: {args.prompts} prompts x "
+          f"{args.max_new_tokens} greedy new tokens at most ({stopping}), {args.threads} threads, "
+          f"{args.repeats} repeat(s), "
           f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}; "
           + (f"vLLM with Intel OpenMP {'preloaded' if args.vllm_preload_iomp else 'not preloaded'}; "
              if vllm_results else "") + f"load average {loads}")
@@ -489,12 +523,13 @@ def main(argv=None):
     if "vllm-dflash-no-head" in vllm_modes:
         draft_without_head(pair.draft_dir, args.workdir / "draft-no-head")
     loads = {"start": os.getloadavg()[0]}
+    cpu = this_cpu(args.isa)
     entries, vllm_results = [], {}
     for rows in batch_sizes:
         batch_entries, batch_vllm = measure_batch(pair, modes, vllm_modes, args, rows, loads)
-        entries += batch_entries
+        entries += [{**e, "cpu": cpu["label"]} for e in batch_entries]  # each figure with the CPU it was measured on
         vllm_results.update({(mode, rows): res for mode, res in batch_vllm.items()})
-        print_table(batch_entries, batch_vllm, args, rows, loads)
+        print_table(batch_entries, batch_vllm, args, rows, loads, cpu)
     profiles = [profile_ours_step(pair, name, mode, pair.prompts, rows=max(batch_sizes), steps=args.profile_steps,
                                   max_model_len=args.max_model_len)
                 for name, mode in modes.items()] if args.profile else []
@@ -505,13 +540,14 @@ def main(argv=None):
         else:
             profiles.append(res["profile"])
     for prof in profiles:
-        print(f"\nprofile, {prof['mode']}, {prof['rows']} rows: "
+        prof["cpu"] = cpu["label"]
+        print(f"\nprofile, {prof['mode']}, {prof['rows']} rows on {cpu['label']}: "
               f"{prof['wall_ms_per_step']} ms/step ({prof['profiled_ms_per_step']} under the profiler), "
               f"{prof['op_calls_per_step']} op calls/step; self CPU ms/step {prof['self_cpu_ms_per_step']}, "
               f"python+dispatch {prof['python_and_dispatch_ms_per_step']}")
         for op in prof["top_ops"][:8]:
             print(f"    {op['op']:<40} {op['ms_per_step']:>8.3f} ms {op['calls_per_step']:>7.1f} calls")
-    meta = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
+    meta = {"machine": f"{cpu['model']}, {os.cpu_count()} CPUs", "cpu": cpu,
             "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "load_average": loads,
             "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "vllm_env": VLLM_ENV if vllm_modes else None,
             "isa_env": AVX2_ENV if args.isa == "avx2" else None,

@@ -128,3 +128,28 @@ def test_step_profiles_sort_ours_and_vllms_ops_into_the_same_kinds():
     assert prof["python_and_dispatch_ms_per_step"] == pytest.approx(3.1 - 2.775, abs=0.01)
     assert prof["op_calls_per_step"] == 378.0 and prof["top_ops"][0] == {
         "op": "_C::onednn_mm", "ms_per_step": 2.0, "calls_per_step": 121.0}
+
+
+def test_cpu_kind_names_the_widest_isa_class_of_the_flags():
+    """Each figure carries the CPU's model and ISA class: the widest class whose flag the CPU has. Fails against a
+    parser that stops at the first class it finds in narrow-to-wide order (an AMX Xeon also lists avx2 and
+    avx512f), or that calls a CPU without a flags line "below AVX2"."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        from bench_peers import cpu_kind
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+
+    def cpuinfo(model: str, flags: str) -> str:  # two processors, as /proc/cpuinfo lists them
+        return "".join(f"processor\t: {i}\nmodel name\t: {model}\nflags\t\t: {flags}\n\n" for i in range(2))
+
+    base = "fpu sse sse2 ssse3 fma sse4_1 sse4_2 avx"
+    cases = {"AVX2": f"{base} avx2 bmi2", "AVX-512": f"{base} avx2 avx512f avx512bw avx512_vnni",
+             "AVX512_BF16": f"{base} avx2 avx512f avx512_bf16",
+             "AMX": f"{base} avx2 avx512f avx512_bf16 amx_bf16 amx_tile", "below AVX2": base}
+    for isa, flags in cases.items():
+        kind = cpu_kind(cpuinfo("AMD EPYC 9R14", flags))
+        assert kind["isa"] == isa and kind["model"] == "AMD EPYC 9R14" and kind["label"] == f"AMD EPYC 9R14 ({isa})"
+        named = {"avx2", "avx512f", "avx512_bf16", "amx_bf16"} & set(flags.split())
+        assert set(kind["isa_flags"]) == named
+    assert cpu_kind("")["isa"] == "unknown"  # no flags line (not Linux): not claimed to be below AVX2

@@ -1,23 +1,19 @@
 """What `make demo` prints about the pair, and the comparisons behind it: the job's target-only comparison counts
 like for like, the in-process probe (batch/pair_probe.py) measures the draft at full K and Domino against target-only on
-the same prompts, and the printed lines say what those figures say (a ratio under 1 reads "does not pay", the widths'
-line follows the cost table it quotes). Invariants, not snapshots: no timing is asserted. The job runs the probe
-and prints these lines end to end in test_batch_job.py (test_baseline_comparison)."""
-
-import re
+the same prompts, and the printed lines say what those figures say (the widths' line follows the cost table it
+quotes; the speed-up and the verdicts: test_demo_headline.py). Invariants, not snapshots: no timing is asserted. The
+job runs the probe and prints these lines end to end in test_batch_job.py (test_baseline_comparison)."""
 
 import pyarrow.parquet as pq
 import pytest
 
 from domino_ray.batch.pair_probe import measure_pair
-from domino_ray.batch.summary import baseline_lines, throughput_ratio, width_line
+from domino_ray.batch.summary import baseline_lines, side_by_side, throughput_ratio, width_line
 from domino_ray.config import DEMO_ASSETS
 from domino_ray.target.loading import encode_prompt
 from domino_ray.sample.params import SamplingParams
 from domino_ray.spec_decode.width_policy import DRAFTING_MARGIN
 from tiny_models import load_demo_pair
-
-CELL = re.compile(r"(\d+) rows? ([\d.]+)x \((speculation pays|it does not pay)\)")
 
 
 def _actor(tokens: int, busy_s: float, cpu_s: float | None = None, **extra) -> dict:
@@ -29,11 +25,12 @@ def _actor(tokens: int, busy_s: float, cpu_s: float | None = None, **extra) -> d
 
 def test_throughput_ratio_counts_tokens_per_busy_second_on_both_sides():
     same = [_actor(1000, 2.0, 1.8)]
-    assert throughput_ratio(same, same)["speedup"] == 1.0
+    assert throughput_ratio(same, same)["two_run_ratio"] == 1.0
     spec, base = [_actor(600, 1.0, 0.9), _actor(400, 1.0, 0.9)], [_actor(1000, 4.0, 2.0)]
     forward, backward = throughput_ratio(spec, base), throughput_ratio(base, spec)
-    assert forward["speedup"] == pytest.approx(2.0) and forward["speedup"] * backward["speedup"] == pytest.approx(1.0)
-    # how much CPU each run's actors got while busy: the machine's other load, shown beside the ratio
+    assert forward["two_run_ratio"] == pytest.approx(2.0)
+    assert forward["two_run_ratio"] * backward["two_run_ratio"] == pytest.approx(1.0)
+    # how much CPU each run's actors got while busy: the machine's other load, kept beside the ratio
     assert forward["cpu_s_per_busy_s"] == {"speculative": pytest.approx(0.9), "target_only": pytest.approx(0.5)}
     assert "cpu_s_per_busy_s" not in throughput_ratio(spec, [_actor(1000, 4.0)])  # only where every actor reports it
 
@@ -48,7 +45,8 @@ def _summary(costs_ms: list[float], widths_run: list[int], *, rows: int = 16) ->
 def _probe(per_position: list[float], speedups: dict[int, float]) -> dict:
     return {"num_spec_tokens": len(per_position), "rows": max(speedups), "passes": 2,
             "mean_acceptance_length": 1 + sum(per_position), "per_position_acceptance": per_position, "identical": 16,
-            "speedups": [{"rows": n, "prompts": 4 if n == 1 else n, "speedup": x} for n, x in speedups.items()]}
+            "speedups": [{"rows": n, "prompts": 4 if n == 1 else n, "speedup": x, "per_pass": [x, x]}
+                         for n, x in speedups.items()]}
 
 
 def test_widths_line_follows_the_cost_table():
@@ -59,9 +57,8 @@ def test_widths_line_follows_the_cost_table():
     assert "commits 1.90 to 4.00" in dear and "so W=0" in dear and "the job ran W=0 in 90% of its row-steps" in dear
     assert "target-only's work" not in dear  # it drafted in 10% of its row-steps
     never = _summary([1.0, 2.5, 3.5, 4.5, 5.5], [995, 5, 0, 0, 0])
-    never["run"]["baseline"] = {"speedup": 0.93}
-    assert "(target-only's work, so its 0.93x against the target-only run is mostly how much two runs differ" \
-        in width_line(never, _probe(accept, {1: 2.0, 16: 0.6}))
+    never["run"]["baseline"] = {"two_run_ratio": 0.93}  # the headline says it did not draft; no two runs' ratio here
+    assert "0.93" not in width_line(never, _probe(accept, {1: 2.0, 16: 0.6}))
     cheap = width_line(_summary([1.0, 1.1, 1.2, 1.3, 1.4], [5, 5, 10, 20, 60]), _probe(accept, {1: 3.0, 16: 2.5}))
     assert "W=4 pays best (2.86x" in cheap and "the job ran W=4 in 60%" in cheap
     # the probe's step at K against the table's: 4.0 tokens at 2.5x -> 1.6 plain steps; the table says 1.4
@@ -72,22 +69,19 @@ def test_widths_line_follows_the_cost_table():
     assert width_line(fixed, _probe(accept, {1: 1.0})) is None  # a fixed-K job's actors have no cost table
 
 
-def test_probe_lines_say_where_speculation_pays_and_where_it_does_not():
-    base = {"tokens_per_s": 100.0, "speedup": 0.97, "identical": 16, "compared": 16,
-            "cpu_s_per_busy_s": {"speculative": 0.95, "target_only": 0.6},
-            "probe": _probe([0.9, 0.8], {1: 2.4, 16: 0.7})}
+def test_probe_lines_follow_the_probe_and_report_its_failure():
+    """The draft's line quotes the probe's acceptance, the widths' line closes the block; a failed probe is one line,
+    after the target-only run's (whose greedy check stands either way)."""
+    probe = _probe([0.9, 0.8], {1: 2.4, 16: 0.7})
+    base = {"tokens_per_s": 100.0, "two_run_ratio": 0.97, "identical": 16, "compared": 16,
+            "cpu_s_per_busy_s": {"speculative": 0.95, "target_only": 0.6}, "probe": probe, **side_by_side(probe)}
     lines = baseline_lines(_summary([1.0, 3.0, 5.0], [95, 5, 0]), base)
-    assert "this job's speed-up 0.97x; greedy outputs identical: 16/16" in lines[0]
-    assert "0.95 and 0.60 CPU seconds per busy second" in lines[0]  # the two runs saw different machines: said
-    assert "the draft at K=2" in lines[1] and "mean acceptance length 2.70, per position 0.90 0.80" in lines[1]
-    cells = CELL.findall(lines[2])
-    assert [(int(n), float(x)) for n, x, _ in cells] == [(1, 2.4), (16, 0.7)]
-    assert all((float(x) >= 1.0) == (verdict == "speculation pays") for _, x, verdict in cells)
-    assert lines[3].startswith("  why these widths: at 16 rows") and len(lines) == 4
-    quiet = dict(base, cpu_s_per_busy_s={"speculative": 0.97, "target_only": 0.95})
-    assert "CPU seconds" not in baseline_lines(_summary([1.0, 3.0, 5.0], [95, 5, 0]), quiet)[0]
-    failed = baseline_lines({}, dict(base, probe={"error": "ValueError: no prompt fits"}))
-    assert failed[1] == "  the in-process measurement of the pair failed: ValueError: no prompt fits"
+    assert "greedy outputs identical: 16/16" in lines[0] and "0.97" not in "\n".join(lines)
+    assert "the draft at K=2" in lines[2] and "mean acceptance length 2.70, per position 0.90 0.80" in lines[2]
+    assert lines[-1].startswith("  why these widths: at 16 rows")
+    error = {"error": "ValueError: no prompt fits"}
+    failed = {k: v for k, v in base.items() if not k.startswith("speedup")} | {"probe": error, **side_by_side(error)}
+    assert baseline_lines({}, failed)[1:] == [f"  the in-process measurement of the pair failed: {error['error']}"]
 
 
 @pytest.fixture(scope="module")

@@ -33,8 +33,8 @@ from domino_ray.batch.preflight import (InputPlan, check_input, check_models, ch
                                         output_settings)
 from domino_ray.batch.processor import LIGHT_CPUS, Processor, engine_resources
 from domino_ray.batch.schema import generated_ids, output_schema, row_params, sample_count
-from domino_ray.batch.summary import (STATS_COLUMNS, busy_throughput, human_summary, run_stats, summarize,
-                                      throughput_ratio)
+from domino_ray.batch.summary import (STATS_COLUMNS, busy_throughput, human_summary, run_stats, side_by_side,
+                                      summarize, throughput_ratio)
 from domino_ray.batch.text_stages import SAMPLES_TO_DO, tokenize_batch
 from domino_ray.config import ConfigError, JobConfig, generation_defaults, to_dict
 from domino_ray.frontend.requests import prompt_requests
@@ -234,7 +234,7 @@ class ParquetSinkKeepingFinishedFiles(ParquetDatasink):
     already complete leaves them alone. Ray runs a write task again when the node that ran it is lost after
     its files landed but before the driver heard back (its input, if lost with the node, is computed again
     first). Without this the retry rewrites finished files in place: same rows, but a resume scan or reader
-    in between sees a partial file (README "Resume guarantee": finished files are never rewritten)."""
+    in between sees a partial file (docs/batch.md "Resume guarantee": finished files are never rewritten)."""
 
     def write(self, blocks, ctx):
         blocks = list(blocks)
@@ -257,8 +257,9 @@ def _run_stats_actor():
 
 def compare_baseline(cfg: JobConfig, plan: InputPlan, schema: pa.Schema, done_ref, out: Location,
                      new_files: list[str], run: dict, predictor: type = DominoPredictor) -> dict:
-    """The same rows through the same engine without the draft: throughput ratio (`summary.throughput_ratio`) and
-    greedy equality; with a draft also `run_probe`, the pair measured in one process on a few of the rows."""
+    """The same rows through the same engine without the draft: greedy equality, and the two runs' throughput ratio
+    (`summary.throughput_ratio`: kept, not printed); with a draft also `run_probe`, the pair measured in one process
+    on a few of the rows, which gives the job's speed-up (`summary.side_by_side`)."""
     id_column = cfg.input.id_column
     sink = _run_stats_actor()
     start = time.perf_counter()
@@ -276,6 +277,7 @@ def compare_baseline(cfg: JobConfig, plan: InputPlan, schema: pa.Schema, done_re
               "compared": len(compared), "identical": sum(ours.get(tuple(key)) == tokens for key, tokens in compared)}
     if cfg.draft.source:
         result["probe"] = run_probe(cfg, plan, max(a.get("max_rows", 1) for a in run["actors"]))
+        result.update(side_by_side(result["probe"]))
     return result
 
 
@@ -301,10 +303,8 @@ def _probe_task(cfg: JobConfig, first_rows: pa.Table, rows: int) -> dict:
         if row["error"] is None:
             params = replace(row_params(row.get(ic.sampling_column), base, cfg.generation.seed, row.get(ic.id_column)),
                              stop=())
-            try:
-                [request] = prompt_requests(len(prompts), row["prompt_token_ids"], params,
-                                            max_model_len=cfg.model.max_model_len, samples=[row["sample_index"]])
-            except ValueError:  # a row the job made an error row of
-                continue
+            # the probe's engines skip prompts longer than their length (`measure_pair`)
+            [request] = prompt_requests(len(prompts), row["prompt_token_ids"], params, max_model_len=None,
+                                        samples=[row["sample_index"]])
             prompts.append((request.prompt_token_ids, request.params))
     return probe_pair(cfg.model, cfg.draft, cfg.generation, cfg.runtime, prompts, rows)
