@@ -2,7 +2,7 @@
 
 Without `--config` it serves the CPU demo pair (domino_ray/assets/demo) at http://127.0.0.1:8000/v1
 (`serve.host`, `serve.port`) until Ctrl-C or SIGTERM, which remove the apps and stop the Ray processes this
-command started (`serve.shutdown`, `ray.shutdown`). `/health` is the load-balancer probe app. With the
+command started (`shutdown_serve`, `ray.shutdown`). `/health` is the load-balancer probe app. With the
 environment variable DOMINO_RAY_API_KEY (or `serve.api_key`) set, the /v1 routes require
 `Authorization: Bearer <key>`. On a cluster: `serve deploy deploy/serve.yaml`, or the KubeRay manifest
 deploy/rayservice.yaml. Exit status: 0 stopped, 2 bad config (nothing started).
@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     import ray
     from ray import serve
 
-    from domino_ray.serve.app import build_app, build_health_app
+    from domino_ray.serve.app import build_app, build_health_app, shutdown_serve
 
     try:
         ray.init(address=cfg.runtime.ray_address)
@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the shutdown short
         try:
             if ray.is_initialized():
-                serve.shutdown()
+                shutdown_serve()  # serve.shutdown() without its false 'graceful_shutdown failed'
         finally:
             ray.shutdown()  # stops the local cluster if this command started one
     return 0

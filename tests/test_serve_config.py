@@ -1,7 +1,9 @@
 """Deployment wiring without a cluster: the `serve:` section becomes Serve options; deploy/serve.yaml and
 the RayService's serveConfigV2 are valid Serve configs whose import path builds the app; the local start
-refuses a bad config before starting anything."""
+refuses a bad config before starting anything; the app's ASGI middleware turns Serve's cancelled receive into
+a disconnect."""
 
+import asyncio
 from pathlib import Path
 
 import pytest
@@ -126,3 +128,41 @@ def test_local_start_refuses_a_bad_config_before_starting_ray(tmp_path, capsys):
     assert job.main([f"draft.source={tmp_path}"]) == 2  # a directory without a draft checkpoint
     assert "draft.source" in capsys.readouterr().err
     assert job.main(["--config", str(tmp_path / "none.yaml")]) == 2
+
+
+def test_a_cancelled_receive_ends_a_stream_as_a_disconnect():
+    """When a client leaves, Serve cancels the Ray task a replica reads the request's messages with, and the next
+    `receive()` raises TaskCancelledError in place of returning `http.disconnect`. Behind
+    `DisconnectOnCancelledReceive` (on `api`) a streaming response ends as on a disconnect; without it the error
+    failed the request after Serve had stopped waiting on it, and asyncio logged a 60-line "Future exception was
+    never retrieved" in the replica for some of the clients (whether it does is a race inside Serve, so
+    `test_serve.py::test_client_disconnect_frees_its_slot` can only watch the log).
+    Fails without the middleware: checked by removing `api.add_middleware(DisconnectOnCancelledReceive)` (not on
+    `api`), and its `except TaskCancelledError` (the stream raised it)."""
+    from ray.exceptions import TaskCancelledError
+    from starlette.responses import StreamingResponse
+
+    from domino_ray.serve.app import DisconnectOnCancelledReceive, api
+
+    assert [m.cls for m in api.user_middleware] == [DisconnectOnCancelledReceive]
+
+    async def endless():
+        while True:
+            yield "data: {}\n\n"
+            await asyncio.sleep(0.01)
+
+    async def receive():
+        await asyncio.sleep(0.05)  # the stream is under way when the client leaves
+        raise TaskCancelledError()
+
+    sent = []
+
+    async def send(message):
+        sent.append(message)
+
+    # ASGI 2.3, as Serve's replica passes it: Starlette's stream then watches `receive()` for the disconnect.
+    scope = {"type": "http", "asgi": {"spec_version": "2.3"}, "method": "POST", "path": "/v1/completions",
+             "headers": []}
+    app = DisconnectOnCancelledReceive(StreamingResponse(endless(), media_type="text/event-stream"))
+    asyncio.run(asyncio.wait_for(app(scope, receive, send), timeout=10))
+    assert sent[0]["type"] == "http.response.start" and len(sent) > 2

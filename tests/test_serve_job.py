@@ -49,7 +49,9 @@ def descendants(pid: int) -> set[int]:
 def test_sigterm_shuts_down_serve_and_the_ray_processes_it_started(tmp_path):
     """Also: the key in the environment is required on /v1 (401 without it), /health is open, and the key is
     not in the command's output. Fails if the environment's key is ignored: checked by making `serve_api_key`
-    read no environment (200 without a key)."""
+    read no environment (200 without a key). The stop reports no failure: `serve.shutdown()` printed "Task
+    ServeController.graceful_shutdown failed ... killed by `ray.kill`" at every SIGTERM (checked by calling it
+    again in place of `shutdown_serve`)."""
     port, key = free_port(), "sk-env-5e81c0"
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONPATH": str(ROOT), "DOMINO_RAY_API_KEY": key}
     # runtime.ray_address=local: a cluster of its own, never one another process started.
@@ -77,7 +79,9 @@ def test_sigterm_shuts_down_serve_and_the_ray_processes_it_started(tmp_path):
         while (alive := started & set(parents())) and time.time() < deadline:
             time.sleep(0.5)
         assert not alive, [(pid, Path(f"/proc/{pid}/cmdline").read_bytes()[:80]) for pid in alive]
-        assert key not in (tmp_path / "out.log").read_text()
+        out = (tmp_path / "out.log").read_text()
+        assert key not in out
+        assert "graceful_shutdown failed" not in out and "killed by `ray.kill`" not in out, out[-3000:]
     finally:
         if job.poll() is None:
             job.kill()

@@ -11,7 +11,8 @@ the counters in `metrics`; this module is FastAPI + Serve.
 
 With an API key (`serve.api_key` or DOMINO_RAY_API_KEY, `config.serve_api_key`) the /v1 routes require
 `Authorization: Bearer <key>`, compared in constant time before the body is read: a missing or wrong key is an
-OpenAI-shaped 401 that costs no engine work. `/health` and `/load` stay open.
+OpenAI-shaped 401 that costs no engine work. `/health` and `/load` stay open. FastAPI's /docs, /redoc and
+/openapi.json are off: they would be open beside a key, and describe nothing the OpenAI API's own reference does not.
 
 Overload is answered at once, never by unbounded waiting: beyond `serve.max_waiting_requests` waiting
 for an engine slot the replica answers 429 (EngineLoop QueueFull); beyond `serve.max_ongoing_requests`
@@ -36,6 +37,7 @@ import ray
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
+from ray.exceptions import GetTimeoutError, RayActorError, TaskCancelledError
 from ray.serve.config import AutoscalingConfig, BackpressureConfig
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -49,7 +51,36 @@ from domino_ray.serve.responses import (SSE_DONE, chunk_body, logprobs_body, mod
 from domino_ray.serve.choices import Piece, generate
 
 logger = logging.getLogger("ray.serve")
-api = FastAPI(title="domino-ray", description="OpenAI-compatible speculative decoding (target + Domino draft)")
+api = FastAPI(title="domino-ray", description="OpenAI-compatible speculative decoding (target + Domino draft)",
+              docs_url=None, redoc_url=None, openapi_url=None)
+
+
+class DisconnectOnCancelledReceive:
+    """ASGI middleware: a `receive()` that raises TaskCancelledError is the client's `http.disconnect`.
+
+    A replica reads a request's messages from the proxy with a Ray task (Serve's `ASGIReceiveProxy`); when the
+    client leaves, Serve cancels the request and that task with it, and the next `receive()` raises instead of
+    returning the disconnect. A streaming response (Starlette's `listen_for_disconnect`) then fails the request
+    with it after Serve stopped waiting on the request, and asyncio logs "Future exception was never retrieved"
+    with a 60-line traceback for an ordinary disconnect."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def receive_or_disconnect():
+            try:
+                return await receive()
+            except TaskCancelledError:
+                return {"type": "http.disconnect"}
+
+        await self.app(scope, receive_or_disconnect, send)
+
+
+api.add_middleware(DisconnectOnCancelledReceive)
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -111,7 +142,7 @@ class DominoServer:
             max_model_len=engine.max_model_len, enable_thinking=cfg.model.enable_thinking,
             parse_special_tokens=cfg.model.parse_special_tokens, defaults=generation_defaults(cfg.generation),
             eos_token_ids=tuple(engine.eos_token_ids), max_n=engine.max_rows + cfg.serve.max_waiting_requests)
-        self.created = int(time.time())
+        self.created = int(time.time())  # the model card's (`/v1/models`); a response has its own
         self.metrics = Metrics(cfg.serve.model_name, engine.kv_cache_stats)
         self.max_request_bytes = cfg.serve.max_request_bytes
 
@@ -149,7 +180,7 @@ class DominoServer:
         return await self._respond(request, "chat")
 
     async def _respond(self, request: Request, kind: str):
-        started, route = time.perf_counter(), kind
+        started, route, created = time.perf_counter(), kind, int(time.time())
         try:
             check_api_key(request, self.api_key)  # before the body is read: a stranger costs nothing
             raw = await read_body(request, self.max_request_bytes)
@@ -167,7 +198,7 @@ class DominoServer:
             return _error(error)
         self.metrics.ttft.observe(time.perf_counter() - started)
         if parsed.stream:
-            return StreamingResponse(self._stream(parsed, response_id, first, pieces, started, route),
+            return StreamingResponse(self._stream(parsed, response_id, created, first, pieces, started, route),
                                      media_type="text/event-stream")
         n = parsed.params.n
         texts, latest, status = [[] for _ in range(n)], {}, "cancelled"  # stays so if the client goes away
@@ -181,7 +212,7 @@ class DominoServer:
                 piece = await anext(pieces)
             status = "200"
             finals = [latest[i] for i in range(n)]
-            return response_body(parsed, response_id, self.created, self.model, ["".join(t) for t in texts],
+            return response_body(parsed, response_id, created, self.model, ["".join(t) for t in texts],
                                  [p.finish_reason for p in finals], [p.completion for p in finals])
         except APIError as exc:
             status = str(exc.status)
@@ -194,12 +225,12 @@ class DominoServer:
             await pieces.aclose()  # aborts the engine requests unless they finished (e.g. the client left)
             self.metrics.ended(route, status, list(latest.values()), started)
 
-    async def _stream(self, parsed: ParsedRequest, response_id: str, first: Piece, pieces, started: float,
-                      route: str):
+    async def _stream(self, parsed: ParsedRequest, response_id: str, created: int, first: Piece, pieces,
+                      started: float, route: str):
         """Server-sent events: a chunk per piece that has text or log-probabilities (a choice's first always,
         naming the chat role), a finishing chunk per choice; the last carries usage and statistics (or, with
         include_usage, one more chunk without choices)."""
-        head = (response_id, self.created, self.model.name)
+        head = (response_id, created, self.model.name)  # every chunk of the response: one id, one time
         n, latest, begun, offsets = parsed.params.n, {}, set(), {}
         status, piece = "cancelled", first  # stays "cancelled" if the client goes away mid-stream
         try:
@@ -265,6 +296,28 @@ def build_app(cfg: JobConfig) -> serve.Application:
     key = serve_api_key(cfg.serve)
     cfg = dataclasses.replace(cfg, serve=dataclasses.replace(cfg.serve, api_key=key))
     return DominoServer.options(**deployment_options(cfg)).bind(cfg)
+
+
+def shutdown_serve(timeout_s: float = 30.0):
+    """`serve.shutdown()` without its false alarm. Serve's (`ServeControllerClient.shutdown`) waits on the
+    controller's `graceful_shutdown`, which only ends when the controller, having removed the apps and proxies,
+    kills itself; the controller is created with `max_task_retries=-1` (`default_impl.get_controller_impl`), so
+    Ray reports the waiting call to the driver as a failed task it will retry ("Task
+    ServeController.graceful_shutdown failed ... killed by `ray.kill`") at every clean stop. The same steps, that
+    call not retried, end in the RayActorError Serve expects there. Serve's private client: recheck on upgrades."""
+    from ray.serve.context import _disconnect, _get_global_client
+
+    client = _get_global_client(raise_if_no_controller_running=False)
+    if client is None:
+        return
+    client.shutdown_cached_handles()
+    try:
+        ray.get(client._controller.graceful_shutdown.options(max_task_retries=0).remote(), timeout=timeout_s)
+    except RayActorError:
+        pass  # the controller removed the apps and proxies, then itself
+    except GetTimeoutError:
+        logger.warning("Serve's controller did not shut down within %s s; see its log", timeout_s)
+    _disconnect()
 
 
 # Ray's implicit resource of the head node (1 there, absent elsewhere): a sliver of it pins an actor there.

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import AsyncIterator
 
 from domino_ray.engine.loop import EngineDead, EngineLoop, QueueFull, RequestStream
-from domino_ray.engine.request import Completion, TokenLogprobs
+from domino_ray.engine.request import Completion, Request, TokenLogprobs
 from domino_ray.frontend.detokenizer import TextStream
 from domino_ray.frontend.requests import prompt_requests
 from domino_ray.serve.openai_api import APIError, ModelSpec, ParsedRequest
