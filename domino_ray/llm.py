@@ -128,7 +128,8 @@ class DominoLLM:
         requests = []
         for i, (prompt, sp) in enumerate(zip(prompts, params)):
             requests += prompt_requests(i, self.encode(prompt), sp, tokenizer=self.tokenizer,
-                                        max_model_len=self.engine.max_model_len, prompt_field=f"prompts[{i}]")
+                                        max_model_len=self.engine.max_model_len, prompt_field=f"prompts[{i}]",
+                                        eos_token_ids=sorted(self.engine.eos_token_ids))
         return [GenerationOutput(
             prompt_token_ids=c.prompt_token_ids, text=row_text(self.tokenizer, c.token_ids, r.params, c.finish_reason == "stop") if self.tokenizer else None,
             token_ids=c.token_ids, finish_reason=c.finish_reason, stats=c.stats.to_columns(),

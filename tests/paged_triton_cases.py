@@ -129,55 +129,11 @@ def run(names):
 
 
 def compile_for_sm90(configs):
-    """Builds each (dtype, M, D, splits, pool blocks) for sm_90 with no GPU (triton's own ptxas) and reads back per kernel:
-    registers and stack bytes (spills) from the cubin, and whether its loads are asynchronous copies (vectorized,
-    pipelined). The kernels get exactly the arguments `paged_attention` passes (recorded from a call on meta
-    tensors), specialized as a launch specializes them (16-aligned pointers assumed)."""
-    import re
-    import subprocess
-    import tempfile
-
-    import triton
-    from triton._C.libtriton import native_specialize_impl
-    from triton.backends.compiler import BaseBackend, GPUTarget
-    from triton.compiler import ASTSource
-
+    """Builds each (dtype, M, D, splits, pool blocks) for sm_90 with no GPU (`build_for_sm90`): the kernels get exactly
+    the arguments `paged_attention` passes (recorded from a call on meta tensors)."""
     kernels = paged_triton._kernels()
     calls = []
     paged_triton._kernels = lambda: [_Recorder(kernel, calls) for kernel in kernels]
-    tool = os.path.join(triton.__path__[0], "backends", "nvidia", "bin", "cuobjdump")
-    types = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
-             torch.int64: "i64"}
-
-    def build(kernel, args, kwargs):
-        signature, constants, attrs = {}, {}, {}
-        values = {**dict(zip(kernel.arg_names, args)), **kwargs}
-        for i, name in enumerate(kernel.arg_names):
-            value = values[name]
-            if isinstance(value, torch.Tensor):
-                signature[name] = "*" + types[value.dtype]
-                attrs[(i,)] = [["tt.divisibility", 16]]
-            elif isinstance(value, float):
-                signature[name] = "fp32"
-            elif isinstance(value, int) and not kernel.params[i].is_constexpr:
-                kind, key = native_specialize_impl(BaseBackend, value, False, True, True)
-                signature[name] = kind
-                if kind == "constexpr":
-                    constants[name] = value
-                elif key == "D":
-                    attrs[(i,)] = [["tt.divisibility", 16]]
-            else:
-                signature[name] = "constexpr"
-                constants[name] = value
-        built = triton.compile(ASTSource(kernel, signature, constants, attrs), target=GPUTarget("cuda", 90, 32),
-                               options={"num_warps": warps})
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
-            cubin.write(built.asm["cubin"])
-            cubin.flush()
-            usage = subprocess.run([tool, "-res-usage", cubin.name], capture_output=True, text=True).stdout
-        regs, stack = re.search(r"REG:(\d+).*?STACK:(\d+)", usage).groups()
-        return {"regs": int(regs), "stack": int(stack), "async_loads": "cp.async" in built.asm["ptx"]}
-
     results = {}
     for dtype, m, d, splits, blocks in configs:
         rows, kv_heads, bs, nb = 4, 8, 16, 64
@@ -189,12 +145,57 @@ def compile_for_sm90(configs):
         calls.clear()
         paged_triton.paged_attention(query, pool, pool, tables, limits, d ** -0.5, splits=splits)
         for kernel, args, kwargs in calls:
-            kwargs = dict(kwargs)
-            warps = kwargs.pop("num_warps")
             wide = "_wide" if kwargs.get("WIDE") else ""
-            results[f"{dtype}_m{m}_d{d}_splits{splits}{wide}_{kernel.fn.__name__.strip('_')}"] = build(kernel, args,
-                                                                                                         kwargs)
+            results[f"{dtype}_m{m}_d{d}_splits{splits}{wide}_{kernel.fn.__name__.strip('_')}"] = build_for_sm90(
+                kernel, args, kwargs)
     return results
+
+
+def build_for_sm90(kernel, args, kwargs) -> dict:
+    """One recorded launch (`_Recorder`) built for sm_90 with triton's own ptxas, specialized as a launch specializes
+    it (16-aligned pointers assumed), and read back: registers and stack bytes (spills) from the cubin, and whether
+    its loads are asynchronous copies (vectorized, pipelined)."""
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend, GPUTarget
+    from triton.compiler import ASTSource
+
+    tool = os.path.join(triton.__path__[0], "backends", "nvidia", "bin", "cuobjdump")
+    types = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
+             torch.int64: "i64"}
+    kwargs = dict(kwargs)
+    warps = kwargs.pop("num_warps")
+    signature, constants, attrs = {}, {}, {}
+    values = {**dict(zip(kernel.arg_names, args)), **kwargs}
+    for i, name in enumerate(kernel.arg_names):
+        value = values[name]
+        if isinstance(value, torch.Tensor):
+            signature[name] = "*" + types[value.dtype]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(value, float):
+            signature[name] = "fp32"
+        elif isinstance(value, int) and not kernel.params[i].is_constexpr:
+            kind, key = native_specialize_impl(BaseBackend, value, False, True, True)
+            signature[name] = kind
+            if kind == "constexpr":
+                constants[name] = value
+            elif key == "D":
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            signature[name] = "constexpr"
+            constants[name] = value
+    built = triton.compile(ASTSource(kernel, signature, constants, attrs), target=GPUTarget("cuda", 90, 32),
+                           options={"num_warps": warps})
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(built.asm["cubin"])
+        cubin.flush()
+        usage = subprocess.run([tool, "-res-usage", cubin.name], capture_output=True, text=True).stdout
+    regs, stack = re.search(r"REG:(\d+).*?STACK:(\d+)", usage).groups()
+    return {"regs": int(regs), "stack": int(stack), "async_loads": "cp.async" in built.asm["ptx"]}
 
 
 class _Recorder:

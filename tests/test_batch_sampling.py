@@ -28,9 +28,10 @@ K = 3
 SAMPLED = {"temperature": 0.8, "seed": 5}
 PENALTIES = {"repetition_penalty": 1.5, "presence_penalty": 0.7, "frequency_penalty": 0.4, "min_tokens": 6}
 # (id, sampling_params, expected error): one error row each, sample_index 0 (n unknown or bad)
-BAD = [("bias", {"logit_bias": {"3": 1.0}}, "^sampling_params.logit_bias is not supported$"),
+BAD = [("bias", {"bad_words": ["x"]}, "^sampling_params.bad_words is not supported$"),
        ("beam", {"use_beam_search": True, "n": 2}, "^sampling_params.use_beam_search=True is not supported"),
-       ("structured", {"structured_outputs": {"json": {}}}, "^sampling_params.structured_outputs is not supported"),
+       # this pair's tokenizer is SentencePiece-style (no byte-level BPE): a grammar cannot run on it
+       ("structured", {"structured_outputs": {"json": {}}}, "^sampling_params: structured_outputs needs a tokenizer"),
        ("lp42", {"logprobs": 42}, "^sampling_params: sampling parameter logprobs=42 is invalid: expected null or an"),
        ("n0", {"n": 0}, "^sampling_params: sampling parameter n=0 is invalid: expected an int >= 1"),
        ("stop_empty", {"stop": [""]}, "^sampling_params: sampling parameter stop=.* is invalid"),

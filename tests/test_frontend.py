@@ -69,7 +69,7 @@ def test_stop_strings_need_a_tokenizer_and_id_requests_take_neither_n_nor_stop()
     assert [r.request_id for r in id_requests([[1], [2, 3]], SamplingParams())] == [0, 1]
     assert [r.request_id for r in id_requests([[1]], SamplingParams(), request_ids=["long"])] == ["long"]
     for bad in (SamplingParams(n=2), SamplingParams(stop=("x",))):
-        with pytest.raises(ValueError, match="one sample per prompt without stop strings"):
+        with pytest.raises(ValueError, match="one sample per prompt without stop strings or constraints"):
             id_requests([[1]], bad)
 
 

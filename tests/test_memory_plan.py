@@ -7,7 +7,8 @@ import pytest
 import torch
 from transformers import Qwen3Config
 
-from domino_ray.engine.memory import AUTO_ROW_TOKENS, check_memory_fits, kv_bytes_per_token, memory_plan, plan_slots, size_engine
+from domino_ray.engine.memory import (AUTO_ROW_TOKENS, check_memory_fits, kv_bytes_per_token, memory_plan, plan_slots,
+                                      prefill_attention_bytes, size_engine)
 from domino_ray.engine.step_graphs import verify_positions
 from domino_ray.spec_decode.draft import DraftConfig
 
@@ -140,3 +141,78 @@ def test_config_takes_auto_slots_and_checks_the_memory_share():
         load_config(None, ["runtime.gpu_memory_utilization=true"])
     for path in ("configs/qwen3_4b.yaml", "configs/qwen3_0_6b.yaml"):  # production sizes itself
         assert load_config(REPO / path, ["input.path=x", "output.path=y"]).generation.max_batch_size == "auto"
+
+
+# ---- prefill attention: the plan's term against what a CPU run of the same shapes allocates ----
+
+def test_prefill_on_the_triton_path_plans_no_prompt_by_context_term():
+    """A prefill that reads its rows in place (our Triton kernel) plans O(N H D) for its attention at any context; the
+    gather path's mask grows with n x L. At Qwen3-4B's shapes, 16k tokens: far below fp32 scores [32, 16k, 4k]."""
+    def prefill(capacity, **kwargs):
+        return memory_plan(QWEN3_4B, DOMINO_B16, max_rows=8, num_spec_tokens=16, capacity=capacity,
+                           max_prefill_tokens=16384, itemsize=2, **kwargs)["prefill_peak"]
+
+    assert prefill(CAPACITY, paged_kernel=True) == prefill(4 * CAPACITY, paged_kernel=True)
+    assert prefill(4 * CAPACITY, prefill_in_place=False) - prefill(CAPACITY, prefill_in_place=False) >= \
+        16384 * 3 * CAPACITY * 2
+    attention = prefill_attention_bytes(QWEN3_4B, 16384, CAPACITY, 2, in_place=True)
+    output = 16384 * 32 * 128 * 2  # [N, H, D] bf16
+    scores = 32 * 16384 * CAPACITY * 4  # fp32 [H, n, L]: what SDPA's math kernel makes over a gathered row
+    assert output < attention <= 2.1 * output and 30 * attention < scores
+
+
+def allocated_peak(fn) -> int:
+    """Peak bytes of CPU memory that `fn()` allocates beyond what was live before, from torch's profiler timeline
+    (every allocation and free, workspaces inside ops included; `_memory_profile` is private, the public
+    `export_memory_timeline` over it deprecated)."""
+    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler._memory_profiler import Action
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
+        fn()
+    live = peak = 0
+    for _, action, _, size in sorted(prof._memory_profile().timeline, key=lambda event: event[0]):
+        live += size if action == Action.CREATE else -size if action == Action.DESTROY else 0
+        peak = max(peak, live)
+    return peak
+
+
+class _NoLaunch:
+    """Stands in for the jitted kernel: a launch allocates nothing, so what is left is what the CUDA path allocates."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+def test_prefill_attention_allocates_within_its_planned_term_on_the_triton_path(monkeypatch):
+    """`prefill_attention` on the Triton path (the launch stubbed: the kernel allocates nothing) allocates no more than
+    the plan's term, and the same whether the rows' earlier keys are 512 or 4096 positions; the gather path at the
+    same shapes allocates its mask, growing with n x L (so the measurement sees such growth)."""
+    from domino_ray.backend import paged_prefill_triton
+    from domino_ray.kv.pools import KVPool, prefill_attention
+
+    monkeypatch.setattr(paged_prefill_triton, "_kernel", _NoLaunch)
+    cfg = Qwen3Config(hidden_size=512, num_attention_heads=8, num_key_value_heads=2, head_dim=64)
+    lengths, bs = (256, 512, 256), 16  # a prompt from 0 (SDPA), two after earlier keys (the kernel)
+    gen = torch.Generator().manual_seed(0)
+    query = torch.randn(1, 8, sum(lengths), 64, generator=gen)  # [1, H, N, D]
+    keys, values = (torch.randn(1, 2, sum(lengths), 64, generator=gen) for _ in range(2))  # [1, Hkv, N, D]
+    peaks = {}
+    for context in (512, 4096):
+        offsets = (0, context, context + 100)
+        blocks = [-(-(o + n) // bs) for o, n in zip(offsets, lengths)]
+        pool = KVPool(1, 1 + sum(blocks), bs, 2, 64, torch.float32, "cpu")
+        pool.kernel = False
+        first = [1 + sum(blocks[:i]) for i in range(3)]
+        tables = tuple(torch.arange(f, f + b, dtype=torch.int32)[None] for f, b in zip(first, blocks))
+        for triton in (True, False):
+            pool.triton = triton
+            peaks[triton, context] = allocated_peak(lambda: prefill_attention(
+                query, keys, values, 0.125, lengths, offsets, tables, pool, 0))
+    planned = prefill_attention_bytes(cfg, sum(lengths), 8192, 4, in_place=True)  # any capacity: the term has none
+    output = sum(lengths) * 8 * 64 * 4  # [N, H, D] fp32: what any path returns
+    assert output <= peaks[True, 512] <= planned and output <= peaks[True, 4096] <= planned, (peaks, planned)
+    for context in (512, 4096):  # the gather path within its own term, at its longest row (context + 512)
+        assert peaks[False, context] <= prefill_attention_bytes(cfg, sum(lengths), context + 512, 4, in_place=False)
+    assert abs(peaks[True, 4096] - peaks[True, 512]) <= 4 * 4096 // bs  # only the tables grow
+    assert peaks[False, 4096] - peaks[False, 512] >= 512 * (4096 - 512) * 4  # the gathered row's mask

@@ -81,13 +81,13 @@ def _bad_rows():
     return rows + [
         {"id": "null", "prompt": None, "sampling_params": None},
         {"id": "params", "prompt": good[0], "sampling_params": json.dumps({"temprature": 0.5})},
-        {"id": "vllm-only", "prompt": good[0], "sampling_params": json.dumps({"logit_bias": {"5": 1.0}})},
+        {"id": "vllm-only", "prompt": good[0], "sampling_params": json.dumps({"bad_words": ["x"]})},
         {"id": "long", "prompt": LONG_PROMPT, "sampling_params": None},
     ]
 
 
 BAD_REASONS = {"null": "prompt is null", "params": r"unknown keys \['temprature'\]",
-               "vllm-only": r"^sampling_params.logit_bias is not supported$", "long": "the model's limit is 512 tokens"}
+               "vllm-only": r"^sampling_params.bad_words is not supported$", "long": "the model's limit is 512 tokens"}
 
 
 def test_pandas_in_and_out_through_rays_build_processor_with_stages_around_it_and_bad_rows(ray_cluster,

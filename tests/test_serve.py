@@ -376,7 +376,7 @@ BAD_HTTP = [  # (path, body, status, param): one of each kind the issue names, a
     ("/v1/completions", {"prompt": "a", "min_tokens": 9, "max_tokens": 4}, 400, "min_tokens"),
     ("/v1/completions", {"prompt": "a", "best_of": 2}, 400, "best_of"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "top_logprobs": 3}, 400, "top_logprobs"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "logit_bias": {"3": 1}}, 400,
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "logit_bias": {"3": 1000}}, 400,
      "logit_bias"),
     ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "stream": 1}, 400, "stream"),
@@ -827,7 +827,7 @@ def test_openai_client_stop_string_completing_inside_an_accepted_run(app, refere
     later accepted tokens dropped (usage and statistics count the tokens through the completing one, the cut step
     counting the drafts before it as accepted), the text is the target's cut before the string (or through it with
     include_stop_str_in_output), streamed or not.
-    Fails if the engine keeps the step's later tokens: checked by making Row.commit ignore the matcher's count."""
+    Fails if the engine keeps the step's later tokens: checked by making commit.cut_at_stop_string ignore the matcher's count."""
     prompt, max_tokens = "the quick brown fox", 40
     ids = reference.tokenizer(prompt, add_special_tokens=False)["input_ids"]
     [row] = speculate_in_process(app.target_dir, app.draft_dir, [ids],

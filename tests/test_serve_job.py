@@ -71,6 +71,7 @@ def test_sigterm_shuts_down_serve_and_the_ray_processes_it_started(tmp_path):
         assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
         r = httpx.post(url, json=body, headers={"Authorization": f"Bearer {key}"}, timeout=60)
         assert r.status_code == 200
+        check_structured_outputs(port, key)
         started = descendants(job.pid)  # GCS, raylet, workers, Serve's actors
         assert len(started) >= 3
         job.send_signal(signal.SIGTERM)
@@ -85,3 +86,35 @@ def test_sigterm_shuts_down_serve_and_the_ray_processes_it_started(tmp_path):
     finally:
         if job.poll() is None:
             job.kill()
+
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                           "kind": {"enum": ["module", "class", "function"]}},
+          "required": ["name", "kind"], "additionalProperties": False}
+
+
+def check_structured_outputs(port: int, key: str):
+    """The openai client's response_format (issue 52) on the demo pair: a JSON-schema reply validates, a regex through
+    vLLM's structured_outputs matches, a schema that does not compile is a 400 naming response_format."""
+    import json
+    import re
+
+    import jsonschema
+    import openai
+
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key)
+    chat = client.chat.completions.create(
+        model="domino-demo", messages=[{"role": "user", "content": "Describe the os module"}], max_tokens=64,
+        temperature=0, response_format={"type": "json_schema", "json_schema": {"name": "thing", "schema": SCHEMA}})
+    assert chat.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(chat.choices[0].message.content), SCHEMA)
+    done = client.completions.create(model="domino-demo", prompt="import", max_tokens=16, temperature=0,
+                                     extra_body={"structured_outputs": {"regex": r" [a-z]{2,8}\.py"}})
+    assert re.fullmatch(r" [a-z]{2,8}\.py", done.choices[0].text), done.choices[0].text
+    try:
+        client.chat.completions.create(model="domino-demo", messages=[{"role": "user", "content": "x"}],
+                                       response_format={"type": "json_schema",
+                                                        "json_schema": {"name": "x", "schema": {"type": "nonsense"}}})
+        raise AssertionError("a schema that does not compile was accepted")
+    except openai.BadRequestError as exc:
+        assert exc.body["param"] == "response_format" and "does not compile" in exc.body["message"]

@@ -297,12 +297,12 @@ def run_probe(cfg: JobConfig, plan: InputPlan, rows: int) -> dict:
 @ray.remote
 def _probe_task(cfg: JobConfig, first_rows: pa.Table, rows: int) -> dict:
     ic, base = cfg.input, generation_defaults(cfg.generation)
-    # Token ids only: the measurement runs without stop strings (a row ends at a stop id or its budget).
+    # Token ids only: the measurement runs without stop strings or constraints (a row ends at a stop id or its budget).
     prompts = []
     for row in tokenize_batch(first_rows, cfg).to_pylist():
         if row["error"] is None:
             params = replace(row_params(row.get(ic.sampling_column), base, cfg.generation.seed, row.get(ic.id_column)),
-                             stop=())
+                             stop=(), structured_outputs=None, logit_bias=None, allowed_token_ids=None)
             # the probe's engines skip prompts longer than their length (`measure_pair`)
             [request] = prompt_requests(len(prompts), row["prompt_token_ids"], params, max_model_len=None,
                                         samples=[row["sample_index"]])

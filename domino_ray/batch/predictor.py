@@ -131,7 +131,8 @@ class DominoPredictor:
         try:
             [request] = prompt_requests(next(self.request_ids), row["prompt_token_ids"], params,
                                         tokenizer=self.tokenizer, max_model_len=self.loop.engine.max_model_len,
-                                        samples=[row.get("sample_index") or 0])
+                                        samples=[row.get("sample_index") or 0],
+                                        eos_token_ids=sorted(self.loop.engine.eos_token_ids))
         except LengthError as exc:
             raise RowError(str(exc)) from None
         except ValueError as exc:  # stop strings without a tokenizer; a sample_index column outside the row's n

@@ -54,12 +54,11 @@ PROMPT_IDS_FIELD = pa.field("prompt_token_ids", pa.list_(pa.int32()))
 COLUMN_TYPES = {f.name: f.type for f in [*GENERATED_FIELDS, PROMPT_IDS_FIELD]}
 OVERRIDE_KEYS = tuple(f.name for f in fields(SamplingParams))
 # Ray Data LLM's (vLLM's) names for the same overrides; its top_k=-1 means off, our 0.
-OVERRIDE_ALIASES = {"max_tokens": "max_new_tokens"}
+OVERRIDE_ALIASES = {"max_tokens": "max_new_tokens", "guided_decoding": "structured_outputs"}
 # vLLM SamplingParams fields we do not have, with the value that asks for nothing (accepted; any other is an error
-# naming the field): beam search, guided decoding, logit edits, prompt logprobs, detokenization options.
+# naming the field): beam search, bad words, logits processors, prompt logprobs, detokenization options.
 UNSUPPORTED_OVERRIDES = {"best_of": None, "use_beam_search": False, "length_penalty": 1.0, "early_stopping": False,
-                         "min_p": 0.0, "logit_bias": None, "allowed_token_ids": None, "bad_words": None,
-                         "guided_decoding": None, "structured_outputs": None, "logits_processors": None,
+                         "min_p": 0.0, "bad_words": None, "logits_processors": None,
                          "prompt_logprobs": None, "truncate_prompt_tokens": None, "detokenize": True,
                          "skip_special_tokens": True, "spaces_between_special_tokens": True, "output_kind": None,
                          "extra_args": None}
@@ -168,7 +167,7 @@ def row_params(overrides, base: SamplingParams, base_seed: int | None, row_id) -
     if unknown:
         raise RowError(f"sampling_params has unknown keys {unknown}; allowed: {list(OVERRIDE_KEYS)} "
                        f"(and {list(OVERRIDE_ALIASES)})")
-    for name in ("stop_token_ids", "stop"):
+    for name in ("stop_token_ids", "stop", "allowed_token_ids"):
         if isinstance(overrides.get(name), list):
             overrides[name] = tuple(overrides[name])
     if overrides.get("seed") is None and base_seed is not None and row_id is not None:

@@ -35,8 +35,10 @@ def commit(row: Row, tokens: list[int], now: float, *, step: tuple[int, int] | N
         row.stats.observe_step(step[0], len(tokens) - 1, step[1])
     row.stats.near_ties += count_near_ties(near_ties, len(tokens))  # 4. near-ties among them
     row.tokens.extend(tokens)
-    new_logprobs = keep_logprobs(row, tokens, logprobs)  # 5. logprobs, at the row's own N
-    if row.finish_reason is None and len(row.tokens) >= row.max_new:  # 6. the length limit
+    if row.request.constraint is not None:   # 5. a constraint (a grammar's state) moves past them
+        row.request.constraint.commit(tokens)
+    new_logprobs = keep_logprobs(row, tokens, logprobs)  # 6. logprobs, at the row's own N
+    if row.finish_reason is None and len(row.tokens) >= row.max_new:  # 7. the length limit
         row.finish_reason = "length"
     return StepEvent(row.request.request_id, tokens, row.completion(now) if row.finish_reason is not None else None,
                      new_logprobs)

@@ -51,18 +51,17 @@ import torch
 
 from domino_ray.engine.build import patch_model
 from domino_ray.engine.commit import commit, update_from_output
-from domino_ray.engine.context_ring import DEFERRED_STEPS, ContextRing
+from domino_ray.engine.constrained import forced_tokens, forced_width, logit_adjust, put_forced
+from domino_ray.engine.context_ring import ContextRing
 from domino_ray.kv.blocks import BlockPool
-from domino_ray.engine.memory import fit_to_memory, memory_plan
+from domino_ray.engine.memory import engine_plan, fit_to_memory
 from domino_ray.engine.request import Completion, Request, Row, StepEvent, new_row
 from domino_ray.engine.runner import StepRunner
 from domino_ray.engine.scheduler import Scheduler
 from domino_ray.engine.start_up_costs import width_controller
-from domino_ray.engine.step_graphs import (StepGraphs, capture_steps, greedy_step_keys, row_buckets, use_cuda_graphs,
-                                           verify_positions)
+from domino_ray.engine.step_graphs import StepGraphs, capture_steps, greedy_step_keys, row_buckets, use_cuda_graphs
 from domino_ray.engine.step_types import PrefillSegment, StepOutput, StepPlan
 from domino_ray.kv.pools import reads_in_place
-from domino_ray.target.packed_linear import kv_dtype
 from domino_ray.spec_decode.draft import DraftConfig
 from domino_ray.sample.sampling import StepMode, sampling_mode
 from domino_ray.spec_decode.width_costs import StepCosts, step_widths
@@ -159,17 +158,8 @@ class SpecEngine:
             if self.graphs is not None and not self.host_drafts else 0.0
 
     def memory_plan(self, rows: int | None = None, blocks: int | None = None) -> dict[str, int]:
-        """Bytes beyond the weights with `rows` rows and `blocks` pool blocks (default: its own): `memory_plan`."""
-        rows = rows or self.max_rows
-        return memory_plan(self.target.config, getattr(self.proposer, "config", None),
-                           max_rows=rows, num_spec_tokens=self.num_spec_tokens, capacity=self.capacity,
-                           kv_blocks=self.kv_blocks if blocks is None else blocks, block_size=self.block_size,
-                           max_prefill_tokens=self.max_prefill_tokens, itemsize=self.dtype.itemsize,
-                           kv_itemsize=kv_dtype(self.target).itemsize,
-                           cuda_graphs=self.cuda_graphs, paged_kernel=not self.gathers,
-                           verify_positions=verify_positions(rows, self.num_spec_tokens, self.adaptive,
-                                                             self.cuda_graphs),
-                           deferred_positions=DEFERRED_STEPS if self.defer_context else 0)
+        """Bytes beyond the weights with `rows` rows and `blocks` pool blocks (default: its own): `memory.memory_plan`."""
+        return engine_plan(self, rows or self.max_rows, self.kv_blocks if blocks is None else blocks)
 
     def kv_cache_stats(self) -> dict[str, int]:
         """block_size, blocks, peak_blocks_used, peak_rows, preemptions, prefix_hit_tokens (`blocks.KVCacheStats`)."""
@@ -275,7 +265,10 @@ class SpecEngine:
         first_tokens, logprobs = [], None
         if new:
             ints = torch.tensor([[len(done[i].request.prompt_token_ids), done[i].max_new - 1] for i in new])
-            first, logprobs = self.runner.first_tokens(slice(lo, lo + f), last[new], ints.to(self.device), mode)
+            adjust = (logit_adjust([done[i] for i in new], [[] for _ in new], f, self.vocab_size, self.device)
+                      if mode.constrained else None)
+            first, logprobs = self.runner.first_tokens(slice(lo, lo + f), last[new], ints.to(self.device), mode,
+                                                       adjust)
             first_tokens = first.tolist()  # host sync: the first tokens
             logprobs = [x.tolist() for x in logprobs] if logprobs is not None else None
         if back:
@@ -319,15 +312,21 @@ class SpecEngine:
         elif self.width is not None:
             t = self._mean_keys(r)  # the mean key length at the widest step: the cost table's t
             w, context = self.width.choose(r, t, self._usable())
+        forced = forced_tokens(self.rows) if mode.constrained else []
+        widened = forced_width(forced, w, self.num_spec_tokens) > w  # forced tokens: drafts a grammar gives
+        if widened:
+            w, context = forced_width(forced, w, self.num_spec_tokens), True
         # A W = 0 step writes one position (the anchor's), a drafting step up to `span` (draft block, verify)
         key_len = self._key_len(self.span if w else 1) if self.gathers and not self.cuda_graphs else self.capacity
         usable = self._usable() if w else [0] * n
         started = time.perf_counter()
         self.ring.before_step(w, context, n, self.runner.lens, self.runner.block_tables)  # timed with the step
-        timed = self._device_step(r, key_len, w, mode, context)  # 4-6. draft, verify, accept
+        timed = self._device_step(r, key_len, w, mode, context, forced)  # 4-6. draft, verify, accept
         output = self.runner.read_output(n, w, mode.logprobs)  # 7. the step's one host sync
         now = time.perf_counter()
-        if self.width is not None:  # a step that captured a graph says nothing about its width's cost
+        # A step that captured a graph says nothing about its width's cost; one widened for forced tokens nothing
+        # about the draft's acceptance
+        if self.width is not None and not widened:
             self.width.learn(r, t, w, now - started if timed else None, output.accepted if w else (), usable)
         return output, now
 
@@ -346,19 +345,25 @@ class SpecEngine:
         """Drafts each active row's budget allows, in slot order (`Row.draft_budget`)."""
         return [row.draft_budget for row in self.rows]
 
-    def _device_step(self, r: int, key_len: int, w: int, mode: StepMode, context: bool | None) -> bool:
+    def _device_step(self, r: int, key_len: int, w: int, mode: StepMode, context: bool | None,
+                     forced: list[list[int]] = ()) -> bool:
         """Draft `w` tokens (none when 0), then verify and accept them as `mode` asks, for slots `0..r` (their keys
         below `key_len`, `kv_cache.StepKeys`): one CUDA graph with graphs, whatever the rows' lengths. False when that
-        graph was captured now (the step's time is not a step's cost)."""
+        graph was captured now (the step's time is not a step's cost). A constrained step runs eagerly: between the
+        draft and the verify the host puts each row's `forced` tokens first among its drafts and builds the masks."""
         def step():
             if w and not self.host_drafts:
                 self.runner.draft(r, key_len, w)
-            self.runner.verify(r, key_len, w, mode, context)
+            adjust = None
+            if mode.constrained:  # host sync: the drafts, for the masks
+                adjust = logit_adjust(self.rows, put_forced(self.runner.drafts, forced, w), r, self.vocab_size,
+                                      self.device)
+            self.runner.verify(r, key_len, w, mode, context, adjust)
 
         if w and self.host_drafts:  # test proposers: drafts from the rows' ids, so the whole step runs eagerly
             self.runner.draft(r, key_len, w, [row.committed for row in self.rows],
                               [row.request.request_id for row in self.rows])
-        if self.graphs is None or self.host_drafts:
+        if self.graphs is None or self.host_drafts or mode.constrained:
             step()
             return True
         return self.graphs.run(("step", r, w, mode, context), step)

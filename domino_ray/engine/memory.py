@@ -15,7 +15,10 @@ from typing import Callable
 import torch
 
 from domino_ray.backend.malloc import host_memory_available
+from domino_ray.engine.context_ring import DEFERRED_STEPS
+from domino_ray.engine.step_graphs import verify_positions
 from domino_ray.sample.params import MAX_LOGPROBS
+from domino_ray.target.packed_linear import kv_dtype
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +40,7 @@ def kv_bytes_per_token(target_config, draft_config, itemsize: int) -> int:
 def memory_plan(target_config, draft_config, *, max_rows: int, num_spec_tokens: int, capacity: int,
                 max_prefill_tokens: int, itemsize: int, kv_blocks: int = 0, block_size: int = 16, kv_itemsize: int = 0,
                 cuda_graphs: bool = False, paged_kernel: bool = False, verify_positions: int | None = None,
-                deferred_positions: int = 0) -> dict[str, int]:
+                deferred_positions: int = 0, prefill_in_place: bool | None = None) -> dict[str, int]:
     """Bytes the engine preallocates or peaks at beyond the weights. `draft_config`: a DraftConfig or None
     (target only); `capacity`: KV positions a row may reach; `kv_blocks`: the KV pool's blocks of `block_size`
     positions (0: the plan without its pool); `itemsize`: bytes per element of the model dtype; `cuda_graphs`: the
@@ -45,7 +48,10 @@ def memory_plan(target_config, draft_config, *, max_rows: int, num_spec_tokens: 
     the pool in place (our CPU and Triton kernels; otherwise a step gathers the longest row's keys and builds a mask);
     `verify_positions`: the most positions a verify forward takes (rows x (W+1)), default all rows at K+1;
     `deferred_positions`: per slot, the taps kept for the draft's context (`context_ring.DEFERRED_STEPS`);
-    `kv_itemsize`: bytes per element of the KV pools (default `itemsize`; 2 for bf16 pools under fp32 activations)."""
+    `kv_itemsize`: bytes per element of the KV pools (default `itemsize`; 2 for bf16 pools under fp32 activations);
+    `prefill_in_place`: a prefill reads its rows' earlier keys in place (our Triton kernel, `KVPool.triton`) rather
+    than gathering them (`prefill_attention_bytes`); None: as `paged_kernel` (a CUDA engine's in-place kernel is the
+    Triton one; a CPU engine's prefill gathers even with our CPU kernel, so pass False there)."""
     cfg, elt = target_config, itemsize
     r, t = max_rows, capacity
     p = verify_positions or r * (num_spec_tokens + 1)
@@ -67,11 +73,11 @@ def memory_plan(target_config, draft_config, *, max_rows: int, num_spec_tokens: 
         step += p * vocab * (elt + 4)
         if not paged_kernel:
             step += r * draft.block_size * draft.num_attention_heads * t * 4
-    # Prefill: the widest activations of `max_prefill_tokens` positions, a chunk's row gathered (keys and values of one
-    # layer) with its mask, plus the draft's context inputs (the tapped hidden states, their projection and every
-    # draft layer's keys and values).
-    prefill = max_prefill_tokens * (6 * cfg.hidden_size + 3 * cfg.intermediate_size + t) * elt \
-        + 2 * cfg.num_key_value_heads * t * head_dim * elt
+    # Prefill: the widest activations of `max_prefill_tokens` positions, one layer's attention, plus the draft's context
+    # inputs (the tapped hidden states, their projection and every draft layer's keys and values).
+    in_place = paged_kernel if prefill_in_place is None else prefill_in_place
+    prefill = max_prefill_tokens * (6 * cfg.hidden_size + 3 * cfg.intermediate_size) * elt \
+        + prefill_attention_bytes(cfg, max_prefill_tokens, t, elt, in_place)
     if draft:
         taps = len(draft.target_layer_ids) * cfg.hidden_size
         prefill += max_prefill_tokens * (taps + cfg.hidden_size
@@ -89,6 +95,21 @@ def memory_plan(target_config, draft_config, *, max_rows: int, num_spec_tokens: 
     if cuda_graphs:
         plan["graph_pool"] = step
     return plan
+
+
+def prefill_attention_bytes(target_config, tokens: int, capacity: int, itemsize: int, in_place: bool) -> int:
+    """Bytes one layer's prefill attention (`kv.pools.prefill_attention`) allocates over `tokens` packed query positions
+    in rows of up to `capacity` keys. Either path: the output `[N, H, D]`, a segment's SDPA output before it is copied
+    in (or concatenated) and its fp32 log-sum-exp; the Triton kernel's tile plan and tables fit in the latter. That is
+    all when the rows are read in place (our Triton kernel): O(N H D) at any row length. Gathered, also a row's keys
+    and values and its additive mask `[n, L]` (torch's math kernel, which SDPA takes for that mask on CUDA, also makes
+    fp32 scores `[H, n, L]`: not counted, CUDA's path being the Triton one)."""
+    cfg = target_config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    outputs = tokens * cfg.num_attention_heads * (2 * head_dim * itemsize + 4)
+    if in_place:
+        return outputs
+    return outputs + tokens * capacity * itemsize + 2 * cfg.num_key_value_heads * capacity * head_dim * itemsize
 
 
 def plan_slots(budget_bytes: int, plan_for: Callable[[int], dict[str, int]], most: int = MAX_AUTO_SLOTS) -> int:
@@ -199,3 +220,16 @@ def check_memory_fits(plan: dict[str, int], free_bytes: int, device, utilization
 
 def _gib(plan: dict[str, int]) -> str:
     return ", ".join(f"{k} {v / 2**30:.2f}" for k, v in plan.items()) + " GiB"
+
+
+def engine_plan(engine, rows: int, blocks: int) -> dict[str, int]:
+    """`memory_plan` for a built `SpecEngine`: its shapes and attention paths, with `rows` rows and `blocks` blocks."""
+    return memory_plan(engine.target.config, getattr(engine.proposer, "config", None),
+                       max_rows=rows, num_spec_tokens=engine.num_spec_tokens, capacity=engine.capacity,
+                       kv_blocks=blocks, block_size=engine.block_size, max_prefill_tokens=engine.max_prefill_tokens,
+                       itemsize=engine.dtype.itemsize, kv_itemsize=kv_dtype(engine.target).itemsize,
+                       cuda_graphs=engine.cuda_graphs, paged_kernel=not engine.gathers,
+                       prefill_in_place=engine.device.type == "cuda" and not engine.gathers,  # the Triton kernels
+                       verify_positions=verify_positions(rows, engine.num_spec_tokens, engine.adaptive,
+                                                         engine.cuda_graphs),
+                       deferred_positions=DEFERRED_STEPS if engine.defer_context else 0)

@@ -20,6 +20,23 @@ class StopMatcher(Protocol):
         """A step's committed ids -> None, or the count of generated ids to keep once a stop string completed."""
 
 
+class Constraint(Protocol):
+    """A row's constraint as the engine sees it (a grammar, logit_bias, allowed_token_ids: the front end's
+    `frontend/constraints.RowConstraint`): what it adds to the target's logits at a step's positions, the tokens it
+    forces next, and the tokens the row committed."""
+
+    def logit_adjust(self, drafts: list[int], vocab_size: int) -> torch.Tensor:
+        """`[len(drafts) + 1, vocab_size]` float32 to add to the target's logits at the positions after the committed
+        tokens and after each of `drafts` in turn: 0 or a bias where a token is allowed, -inf where not. Positions
+        after a draft the constraint refuses are 0 (the verify rejects that draft: they are never used)."""
+
+    def forced(self) -> list[int]:
+        """Tokens the constraint leaves no choice about, next: drafts for free (the verify still checks them)."""
+
+    def commit(self, tokens: list[int]):
+        """The row's tokens kept in a step (its state moves past them)."""
+
+
 # One generated token's log-probabilities: (its id, its logprob), then the `logprobs` most likely (id, logprob)
 # by descending logprob; the log-softmax of the target's raw logits at its position.
 TokenLogprobs = list[tuple[int, float]]
@@ -31,6 +48,7 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)  # n == 1 here: the edges expand n
     stop_strings: StopMatcher | None = None  # for params.stop; the row ends on the step its string completes
+    constraint: Constraint | None = None     # for params.constrained: the logits masked and biased at every position
 
 
 @dataclass
@@ -124,6 +142,12 @@ def new_row(request: Request, *, vocab_size: int, max_model_len: int, eos_token_
     seed = 0
     if not params.greedy:
         seed = params.seed if params.seed is not None else int(torch.randint(2**62, (1,), generator=rng))
+    bad = [t for t in (*(t for t, _ in params.logit_bias or ()), *(params.allowed_token_ids or ())) if t >= vocab_size]
+    if bad:
+        raise ValueError(f"logit_bias / allowed_token_ids: token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+    if params.constrained and request.constraint is None:
+        raise ValueError("params.structured_outputs, logit_bias and allowed_token_ids need a constraint: build requests "
+                         "with frontend.requests.prompt_requests")
     if params.stop and request.stop_strings is None:
         raise ValueError("params.stop needs a stop matcher: build requests with frontend.requests.prompt_requests "
                          "and a tokenizer")

@@ -99,18 +99,18 @@ class StepRunner:
         if mode.penalized and generated:
             self.sampling.penalties.restore(rows, generated)
 
-    def first_tokens(self, rows: slice, last: torch.Tensor, ints: torch.Tensor, mode: StepMode
-                     ) -> tuple[torch.Tensor, tuple | None]:
+    def first_tokens(self, rows: slice, last: torch.Tensor, ints: torch.Tensor, mode: StepMode,
+                     adjust: torch.Tensor | None = None) -> tuple[torch.Tensor, tuple | None]:
         """The first token of each prompt prefilled into slots `rows` from its last position's hidden state `last
         [k, C]`, the rows loaded (`load_rows`); `ints [k, 2]`: each prompt's length and the tokens it may emit after
-        the first. Returns the first tokens `[k]` and, when `mode.logprobs` is set, their logprobs (`token_logprobs`'
-        pair at one position)."""
+        the first; `adjust [k, 1, V]` the constrained rows' logit adjustment (`RowSampling.accept`). Returns the first
+        tokens `[k]` and, when `mode.logprobs` is set, their logprobs (`token_logprobs`' pair at one position)."""
         lengths = ints[:, 0]
         # The first token is an acceptance step with zero drafts at the prompt's last position.
         no_drafts = torch.zeros(len(lengths), 0, dtype=torch.long, device=self.device)
         logits = self.lm_head(last)[:, None]  # [k, 1, V]
         zero = torch.zeros_like(lengths)
-        _, first, _ = self.sampling.accept(rows, logits, no_drafts, zero, (lengths - 1)[:, None], mode)
+        _, first, _ = self.sampling.accept(rows, logits, no_drafts, zero, (lengths - 1)[:, None], mode, adjust)
         if mode.penalized:  # the first token is a generated one
             self.sampling.penalties.commit(rows, first, zero, torch.ones_like(lengths, dtype=torch.bool))
         logprobs = token_logprobs(logits, first, mode.logprobs) if mode.logprobs is not None else None
@@ -146,11 +146,13 @@ class StepRunner:
         self.drafts[:r, :w] = self.proposer.propose(r, self.anchor[:r], self.lens[:r], self.keys(r, key_len), w,
                                                     committed, request_ids)
 
-    def verify(self, r: int, key_len: int, w: int, mode: StepMode, context: bool | None = True):
+    def verify(self, r: int, key_len: int, w: int, mode: StepMode, context: bool | None = True,
+               adjust: torch.Tensor | None = None):
         """Verify `[anchor, drafts[:w]]` for slots `0..r` (their keys below `key_len`: `StepKeys`), accept (as `mode`
         asks), advance the rows and write `self.packed[:r, :w+3]` = (accepted, tokens, near-ties), with `mode.logprobs`
         also `self.logprobs` and `self.logprob_ids` (`read_output` reads them); `context`: also feed the draft's
-        context (None: nor keep the taps for later, `ContextRing.keeps`)."""
+        context (None: nor keep the taps for later, `ContextRing.keeps`); `adjust [r, W+1, V]`: a constrained step's
+        logit adjustment (`RowSampling.accept`)."""
         lens, remaining = self.lens[:r], self.remaining[:r]
         verify_ids = torch.cat([self.anchor[:r, None], self.drafts[:r, :w]], 1)  # [r, W+1]
         positions = lens[:, None] + self.verify_offsets[:w + 1]                  # [r, W+1]
@@ -163,7 +165,8 @@ class StepRunner:
                                    cos_sin=self.cos_sin)
         logits = self.lm_head(hidden)  # [r, W+1, V]
         limit = remaining - 1          # drafts that fit the row's budget beside the bonus
-        accepted, tokens, ties = self.sampling.accept(slice(0, r), logits, verify_ids[:, 1:], limit, positions, mode)
+        accepted, tokens, ties = self.sampling.accept(slice(0, r), logits, verify_ids[:, 1:], limit, positions, mode,
+                                                      adjust)
         if mode.logprobs is not None:
             values, ids = token_logprobs(logits, tokens, mode.logprobs)
             self.logprobs[:r, :w + 1, :mode.logprobs + 1], self.logprob_ids[:r, :w + 1, :mode.logprobs] = values, ids

@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Hashable, Literal, Sequence
 
 from domino_ray.engine.request import Request
+from domino_ray.frontend.constraints import row_constraint
 from domino_ray.frontend.detokenizer import stop_matcher
 from domino_ray.sample.params import SamplingParams
 
@@ -51,11 +52,14 @@ def check_length(prompt_len: int, max_new_tokens: int, max_model_len: int, *, ov
 
 def prompt_requests(request_id: Hashable, prompt_token_ids: Sequence[int], params: SamplingParams, *,
                     tokenizer=None, max_model_len: int | None, over_length: OverLength = "cap",
-                    samples: Sequence[int] | None = None, prompt_field: str = "prompt") -> list[Request]:
+                    samples: Sequence[int] | None = None, prompt_field: str = "prompt",
+                    eos_token_ids: Sequence[int] = ()) -> list[Request]:
     """One prompt's engine requests, one per sample in `samples` (default: all of `params.n`), with ids
     `(request_id, i)`. Raises ValueError naming the problem: stop strings without a tokenizer, a sample index
-    outside n, the length rule (LengthError). `max_model_len` None: the engine's length is not known here, and the
-    engine applies the same rule (it caps, and refuses a prompt that fills its length)."""
+    outside n, the length rule (LengthError), a grammar that does not compile. `max_model_len` None: the engine's
+    length is not known here, and the engine applies the same rule (it caps, and refuses a prompt that fills its
+    length). A constrained request (`structured_outputs`, `logit_bias`, `allowed_token_ids`) gets its constraint
+    (`frontend/constraints.py`); `eos_token_ids`: the engine's, which a finished grammar allows."""
     if params.stop and tokenizer is None:
         raise ValueError(f"stop={list(params.stop)!r} needs a tokenizer to match text, and there is none; use "
                          "stop_token_ids instead")
@@ -66,7 +70,8 @@ def prompt_requests(request_id: Hashable, prompt_token_ids: Sequence[int], param
     out = []
     for i in range(params.n) if samples is None else samples:
         sample = params.for_sample(i)
-        out.append(Request((request_id, i), ids, sample, stop_matcher(tokenizer, sample)))
+        out.append(Request((request_id, i), ids, sample, stop_matcher(tokenizer, sample),
+                           row_constraint(sample, tokenizer, tuple(eos_token_ids))))
     return out
 
 
@@ -80,8 +85,8 @@ def id_requests(prompts: Sequence[Sequence[int]], params: SamplingParams | Seque
     if len(params) != len(prompts):
         raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling parameters")
     for p in params:
-        if p.n != 1 or p.stop:
-            raise ValueError("id_requests runs one sample per prompt without stop strings (n=1, stop=()); use "
+        if p.n != 1 or p.stop or p.constrained:
+            raise ValueError("id_requests runs one sample per prompt without stop strings or constraints; use "
                              "prompt_requests for the rest")
     request_ids = range(len(prompts)) if request_ids is None else request_ids
     return [Request(rid, list(ids), p) for rid, ids, p in zip(request_ids, prompts, params, strict=True)]

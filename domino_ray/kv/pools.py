@@ -20,12 +20,13 @@ graph serves every key length), and elsewhere a gather of the rows' blocks into 
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from domino_ray.backend import ops, paged_triton
+from domino_ray.backend import ops, paged_prefill_triton, paged_triton
 from domino_ray.backend.library import kernels_loaded, takes
 
 NULL_BLOCK = 0
@@ -177,7 +178,13 @@ def prefill_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Ten
     """Prefill over prompt segments laid back to back in one row (no padding): segment i is `lengths[i]` tokens at
     positions `offsets[i]..`, its row's earlier positions already in the pool (a shared prefix, earlier chunks) and its
     own keys written there by this layer. Causal within each segment's row. query `[1, H, N, D]`, keys/values
-    `[1, Hkv, N, D]` (the segments' own), `tables[i]` segment i's block table `[1, nb]` -> `[1, N, H, D]`."""
+    `[1, Hkv, N, D]` (the segments' own), `tables[i]` segment i's block table `[1, nb]` -> `[1, N, H, D]`.
+
+    A segment from offset 0 runs SDPA causal over its own keys (flash or memory-efficient kernels on CUDA). A later one
+    reads its row's blocks in place with our Triton kernel where the pool takes it (`pool.triton`: no `[H, n, L]`
+    scores); elsewhere its row is gathered and SDPA runs with a mask (on CUDA the math kernel, fp32 scores)."""
+    if pool.triton and any(offsets):
+        return _prefill_in_place(query, keys, values, scale, lengths, offsets, tables, pool, layer)
     gqa = query.shape[1] != keys.shape[1]
     out = []
     for q, k, v, offset, table in zip(query.split(lengths, 2), keys.split(lengths, 2), values.split(lengths, 2),
@@ -192,6 +199,30 @@ def prefill_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Ten
         mask = visible_keys(limits, torch.arange(length, device=q.device), q.dtype)  # [1, 1, n, length]
         out.append(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa))
     return (out[0] if len(out) == 1 else torch.cat(out, 2)).transpose(1, 2)
+
+
+def _prefill_in_place(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
+                      lengths: tuple[int, ...], offsets: tuple[int, ...], tables: tuple, pool: KVPool,
+                      layer: int) -> torch.Tensor:
+    """`prefill_attention` on the Triton path: one kernel launch for the segments past offset 0, SDPA for the others,
+    each writing its rows of one output `[1, N, H, D]` (the only workspace: no gathered row, no mask, no scores)."""
+    _, h, n, d = query.shape
+    out = torch.empty(1, n, h, d, dtype=query.dtype, device=query.device)  # [1, N, H, D]
+    starts = [0, *itertools.accumulate(lengths)][:-1]  # each segment's first row
+    late = [i for i, offset in enumerate(offsets) if offset > 0]
+    for i, offset in enumerate(offsets):
+        if offset == 0:
+            rows = slice(starts[i], starts[i] + lengths[i])
+            out[:, rows] = F.scaled_dot_product_attention(query[:, :, rows], keys[:, :, rows], values[:, :, rows],
+                                                          is_causal=True, scale=scale,
+                                                          enable_gqa=h != keys.shape[1]).transpose(1, 2)
+    q = query[0].transpose(0, 1)  # [N, H, D], a view
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    paged_prefill_triton.paged_prefill(q, pool.keys[layer], pool.values[layer], [tables[i] for i in late],
+                                       [starts[i] for i in late], [offsets[i] for i in late],
+                                       [lengths[i] for i in late], scale, out[0])
+    return out
 
 
 def row_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor,

@@ -13,6 +13,7 @@ text is mostly noise: no use worth a second limit.
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -53,6 +54,59 @@ SAMPLING_CHECKS: dict[str, tuple[Any, str]] = {
 }
 
 
+# vLLM's StructuredOutputsParams kinds (one per request) -> what the value must be. `json` takes a schema (a dict or its
+# JSON text), `json_object` true (any JSON object), `regex` a pattern, `choice` the strings to choose among, `grammar` an
+# EBNF/GBNF or Lark grammar.
+STRUCTURED_KINDS = {"json": "a JSON schema (an object or its JSON text)", "json_object": "true",
+                    "regex": "a regular expression", "choice": "a non-empty list of strings",
+                    "grammar": "an EBNF (GBNF) or Lark grammar"}
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value
+
+
+def structured_output(value) -> tuple[str, str] | None:
+    """A request's `structured_outputs` (vLLM's fields, one kind: `{"json": schema}`, `{"json_object": true}`,
+    `{"regex": ...}`, `{"choice": [...]}`, `{"grammar": ...}`) -> (kind, text): the schema and the choices as JSON
+    text (keys sorted: one text per schema, the grammar cache's key). None for None. ValueError naming the field."""
+    if value is None or (isinstance(value, tuple) and len(value) == 2 and value[0] in STRUCTURED_KINDS):
+        return value
+    # vLLM's `backend` picks its grammar library: ours is llguidance whatever it names (the output is the same language)
+    given = ({k: v for k, v in value.items() if v not in (None, False) and k != "backend"}
+             if isinstance(value, dict) else None)
+    if not given or len(given) != 1 or next(iter(given)) not in STRUCTURED_KINDS:
+        raise ValueError("sampling parameter " + invalid_value(
+            "structured_outputs", value, "an object with exactly one of " + ", ".join(STRUCTURED_KINDS)))
+    kind, spec = next(iter(given.items()))
+    ok = {"json": isinstance(spec, (dict, str)), "json_object": spec is True,
+          "regex": isinstance(spec, str) and spec != "", "grammar": isinstance(spec, str) and spec.strip() != "",
+          "choice": isinstance(spec, (list, tuple)) and bool(spec) and all(isinstance(s, str) for s in spec)}[kind]
+    if not ok:
+        raise ValueError("sampling parameter " + invalid_value(f"structured_outputs.{kind}", spec, STRUCTURED_KINDS[kind]))
+    if kind == "json" and isinstance(spec, str):
+        try:
+            spec = json.loads(spec)
+        except ValueError as exc:
+            raise ValueError(f"sampling parameter structured_outputs.json is not valid JSON: {exc}") from None
+    if kind in ("json", "choice"):
+        return kind, json.dumps(list(spec) if kind == "choice" else spec, sort_keys=True)
+    return kind, "" if kind == "json_object" else spec
+
+
+def logit_bias_pairs(value) -> tuple[tuple[int, float], ...] | None:
+    """OpenAI's `logit_bias` ({token id (an int or its string): bias in [-100, 100]}) -> sorted (id, bias) pairs."""
+    if value is None or isinstance(value, tuple):
+        return value
+    expected = f"an object of token ids to numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]"
+    if not isinstance(value, dict):
+        raise ValueError("sampling parameter " + invalid_value("logit_bias", value, expected))
+    pairs = []
+    for key, bias in value.items():
+        token = int(key) if isinstance(key, str) and key.isdigit() else key
+        if not is_int(token) or token < 0 or not _is_number(bias) or abs(bias) > MAX_LOGIT_BIAS:
+            raise ValueError("sampling parameter " + invalid_value("logit_bias", value, expected))
+        pairs.append((token, float(bias)))
+    return tuple(sorted(pairs))
+
+
 def invalid_value(name: str, value, expected: str) -> str:
     """The one message format for a bad value: `<name>=<value> is invalid: expected <what>`."""
     return f"{name}={value!r} is invalid: expected {expected}"
@@ -75,10 +129,20 @@ class SamplingParams:
     frequency_penalty: float = 0.0           # OpenAI: minus this times the token's count in the generated tokens
     repetition_penalty: float = 1.0          # HF/vLLM: logit / p (> 0) or * p (< 0) for prompt and generated tokens
     min_tokens: int = 0                      # EOS and stop ids suppressed until this many tokens are generated
+    # Constraints (the target's distribution masked at every position): vLLM's `structured_outputs` (a dict of one
+    # kind, kept as (kind, text): `structured_output`), OpenAI's `logit_bias` (kept as sorted (id, bias) pairs) and
+    # vLLM's `allowed_token_ids`
+    structured_outputs: Any = None
+    logit_bias: Any = None
+    allowed_token_ids: tuple[int, ...] | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
+        object.__setattr__(self, "structured_outputs", structured_output(self.structured_outputs))
+        object.__setattr__(self, "logit_bias", logit_bias_pairs(self.logit_bias))
+        if isinstance(self.allowed_token_ids, list):
+            object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
         self.validate()
 
     def validate(self):
@@ -87,6 +151,10 @@ class SamplingParams:
             value = getattr(self, name)
             if not ok(value):
                 raise ValueError("sampling parameter " + invalid_value(name, value, expected))
+        allowed = self.allowed_token_ids
+        if allowed is not None and not (allowed and all(is_int(t) and t >= 0 for t in allowed)):
+            raise ValueError("sampling parameter " + invalid_value("allowed_token_ids", allowed,
+                                                                   "null or a non-empty list of ints >= 0"))
         if self.min_tokens > self.max_new_tokens:
             raise ValueError("sampling parameter " + invalid_value(
                 "min_tokens", self.min_tokens, f"an int <= max_new_tokens ({self.max_new_tokens})"))
@@ -100,6 +168,12 @@ class SamplingParams:
         """Whether the verify step must adjust this row's logits (penalties, min_tokens): host-known."""
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
                 or self.min_tokens > 0)
+
+    @property
+    def constrained(self) -> bool:
+        """Whether this row's logits are masked or biased at every position (a grammar, logit_bias,
+        allowed_token_ids): host-known, so rows without pay nothing."""
+        return self.structured_outputs is not None or bool(self.logit_bias) or self.allowed_token_ids is not None
 
     def for_sample(self, index: int) -> "SamplingParams":
         """The parameters of sample `index` of `n` (n = 1): sample 0 keeps the seed, so it equals the n = 1

@@ -44,6 +44,8 @@ class StepMode(NamedTuple):
     filtered: bool = False         # some sampled row filters (top-k/top-p: a sort over the vocabulary)
     penalized: bool = False        # some row has penalties or min_tokens (`SamplingParams.penalized`)
     logprobs: int | None = None    # the most top alternatives a row asks (None: no row asks for logprobs)
+    constrained: bool = False      # some row's logits are masked or biased (`SamplingParams.constrained`): the host
+    #                                reads the drafts to build each position's mask, so the step runs eagerly
 
 
 GREEDY = StepMode()
@@ -55,7 +57,8 @@ def sampling_mode(params: Iterable[SamplingParams]) -> StepMode:
     sampled = any(not p.greedy for p in params)
     return StepMode(sampled, sampled and any(p.top_k > 0 or p.top_p < 1.0 for p in params),
                     any(p.penalized for p in params),
-                    max((p.logprobs for p in params if p.logprobs is not None), default=None))
+                    max((p.logprobs for p in params if p.logprobs is not None), default=None),
+                    any(p.constrained for p in params))
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,12 +101,17 @@ class RowSampling:
         self.penalties.move(src, dst)
 
     def accept(self, rows: slice, logits: torch.Tensor, drafts: torch.Tensor, limit: torch.Tensor,
-               positions: torch.Tensor, mode: StepMode) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+               positions: torch.Tensor, mode: StepMode, adjust: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """logits `[n, W+1, V]` at `positions [n, W+1]` after drafts `[n, W]`, limit `[n]` for slots `rows` ->
         (accepted `[n]`, tokens `[n, W+1]`, the greedy rows' near-ties `[n]` as bit masks with 16-bit logits, else
-        None), for a step of `mode` (`sampling_mode`, host-known)."""
+        None), for a step of `mode` (`sampling_mode`, host-known). `adjust [n, W+1, V]` (constrained steps): added to
+        the logits after the penalties, -inf where a row's constraint refuses a token (`Constraint.logit_adjust`): the
+        target's distribution is the constrained one at every position, so a refused draft is rejected there."""
         if mode.penalized:
             logits = self.penalties.apply(rows, logits, drafts)
+        if adjust is not None:
+            logits = logits + adjust.to(logits.dtype)
         temperature = self.temperature[rows]
         ties = near_tie_mask(logits, temperature == 0, self.tie_dtype) if self.tie_dtype else None
         accepted, tokens = greedy_accept(target_logits=logits, drafts=drafts, limit=limit)

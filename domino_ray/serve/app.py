@@ -6,7 +6,7 @@ Each replica loads the target (+ Domino draft) once and runs it on an `EngineLoo
 request submits one engine request per choice (`n`) and awaits their streams, so concurrent requests share
 the running batch (continuous batching) and tokens stream back as they are committed. A client that goes
 away cancels its handler, which aborts its engine requests and frees their slots. Request parsing lives in
-the Ray-free `openai_api`, response bodies in `responses`, the request's text stream in `text_stream`,
+the Ray-free `openai_api`, response bodies in `responses`, the request's n choices streamed in `choices`,
 the counters in `metrics`; this module is FastAPI + Serve.
 
 With an API key (`serve.api_key` or DOMINO_RAY_API_KEY, `config.serve_api_key`) the /v1 routes require
@@ -17,7 +17,7 @@ OpenAI-shaped 401 that costs no engine work. `/health` and `/load` stay open. Fa
 Overload is answered at once, never by unbounded waiting: beyond `serve.max_waiting_requests` waiting
 for an engine slot the replica answers 429 (EngineLoop QueueFull); beyond `serve.max_ongoing_requests`
 per replica, requests queue at the proxy up to `serve.max_queued_requests`, then Serve's proxy answers
-429 itself (a plain-text body Serve 2.60 does not let an app shape; README "Overload").
+429 itself (a plain-text body Serve 2.60 does not let an app shape; docs/serving.md "Overload").
 
 Every request the replica sees shares its queue, `/health` too, so load balancers probe the `HealthProbe`
 app (`build_health_app`, route `/health`): a replica-free deployment that reads Serve's own view of the
@@ -331,8 +331,8 @@ class HealthProbe:
 
     It never touches an engine replica (whose queue it would wait in): it asks the Serve controller,
     which health-checks the replicas itself (`DominoServer.check_health`) and replaces failed ones.
-    It runs on the head node, beside the controller: placed on a worker node (Serve spreads replicas), it
-    went down with that node, and /health timed out for ~30 s while its replacement started."""
+    It runs on the head node, beside the controller: on a worker node (Serve spreads replicas) it would go down
+    with that node, and /health would time out while its replacement starts."""
 
     def __init__(self, app_name: str):
         self.app_name = app_name

@@ -45,7 +45,8 @@ async def generate(loop: EngineLoop, response_id: str, parsed: ParsedRequest, mo
     """
     try:  # parse_request applied the same rules (naming the client's fields): this refuses nothing it let through
         requests = prompt_requests(response_id, parsed.prompt_token_ids, parsed.params, tokenizer=model.tokenizer,
-                                   max_model_len=model.max_model_len, over_length="refuse")
+                                   max_model_len=model.max_model_len, over_length="refuse",
+                                   eos_token_ids=model.eos_token_ids)
     except ValueError as exc:
         raise APIError(400, str(exc)) from None
     n = len(requests)

@@ -11,19 +11,23 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from domino_ray.frontend.constraints import row_constraint
 from domino_ray.frontend.requests import LengthError, check_length
 from domino_ray.target.loading import encode_prompt
 from domino_ray.sample.params import MAX_LOGPROBS, SAMPLING_CHECKS, SamplingParams, invalid_value, is_int
 
 # Fields we accept only at a neutral value (OpenAI and vLLM features this server does not implement).
 NEUTRAL = {
-    "logit_bias": (None, {}), "echo": (None, False), "suffix": (None,), "best_of": (None, 1), "tools": (None, []),
+    "echo": (None, False), "suffix": (None,), "best_of": (None, 1), "tools": (None, []),
     "tool_choice": (None, "none"), "parallel_tool_calls": (None, True, False),
-    "response_format": (None, {"type": "text"}), "user": None, "metadata": None, "store": (None, False),
+    "user": None, "metadata": None, "store": (None, False),
 }
 PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty")
+# vLLM's earlier spellings of its structured_outputs kinds (guided_json: a schema, ...)
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n", "stream", "stream_options",
-          "ignore_eos", "stop_token_ids", "include_stop_str_in_output", "min_tokens", "logprobs", *PENALTIES}
+          "ignore_eos", "stop_token_ids", "include_stop_str_in_output", "min_tokens", "logprobs", *PENALTIES,
+          "logit_bias", "allowed_token_ids", "response_format", "structured_outputs", *GUIDED}
 FIELDS = {"completion": COMMON | {"prompt"},
           "chat": COMMON | {"messages", "max_completion_tokens", "chat_template_kwargs", "top_logprobs"}}
 
@@ -196,9 +200,53 @@ def _sampling(body: dict, kind: str, model: ModelSpec, prompt_len: int, prompt_f
             stop=_stop_strings(body, d.stop),
             include_stop_str_in_output=_bool(body, "include_stop_str_in_output", d.include_stop_str_in_output),
             n=n, logprobs=_logprobs(body, kind), min_tokens=min_tokens,
-            **{name: float(_sampling_field(body, name, getattr(d, name))) for name in PENALTIES})
+            **{name: float(_sampling_field(body, name, getattr(d, name))) for name in PENALTIES},
+            **_constraints(body, model))
     except ValueError as exc:  # SamplingParams.validate: a backstop, the checks above come first
         raise APIError(400, str(exc)) from None
+
+
+def _constraints(body: dict, model: ModelSpec) -> dict:
+    """SamplingParams' constraint fields from OpenAI's `response_format` (json_schema, json_object, text), vLLM's
+    `structured_outputs` (or its `guided_*` fields), `logit_bias` and `allowed_token_ids`; checked here, the grammar
+    compiled once (`frontend.constraints`, cached by its text), so a bad one is a 400 naming its field."""
+    given = [name for name in ("response_format", "structured_outputs", *GUIDED) if body.get(name) is not None
+             and body.get(name) != {"type": "text"}]
+    if len(given) > 1:
+        raise APIError(400, f"give one of {', '.join(given)}: each constrains the whole output", given[1])
+    field, structured = (given[0] if given else None), None
+    if field == "response_format":
+        structured = _response_format(body[field])
+    elif field == "structured_outputs":
+        structured = body[field]
+    elif field is not None:
+        structured = {GUIDED[field]: body[field]}
+    out = {"structured_outputs": structured, "logit_bias": body.get("logit_bias") or None,
+           "allowed_token_ids": body.get("allowed_token_ids")}
+    for name, value in out.items():
+        try:
+            params = SamplingParams(**{name: value})
+            row_constraint(params, model.tokenizer, model.eos_token_ids)
+        except ValueError as exc:
+            raise APIError(400, str(exc).removeprefix("sampling parameter "), field if name == "structured_outputs"
+                           else name) from None
+        if name != "structured_outputs" and any(t >= model.vocab_size for t in (
+                dict(params.logit_bias or ()) if name == "logit_bias" else params.allowed_token_ids or ())):
+            raise APIError(400, f"{name}: token ids must be in [0, {model.vocab_size})", name)
+    return out
+
+
+def _response_format(value) -> dict | None:
+    """OpenAI's response_format -> structured_outputs: {"type": "json_schema", "json_schema": {"schema": ...}},
+    {"type": "json_object"} or {"type": "text"} (none)."""
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema" and isinstance(value.get("json_schema"), dict) and "schema" in value["json_schema"]:
+        return {"json": value["json_schema"]["schema"]}
+    raise APIError(400, f"response_format={value!r} is invalid: expected {{\"type\": \"json_schema\", \"json_schema\": "
+                        "{\"name\": ..., \"schema\": {...}}}, {\"type\": \"json_object\"} or {\"type\": \"text\"}",
+                   "response_format")
 
 
 def _stop_strings(body: dict, defaults: tuple[str, ...]) -> tuple[str, ...]:
