@@ -5,7 +5,7 @@ import sys
 
 import torch
 
-import domino_ray.engine.core
+import domino_ray.engine.build
 from domino_ray.engine.core import SpecEngine
 from tiny_models import tiny_target
 
@@ -52,7 +52,7 @@ def test_kept_freed_memory_ends_the_page_faults_of_repeated_forwards():
 
 def test_a_cpu_engine_keeps_freed_memory(monkeypatch):
     calls = []
-    monkeypatch.setattr(domino_ray.engine.core, "keep_freed_memory", lambda: calls.append(1) or True)
+    monkeypatch.setattr(domino_ray.engine.build, "keep_freed_memory", lambda: calls.append(1) or True)
     SpecEngine(tiny_target("llama", dtype=torch.float32), max_rows=2, max_model_len=64)
     assert calls
 

@@ -264,12 +264,15 @@ def test_resume_compares_ids_and_settings(tmp_path):
     ({"stop": ["ok", ""]}, "sampling_params: sampling parameter stop=.* is invalid"),
     ({"presence_penalty": 3}, "presence_penalty=3 is invalid"),
     ({"min_tokens": 9}, r"min_tokens=9 is invalid: expected an int <= max_new_tokens \(8\)"),
-    ({"logit_bias": {"5": 1.0}}, r"^sampling_params.logit_bias is not supported$"),
+    ({"logit_bias": {"5": 101.0}}, r"^sampling_params: sampling parameter logit_bias=.* is invalid"),
     ({"use_beam_search": True}, r"^sampling_params.use_beam_search=True is not supported \(only False\)$"),
     ({"best_of": 2}, "sampling_params.best_of is not supported"),
-    ({"guided_decoding": {"json": {}}}, "sampling_params.guided_decoding is not supported"),
-    ({"structured_outputs": {"regex": "a+"}}, "sampling_params.structured_outputs is not supported"),
-    ({"allowed_token_ids": [1]}, "sampling_params.allowed_token_ids is not supported"),
+    ({"guided_decoding": {"json": {}, "regex": "a"}}, "structured_outputs=.* is invalid: expected an object with "
+                                                       "exactly one of json"),
+    ({"structured_outputs": {"choice": []}}, r"structured_outputs.choice=\[\] is invalid"),
+    ({"guided_decoding": {"json": {}}, "structured_outputs": {"json": {}}}, "gives both guided_decoding and "
+                                                                            "structured_outputs"),
+    ({"allowed_token_ids": [1, -2]}, "allowed_token_ids=.* is invalid"),
     ({"bad_words": ["x"]}, "sampling_params.bad_words is not supported"),
     ({"prompt_logprobs": 1}, "sampling_params.prompt_logprobs is not supported"),
     ({"truncate_prompt_tokens": 5}, "sampling_params.truncate_prompt_tokens is not supported"),
@@ -287,8 +290,12 @@ def test_bad_and_unsupported_sampling_fields_name_the_field(overrides, message):
 def test_vllm_fields_asking_for_nothing_and_the_new_fields_pass():
     base = SamplingParams(max_new_tokens=8)
     neutral = {"use_beam_search": False, "skip_special_tokens": True, "logit_bias": {}, "bad_words": [],
-               "min_p": 0.0, "best_of": None}
+               "min_p": 0.0, "best_of": None, "structured_outputs": None}
     assert row_params(neutral, base, None, 1) == base
+    constrained = row_params({"guided_decoding": {"regex": "a+", "backend": "xgrammar"}, "allowed_token_ids": [3, 4],
+                              "logit_bias": {"3": -2}}, base, None, 1)
+    assert (constrained.structured_outputs, constrained.allowed_token_ids, constrained.logit_bias) == (
+        ("regex", "a+"), (3, 4), ((3, -2.0),))
     p = row_params('{"stop": ["a b", "c"], "include_stop_str_in_output": true, "n": 3, "logprobs": 2, '
                    '"presence_penalty": 0.5, "min_tokens": 2, "temperature": 1.0}', base, 7, "x")
     assert (p.stop, p.include_stop_str_in_output, p.n, p.logprobs, p.min_tokens) == (("a b", "c"), True, 3, 2, 2)

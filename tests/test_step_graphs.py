@@ -52,9 +52,9 @@ def test_greedy_steps_stay_within_the_captured_keys():
         allowed = set(greedy_step_keys(engine.row_buckets, engine.widths))
         seen, device_step = set(), engine._device_step
 
-        def recording(r, key_len, w, mode, context):
+        def recording(r, key_len, w, mode, context, forced=()):
             seen.add(("step", r, w, mode, context))
-            return device_step(r, key_len, w, mode, context)
+            return device_step(r, key_len, w, mode, context, forced)
         engine._device_step = recording
         engine.generate([Request(i, p, SamplingParams(max_new_tokens=24)) for i, p in enumerate(prompts)])
         # beyond them only the written-off draft's W = 0 steps without context (this random draft's fate)

@@ -93,8 +93,8 @@ def structured_output(value) -> tuple[str, str] | None:
 
 def logit_bias_pairs(value) -> tuple[tuple[int, float], ...] | None:
     """OpenAI's `logit_bias` ({token id (an int or its string): bias in [-100, 100]}) -> sorted (id, bias) pairs."""
-    if value is None or isinstance(value, tuple):
-        return value
+    if value is None or isinstance(value, tuple) or value == {}:  # {}: OpenAI's "no bias"
+        return value or None
     expected = f"an object of token ids to numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]"
     if not isinstance(value, dict):
         raise ValueError("sampling parameter " + invalid_value("logit_bias", value, expected))
