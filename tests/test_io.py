@@ -160,7 +160,7 @@ def test_summary_reconciles_with_rows():
     assert s["rows"] == {"total": 4, "ok": 3, "failed": 1, "unique_ids": 4}
     assert s["totals"] == {"num_input_tokens": 9, "num_generated_tokens": 12, "num_spec_steps": 6,
                            "num_draft_tokens": 9, "num_accepted_draft_tokens": 3,
-                           "near_ties": 0}  # fp32 logits: none counted
+                           "near_ties": 0, "num_forced_tokens": 0}  # fp32 logits: none counted; no constraint
     assert s["acceptance_histogram"] == [3, 3, 0] and s["per_position_acceptance"] == [0.5, 0.0]
     assert s["mean_acceptance_length"] == 1.5 and s["draft_acceptance_rate"] == pytest.approx(3 / 9)
     assert s["errors"] == {"too long": 1} and s["run"]["tokens_per_s"] == 6.0

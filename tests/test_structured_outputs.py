@@ -55,6 +55,11 @@ def test_greedy_constrained_speculative_equals_target_only_and_every_output_is_i
     assert all(check(out.text) for out in finished), [out.text for out in finished]
     assert finished or name == "json_object"  # any object: the demo target writes strings it never closes
     assert sum(o.stats["num_accepted_draft_tokens"] for o in outs["k4"]) > 0  # the verify did accept drafts
+    for out in outs["k4"]:  # forced tokens (the grammar's only continuation) are counted among the accepted drafts
+        assert 0 <= out.stats["num_forced_tokens"] <= out.stats["num_accepted_draft_tokens"]
+    assert all(o.stats["num_forced_tokens"] == 0 for o in outs["target_only"])
+    if name in ("json", "choice"):  # keys and punctuation, the rest of a choice: forced
+        assert sum(o.stats["num_forced_tokens"] for o in outs["k4"]) > 0
 
 
 def test_sampled_constrained_rows_follow_their_seed_and_the_schema(engines):

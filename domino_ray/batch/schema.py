@@ -42,6 +42,7 @@ GENERATED_FIELDS = [
     pa.field("acceptance_histogram", pa.list_(pa.int32())),  # [K+1]: steps that accepted exactly j drafts
     pa.field("verify_width_histogram", pa.list_(pa.int32())),  # [K+1]: steps that verified W = j drafts
     pa.field("near_ties", pa.int32()),                    # greedy tokens at 16-bit near-ties (verify.near_tie_mask)
+    pa.field("num_forced_tokens", pa.int32()),            # accepted drafts a constraint forced (structured outputs)
     pa.field("time_to_first_token_s", pa.float64()),
     pa.field("time_taken_llm_s", pa.float64()),
     pa.field("error", pa.string()),                       # null on success
@@ -200,7 +201,7 @@ def error_row(reason: str, *, num_spec_tokens: int) -> dict:
         "num_spec_steps": 0, "num_draft_tokens": 0, "num_accepted_draft_tokens": 0,
         "mean_acceptance_length": 0.0, "draft_acceptance_rate": 0.0,
         "acceptance_histogram": [0] * (num_spec_tokens + 1), "verify_width_histogram": [0] * (num_spec_tokens + 1),
-        "near_ties": 0, "time_to_first_token_s": 0.0,
+        "near_ties": 0, "num_forced_tokens": 0, "time_to_first_token_s": 0.0,
         "time_taken_llm_s": 0.0, "error": reason,
     }
 

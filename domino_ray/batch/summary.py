@@ -17,11 +17,11 @@ from domino_ray.spec_decode.width_policy import DRAFTING_MARGIN, best_width
 
 STATS_COLUMNS = ["finish_reason", "error", "num_input_tokens", "num_generated_tokens", "num_spec_tokens",
                  "num_spec_steps", "num_draft_tokens", "num_accepted_draft_tokens", "acceptance_histogram",
-                 "verify_width_histogram", "near_ties", "time_to_first_token_s"]
+                 "verify_width_histogram", "near_ties", "num_forced_tokens", "time_to_first_token_s"]
 KV_CACHE_SUMS = ("blocks", "peak_blocks_used", "peak_rows", "preemptions", "prefix_hit_tokens")
 MAX_ERROR_REASONS = 20  # in _summary.json; the printed summary shows 5
 TOTALS = ["num_input_tokens", "num_generated_tokens", "num_spec_steps", "num_draft_tokens",
-          "num_accepted_draft_tokens", "near_ties"]
+          "num_accepted_draft_tokens", "near_ties", "num_forced_tokens"]
 
 
 def summarize(rows: pa.Table, id_column: str, *, run: dict, config: dict, output_uri: str) -> dict:
@@ -120,6 +120,9 @@ def human_summary(s: dict) -> str:
     if s["totals"].get("near_ties"):
         lines.append(f"  {s['totals']['near_ties']} greedy tokens at near-ties of the target's top two logits (16-bit "
                      "rounding: where speculative may differ from target-only)")
+    if s["totals"].get("num_forced_tokens"):
+        lines.append(f"  {s['totals']['num_forced_tokens']} accepted drafts were forced by the rows' constraints "
+                     "(structured outputs: the grammar's only continuation)")
     kv = s.get("kv_cache")
     if kv:
         lines.append(f"  KV cache ({kv['actors']} engine{'s' if kv['actors'] > 1 else ''}): {kv['blocks']} blocks x "

@@ -18,21 +18,23 @@ def update_from_output(rows: list[Row], output: StepOutput, now: float) -> list[
     events = []
     for i, row in enumerate(rows):
         drafted = min(output.width, row.draft_budget)  # before `commit` adds the step's tokens
-        events.append(commit(row, output.committed(i), now, step=(drafted, output.width),
+        forced = output.forced[i] if output.forced else 0
+        events.append(commit(row, output.committed(i), now, step=(drafted, output.width, forced),
                              logprobs=output.row_logprobs(i), near_ties=output.near_ties[i]))
     return events
 
 
-def commit(row: Row, tokens: list[int], now: float, *, step: tuple[int, int] | None = None,
+def commit(row: Row, tokens: list[int], now: float, *, step: tuple[int, int, int] | None = None,
            logprobs: tuple[list, list] | None = None, near_ties: int = 0) -> StepEvent:
     """Append a step's `tokens` to `row` under its stop and length rules: the step's event, with the completion when
-    the row finished. `step`: (drafts counted, verify width) for a decode step; None for the prefill's first token.
+    the row finished. `step`: (drafts counted, verify width, forced drafts) for a decode step; None for the
+    prefill's first token.
     `logprobs`: the step's (values `[q][1 + N]`, ids `[q][N]`) per position, N the step's largest (the row keeps its
     own N). `near_ties`: a bit mask over `tokens`, the near-ties (`verify.near_tie_mask`)."""
     tokens = cut_at_stop_id(row, tokens)      # 1. stop ids
     tokens = cut_at_stop_string(row, tokens)  # 2. stop strings
     if step is not None:                      # 3. statistics of the tokens kept
-        row.stats.observe_step(step[0], len(tokens) - 1, step[1])
+        row.stats.observe_step(step[0], len(tokens) - 1, step[1], step[2])
     row.stats.near_ties += count_near_ties(near_ties, len(tokens))  # 4. near-ties among them
     row.tokens.extend(tokens)
     if row.request.constraint is not None:   # 5. a constraint (a grammar's state) moves past them

@@ -322,7 +322,7 @@ class SpecEngine:
         started = time.perf_counter()
         self.ring.before_step(w, context, n, self.runner.lens, self.runner.block_tables)  # timed with the step
         timed = self._device_step(r, key_len, w, mode, context, forced)  # 4-6. draft, verify, accept
-        output = self.runner.read_output(n, w, mode.logprobs)  # 7. the step's one host sync
+        output = self.runner.read_output(n, w, mode.logprobs, [len(f[:w]) for f in forced])  # 7. one host sync
         now = time.perf_counter()
         # A step that captured a graph says nothing about its width's cost; one widened for forced tokens nothing
         # about the draft's acceptance

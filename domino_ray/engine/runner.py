@@ -184,9 +184,10 @@ class StepRunner:
         lens += advance
         remaining -= advance
 
-    def read_output(self, n: int, w: int, logprobs: int | None = None) -> StepOutput:
+    def read_output(self, n: int, w: int, logprobs: int | None = None, forced: list[int] = ()) -> StepOutput:
         """The outcome of a step at width `w` for slots `0..n`, read to the host at one sync: accepted counts, tokens
-        and near-ties, and with `logprobs` (the step's N) the positions' logprobs and top ids."""
+        and near-ties, and with `logprobs` (the step's N) the positions' logprobs and top ids; `forced`: each row's
+        forced drafts (a constrained step's, for the statistics)."""
         views = [(self.packed[:n, :w + 3], self.packed_host[:n, :w + 3])]
         if logprobs is not None:
             views += [(self.logprobs[:n, :w + 1, :logprobs + 1], self.logprobs_host[:n, :w + 1, :logprobs + 1]),
@@ -197,7 +198,7 @@ class StepRunner:
             torch.cuda.current_stream(self.device).synchronize()
         packed, *lp = [(host if self.device.type == "cuda" else device).tolist() for device, host in views]  # [n, W+3]
         return StepOutput(w, [row[0] for row in packed], [row[1:w + 2] for row in packed],
-                          [row[w + 2] for row in packed], *lp)
+                          [row[w + 2] for row in packed], *(lp or (None, None)), forced=list(forced))
 
     # ---- slots ------------------------------------------------------------------------------------
 

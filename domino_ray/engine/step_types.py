@@ -55,6 +55,7 @@ class StepOutput:
     near_ties: list[int]                # [n] bit masks over `tokens`: near-ties (`verify.near_tie_mask`), 0: uncounted
     logprobs: list | None = None        # [n][W+1][1+N] each position's token's logprob, then the top N's; None: unasked
     logprob_ids: list | None = None     # [n][W+1][N] the top N's ids
+    forced: list[int] = field(default_factory=list)  # [n] leading drafts a constraint forced (none: empty)
 
     def committed(self, i: int) -> list[int]:
         """Row `i`'s accepted drafts and its bonus token, before any stop rule."""

@@ -23,6 +23,9 @@ class RowStats:
     # greedy tokens chosen where the target's top two logits were within 16-bit rounding (`verify.near_tie_mask`):
     # the only places speculative may differ from target-only (0 for fp32 logits: not counted)
     near_ties: int = 0
+    # accepted drafts that a constraint forced (its grammar's only continuation, put ahead of the draft's: they count
+    # among `num_accepted_draft_tokens` too)
+    num_forced_tokens: int = 0
 
     def __post_init__(self):
         if not self.acceptance_histogram:
@@ -30,13 +33,15 @@ class RowStats:
         if not self.verify_width_histogram:
             self.verify_width_histogram = [0] * (self.num_spec_tokens + 1)
 
-    def observe_step(self, num_draft_tokens: int, num_accepted: int, width: int | None = None):
+    def observe_step(self, num_draft_tokens: int, num_accepted: int, width: int | None = None, forced: int = 0):
         """One verify step at width `width` (default K) that could accept `num_draft_tokens` drafts (the width
-        capped by the row's budget) and accepted `num_accepted`."""
+        capped by the row's budget) and accepted `num_accepted`, the first `forced` of them forced drafts (those
+        accepted)."""
         assert 0 <= num_accepted <= max(num_draft_tokens, 0), (num_accepted, num_draft_tokens)
         self.num_spec_steps += 1
         self.num_draft_tokens += num_draft_tokens
         self.num_accepted_draft_tokens += num_accepted
+        self.num_forced_tokens += min(forced, num_accepted)
         self.acceptance_histogram[num_accepted] += 1
         self.verify_width_histogram[self.num_spec_tokens if width is None else width] += 1
 
@@ -64,6 +69,7 @@ class RowStats:
             "acceptance_histogram": list(self.acceptance_histogram),
             "verify_width_histogram": list(self.verify_width_histogram),
             "near_ties": self.near_ties,
+            "num_forced_tokens": self.num_forced_tokens,
         }
 
 
@@ -97,6 +103,7 @@ def total_stats(rows) -> RowStats:
         total.num_draft_tokens += r.num_draft_tokens
         total.num_accepted_draft_tokens += r.num_accepted_draft_tokens
         total.near_ties += r.near_ties
+        total.num_forced_tokens += r.num_forced_tokens
     if rows:
         total.acceptance_histogram = merge_histograms(r.acceptance_histogram for r in rows)
         total.verify_width_histogram = merge_histograms(r.verify_width_histogram for r in rows)
