@@ -116,7 +116,7 @@ def main(argv=None):
                 f"{row['auto_over_target_only_constrained']:.2f}x (tau {row['tau_auto']:.2f}); "
                 f"{valid}/{len(work)} finished and valid", flush=True)
     if args.json:
-        args.json.write_text(json.dumps(results, indent=2))
+        args.json.write_text(json.dumps(results, indent=2, default=str))
 
 
 if __name__ == "__main__":

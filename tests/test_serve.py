@@ -11,7 +11,6 @@ metrics counters reconcile with what the responses reported.
 """
 
 import asyncio
-import os
 import socket
 import time
 from pathlib import Path

@@ -217,3 +217,15 @@ def test_serves_fields_become_the_same_constraints():
         with pytest.raises(APIError) as info:
             parse(body)
         assert info.value.status == 400 and info.value.param == param, (body, info.value.message)
+
+
+def test_forced_tokens_widen_a_step_only_where_the_cost_table_says_they_pay():
+    from domino_ray.engine.constrained import forced_width
+
+    forced = [[5, 6, 7]] + [[]] * 15  # one row of 16 has three forced tokens
+    assert forced_width(forced, 0, 8) == 3  # a fixed K: wide enough for them
+    cheap = {0: 1.0, 1: 1.01, 2: 1.02, 4: 1.04, 8: 1.1}   # widths cost almost nothing: take them
+    dear = {0: 1.0, 1: 1.5, 2: 2.0, 4: 3.0, 8: 5.0}       # 16 rows on a CPU: +3 tokens do not pay for 2x the step
+    assert forced_width(forced, 0, 8, cheap) == 4 and forced_width(forced, 0, 8, dear) == 0
+    assert forced_width([[5, 6, 7]], 0, 8, dear) == 2   # one row alone: 3 tokens for 2x pay
+    assert forced_width([[5]], 4, 8, cheap) == 4          # never narrower than the policy's width

@@ -17,9 +17,23 @@ def forced_tokens(rows: list[Row]) -> list[list[int]]:
     return [row.request.constraint.forced() if row.request.constraint is not None else [] for row in rows]
 
 
-def forced_width(forced: list[list[int]], width: int, num_spec_tokens: int) -> int:
-    """The step's verify width with forced tokens as drafts: at least the most forced tokens of a row, at most K."""
-    return max(width, min(max(map(len, forced), default=0), num_spec_tokens))
+def forced_width(forced: list[list[int]], width: int, num_spec_tokens: int, costs: dict[int, float] | None = None
+                 ) -> int:
+    """The step's verify width with forced tokens as drafts, at least `width` and at most K. With the adaptive width's
+    cost table (`costs` {W: seconds}) the width that commits the most tokens a second counting the forced drafts
+    alone (a wide step for one row's forced tokens costs the whole batch); without one (a fixed K) wide enough for
+    every row's forced tokens."""
+    most = min(max(map(len, forced), default=0), num_spec_tokens)
+    if most <= width:
+        return width
+    if costs is None:
+        return most
+
+    def rate(w: int) -> float:
+        return (len(forced) + sum(min(len(f), w) for f in forced)) / costs[w]
+
+    cap = min((w for w in costs if w >= most), default=max(costs))  # the narrowest width that holds them all
+    return max((w for w in sorted(costs) if width <= w <= cap), key=rate, default=width)
 
 
 def put_forced(drafts: torch.Tensor, forced: list[list[int]], width: int) -> list[list[int]]:

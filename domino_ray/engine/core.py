@@ -312,10 +312,10 @@ class SpecEngine:
         elif self.width is not None:
             t = self._mean_keys(r)  # the mean key length at the widest step: the cost table's t
             w, context = self.width.choose(r, t, self._usable())
-        forced = forced_tokens(self.rows) if mode.constrained else []
-        widened = forced_width(forced, w, self.num_spec_tokens) > w  # forced tokens: drafts a grammar gives
-        if widened:
-            w, context = forced_width(forced, w, self.num_spec_tokens), True
+        forced = forced_tokens(self.rows) if mode.constrained else []  # drafts a grammar gives, where they pay
+        wide = forced_width(forced, w, self.num_spec_tokens, self.width.costs.at(r, t or self._mean_keys(r))
+                            if self.width is not None and forced else None)
+        widened, w, context = wide > w, wide, True if wide > w else context
         # A W = 0 step writes one position (the anchor's), a drafting step up to `span` (draft block, verify)
         key_len = self._key_len(self.span if w else 1) if self.gathers and not self.cuda_graphs else self.capacity
         usable = self._usable() if w else [0] * n
