@@ -240,8 +240,8 @@ class RecordingSteps:
     def __init__(self, eng):
         self.steps, read = [], eng.runner.read_output
 
-        def recording(n, w, logprobs=None):
-            out = read(n, w, logprobs)
+        def recording(n, w, logprobs=None, forced=()):
+            out = read(n, w, logprobs, forced)
             self.steps.append([out.committed(i) for i in range(n)])
             return out
         eng.runner.read_output = recording

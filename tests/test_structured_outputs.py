@@ -159,7 +159,7 @@ def test_rows_without_constraints_keep_their_step_mode():
 @pytest.mark.ray
 def test_batch_job_rows_with_structured_outputs_are_valid_and_a_bad_schema_is_an_error_row(ray_cluster, tmp_path):
     """vLLM's `structured_outputs` and Ray Data LLM's `guided_decoding` in a row's sampling_params, through the job on
-    a local Ray cluster (the demo pair, auto width): each constrained row's text validates and equals the Python API's
+    a local Ray cluster (the demo pair, K = 4): each constrained row's text validates and equals the Python API's
     target-only output; a schema that does not compile is an error row naming the field; other rows run as ever."""
     import pyarrow.parquet as pq
 
@@ -173,7 +173,7 @@ def test_batch_job_rows_with_structured_outputs_are_valid_and_a_bad_schema_is_an
     write_shards(tmp_path / "in", {"id": [r[0] for r in rows], "prompt": [r[1] for r in rows],
                                    "sampling_params": [json.dumps(r[2]) if r[2] else None for r in rows]}, shards=1)
     cfg = job_config((TARGET, DRAFT), str(tmp_path / "in"), str(tmp_path / "out"),
-                     **{"generation.max_new_tokens": 64})
+                     **{"generation.max_new_tokens": 64, "draft.num_draft_tokens": 4})  # a fixed K: no start-up timing
     init_ray(cfg)
     run_job(cfg, log=lambda *_: None)
     out = {r["id"]: r for r in pq.read_table(tmp_path / "out").to_pylist()}
