@@ -142,9 +142,9 @@ def new_row(request: Request, *, vocab_size: int, max_model_len: int, eos_token_
     seed = 0
     if not params.greedy:
         seed = params.seed if params.seed is not None else int(torch.randint(2**62, (1,), generator=rng))
-    bad = [t for t in (*(t for t, _ in params.logit_bias or ()), *(params.allowed_token_ids or ())) if t >= vocab_size]
-    if bad:
-        raise ValueError(f"logit_bias / allowed_token_ids: token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+    outside = params.outside_vocab(vocab_size)
+    if outside:
+        raise ValueError(outside)
     if params.constrained and request.constraint is None:
         raise ValueError("params.structured_outputs, logit_bias and allowed_token_ids need a constraint: build requests "
                          "with frontend.requests.prompt_requests")

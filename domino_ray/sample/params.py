@@ -175,6 +175,16 @@ class SamplingParams:
         allowed_token_ids): host-known, so rows without pay nothing."""
         return self.structured_outputs is not None or bool(self.logit_bias) or self.allowed_token_ids is not None
 
+    def outside_vocab(self, vocab_size: int) -> str | None:
+        """The message naming the first `logit_bias` / `allowed_token_ids` token id at or past `vocab_size`, or None:
+        the engine's check and Serve's (a 400 naming the field) are this one."""
+        for name, ids in (("logit_bias", [t for t, _ in self.logit_bias or ()]),
+                          ("allowed_token_ids", self.allowed_token_ids or ())):
+            bad = next((t for t in ids if t >= vocab_size), None)
+            if bad is not None:
+                return f"{name}: token id {bad} is outside the vocabulary [0, {vocab_size})"
+        return None
+
     def for_sample(self, index: int) -> "SamplingParams":
         """The parameters of sample `index` of `n` (n = 1): sample 0 keeps the seed, so it equals the n = 1
         request; sample i > 0 gets a seed derived from (seed, i), so a rerun gives the same n samples.

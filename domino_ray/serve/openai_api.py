@@ -223,16 +223,18 @@ def _constraints(body: dict, model: ModelSpec) -> dict:
         structured = {GUIDED[field]: body[field]}
     out = {"structured_outputs": structured, "logit_bias": body.get("logit_bias") or None,
            "allowed_token_ids": body.get("allowed_token_ids")}
-    for name, value in out.items():
+    for name, value in out.items():  # each alone, so a 400 names the field at fault
+        if value is None:
+            continue
         try:
             params = SamplingParams(**{name: value})
-            row_constraint(params, model.tokenizer, model.eos_token_ids)
+            if name == "structured_outputs":
+                row_constraint(params, model.tokenizer, model.eos_token_ids)
         except ValueError as exc:
             raise APIError(400, str(exc).removeprefix("sampling parameter "), field if name == "structured_outputs"
                            else name) from None
-        if name != "structured_outputs" and any(t >= model.vocab_size for t in (
-                dict(params.logit_bias or ()) if name == "logit_bias" else params.allowed_token_ids or ())):
-            raise APIError(400, f"{name}: token ids must be in [0, {model.vocab_size})", name)
+        if params.outside_vocab(model.vocab_size):
+            raise APIError(400, params.outside_vocab(model.vocab_size), name)
     return out
 
 
