@@ -122,18 +122,56 @@ def test_logit_bias_and_allowed_token_ids_hold_under_speculation(engines):
 
 def test_the_mask_follows_the_drafts_and_rolls_back():
     tokenizer = load_tokenizer(TARGET)
-    constraint = row_constraint(SamplingParams(structured_outputs={"choice": ["yes", "no"]}), tokenizer,
-                                (tokenizer.eos_token_id,))
+    eos = tokenizer.eos_token_id
+    constraint = row_constraint(SamplingParams(structured_outputs={"choice": ["yes", "no"]}), tokenizer, (eos,))
     yes, no = (tokenizer.encode(w, add_special_tokens=False) for w in ("yes", "no"))
     before = constraint.forced()
-    adjust = constraint.logit_adjust(yes + no, 4096)  # `yes` in the grammar, then `no` after it is not
-    assert adjust.shape == (len(yes + no) + 1, 4096)
+    drafts = yes + no  # `yes` in the grammar, then `no` after it is not
+    refused = _refused([constraint], [drafts], 4096)[0]  # [q, V]
+    assert refused.shape == (len(drafts) + 1, 4096)
     for j, token in enumerate(yes):
-        assert adjust[j, token] == 0.0
-    assert adjust[len(yes), no[0]] == float("-inf")      # refused there: the verify rejects it
-    assert (adjust[len(yes) + 1:] == 0).all()            # after a refused draft: unused
-    assert adjust[len(yes), tokenizer.eos_token_id] == 0.0  # "yes" complete: the row may end
-    assert constraint.forced() == before                 # rolled back: the row's state is its committed tokens'
+        assert not refused[j, token]
+    assert refused[len(yes), no[0]]                     # refused there: the verify rejects it
+    assert not refused[len(yes), eos]                   # "yes" complete: the row may end
+    assert constraint.forced() == before                # rolled back: the row's state is its committed tokens'
+
+
+def test_the_masks_of_a_step_equal_a_walk_of_each_rows_grammar_position_by_position():
+    """`constraint_mask` (one llguidance call a row, bit masks unpacked for the whole step) against the grammar walked
+    one draft at a time with a fresh matcher: every position before a refused draft, every row, ids past the
+    tokenizer's vocabulary refused; a row without a constraint and the padding slot refuse nothing."""
+    tokenizer = load_tokenizer(TARGET)
+    eos, vocab = tokenizer.eos_token_id, 4096 + 40  # a model vocabulary wider than the tokenizer's
+    ll_tokenizer = _ll_tokenizer(tokenizer, (eos,))
+    params = SamplingParams(structured_outputs={"json": SCHEMA})
+    texts = ['{"count": 7, "kind": "class"', '{"count": "7', '{"co']
+    drafts = [tokenizer.encode(t, add_special_tokens=False)[:6] for t in texts]
+    drafts = [d + [eos] * (6 - len(d)) for d in drafts] + [[eos] * 6]  # the last row: no constraint
+    constraints = [row_constraint(params, tokenizer, (eos,)) for _ in texts] + [None]
+    refused = _refused(constraints, drafts, vocab, r=5)  # [5, 7, V]
+    assert not refused[3:].any()
+    walked = []  # drafts each row's grammar takes before refusing one
+    for i in range(3):
+        walk = _compiled(ll_tokenizer, *params.structured_outputs).deep_copy()
+        for j in range(7):
+            words = torch.zeros(-(-ll_tokenizer.vocab_size // 32), dtype=torch.int32)
+            walk.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * 4)
+            allowed = ((words[:, None] >> torch.arange(32, dtype=torch.int32)) & 1).bool().flatten()
+            assert torch.equal(~refused[i, j, :4096], allowed[:4096]) and refused[i, j, 4096:].all(), (i, j)
+            if j == 6 or not allowed[drafts[i][j]]:
+                walked.append(j)
+                break
+            assert walk.consume_token(drafts[i][j])
+    assert walked[0] == 6 and 0 < min(walked) < 6, walked  # a row taking all its drafts, a row refusing one
+
+
+def _refused(constraints, drafts, vocab, r=None):
+    from types import SimpleNamespace
+
+    from domino_ray.engine.constrained import constraint_mask
+
+    rows = [SimpleNamespace(request=SimpleNamespace(constraint=c)) for c in constraints]
+    return constraint_mask(rows, drafts, r or len(rows), vocab, "cpu").refused
 
 
 def test_bad_grammars_and_ids_are_errors_naming_the_field(engines):

@@ -1,7 +1,7 @@
 """The host's part of a constrained step (rows with a grammar, `logit_bias` or `allowed_token_ids`: each row's
 `request.Constraint`). Between the draft and the verify the host reads the drafts, puts each row's forced tokens
-(those its grammar leaves no choice about) first among them, and builds every verified position's logit adjustment
-from the drafts before it; the verify adds it to the target's logits (`RowSampling.accept`). A step whose rows have no
+(those its grammar leaves no choice about) first among them, and builds every verified position's mask from the
+drafts before it; the verify applies it to the target's logits (`RowSampling.accept`). A step whose rows have no
 constraint never comes here: its step mode and graph are unchanged.
 """
 
@@ -10,6 +10,9 @@ from __future__ import annotations
 import torch
 
 from domino_ray.engine.request import Row
+from domino_ray.sample.sampling import ConstraintMask
+
+BITS = torch.arange(32, dtype=torch.int32)  # a bit mask word's bits, lowest first
 
 
 def forced_tokens(rows: list[Row]) -> list[list[int]]:
@@ -48,11 +51,17 @@ def put_forced(drafts: torch.Tensor, forced: list[list[int]], width: int) -> lis
     return host
 
 
-def logit_adjust(rows: list[Row], drafts: list[list[int]], r: int, vocab_size: int, device) -> torch.Tensor:
-    """`[r, W+1, V]` on `device`: each constrained row's `Constraint.logit_adjust` after its `drafts` (W each), 0 for
-    the other rows and the padding slots."""
-    adjust = torch.zeros(r, len(drafts[0]) + 1 if drafts else 1, vocab_size)
+def constraint_mask(rows: list[Row], drafts: list[list[int]], r: int, vocab_size: int, device) -> ConstraintMask:
+    """The step's `ConstraintMask` over `r` slots on `device`: each constrained row's allowed tokens after its `drafts`
+    (W each) and its bias; the other rows and the padding slots refuse nothing."""
+    bits = torch.full((r, len(drafts[0]) + 1 if drafts else 1, -(-vocab_size // 32)), -1, dtype=torch.int32)
+    bias, biased = torch.zeros(r, 1, vocab_size), False  # [r, 1, V]
     for i, (row, row_drafts) in enumerate(zip(rows, drafts)):
-        if row.request.constraint is not None:
-            adjust[i] = row.request.constraint.logit_adjust(row_drafts, vocab_size)
-    return adjust.to(device)
+        constraint = row.request.constraint
+        if constraint is not None:
+            constraint.allowed_bits(row_drafts, bits[i])
+            row_bias = constraint.bias(vocab_size)
+            if row_bias is not None:
+                bias[i, 0], biased = row_bias, True
+    refused = ((bits[..., None] >> BITS) & 1).flatten(-2)[..., :vocab_size] == 0  # [r, W+1, V]
+    return ConstraintMask(refused.to(device), bias.to(device) if biased else None)

@@ -51,7 +51,7 @@ import torch
 
 from domino_ray.engine.build import patch_model
 from domino_ray.engine.commit import commit, update_from_output
-from domino_ray.engine.constrained import forced_tokens, forced_width, logit_adjust, put_forced
+from domino_ray.engine.constrained import constraint_mask, forced_tokens, forced_width, put_forced
 from domino_ray.engine.context_ring import ContextRing
 from domino_ray.kv.blocks import BlockPool
 from domino_ray.engine.memory import engine_plan, fit_to_memory
@@ -265,10 +265,10 @@ class SpecEngine:
         first_tokens, logprobs = [], None
         if new:
             ints = torch.tensor([[len(done[i].request.prompt_token_ids), done[i].max_new - 1] for i in new])
-            adjust = (logit_adjust([done[i] for i in new], [[] for _ in new], f, self.vocab_size, self.device)
-                      if mode.constrained else None)
+            mask = (constraint_mask([done[i] for i in new], [[] for _ in new], f, self.vocab_size, self.device)
+                    if mode.constrained else None)
             first, logprobs = self.runner.first_tokens(slice(lo, lo + f), last[new], ints.to(self.device), mode,
-                                                       adjust)
+                                                       mask)
             first_tokens = first.tolist()  # host sync: the first tokens
             logprobs = [x.tolist() for x in logprobs] if logprobs is not None else None
         if back:
@@ -354,11 +354,11 @@ class SpecEngine:
         def step():
             if w and not self.host_drafts:
                 self.runner.draft(r, key_len, w)
-            adjust = None
+            mask = None
             if mode.constrained:  # host sync: the drafts, for the masks
-                adjust = logit_adjust(self.rows, put_forced(self.runner.drafts, forced, w), r, self.vocab_size,
-                                      self.device)
-            self.runner.verify(r, key_len, w, mode, context, adjust)
+                mask = constraint_mask(self.rows, put_forced(self.runner.drafts, forced, w), r, self.vocab_size,
+                                       self.device)
+            self.runner.verify(r, key_len, w, mode, context, mask)
 
         if w and self.host_drafts:  # test proposers: drafts from the rows' ids, so the whole step runs eagerly
             self.runner.draft(r, key_len, w, [row.committed for row in self.rows],

@@ -22,13 +22,17 @@ class StopMatcher(Protocol):
 
 class Constraint(Protocol):
     """A row's constraint as the engine sees it (a grammar, logit_bias, allowed_token_ids: the front end's
-    `frontend/constraints.RowConstraint`): what it adds to the target's logits at a step's positions, the tokens it
-    forces next, and the tokens the row committed."""
+    `frontend/constraints.RowConstraint`): the tokens it allows at a step's positions, what it adds to the target's
+    logits, the tokens it forces next, and the tokens the row committed."""
 
-    def logit_adjust(self, drafts: list[int], vocab_size: int) -> torch.Tensor:
-        """`[len(drafts) + 1, vocab_size]` float32 to add to the target's logits at the positions after the committed
-        tokens and after each of `drafts` in turn: 0 or a bias where a token is allowed, -inf where not. Positions
-        after a draft the constraint refuses are 0 (the verify rejects that draft: they are never used)."""
+    def allowed_bits(self, drafts: list[int], out: torch.Tensor):
+        """Write into `out [len(drafts) + 1, ceil(V / 32)]` int32 (all bits set on entry) the tokens allowed after
+        the committed tokens and after each of `drafts` in turn, as bit masks (token t: bit t % 32 of word t // 32).
+        Positions after a draft it refuses are never used (the verify rejects that draft)."""
+
+    def bias(self, vocab_size: int) -> torch.Tensor | None:
+        """`[vocab_size]` float32 added to the target's logits at every position (logit_bias; -inf outside
+        allowed_token_ids), or None."""
 
     def forced(self) -> list[int]:
         """Tokens the constraint leaves no choice about, next: drafts for free (the verify still checks them)."""

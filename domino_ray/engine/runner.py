@@ -20,7 +20,7 @@ from domino_ray.engine.step_types import BlockGrant, PrefillSegment, StepOutput
 from domino_ray.kv.pools import KVPool, StepKeys, query_limits
 from domino_ray.target.packed_linear import kv_dtype
 from domino_ray.target.forward import RowAttention, rotary_table, run_decoder
-from domino_ray.sample.sampling import RowSampling, StepMode, token_logprobs
+from domino_ray.sample.sampling import ConstraintMask, RowSampling, StepMode, token_logprobs
 from domino_ray.sample.params import MAX_LOGPROBS
 
 
@@ -100,17 +100,17 @@ class StepRunner:
             self.sampling.penalties.restore(rows, generated)
 
     def first_tokens(self, rows: slice, last: torch.Tensor, ints: torch.Tensor, mode: StepMode,
-                     adjust: torch.Tensor | None = None) -> tuple[torch.Tensor, tuple | None]:
+                     mask: ConstraintMask | None = None) -> tuple[torch.Tensor, tuple | None]:
         """The first token of each prompt prefilled into slots `rows` from its last position's hidden state `last
         [k, C]`, the rows loaded (`load_rows`); `ints [k, 2]`: each prompt's length and the tokens it may emit after
-        the first; `adjust [k, 1, V]` the constrained rows' logit adjustment (`RowSampling.accept`). Returns the first
+        the first; `mask` the constrained rows' (`RowSampling.accept`). Returns the first
         tokens `[k]` and, when `mode.logprobs` is set, their logprobs (`token_logprobs`' pair at one position)."""
         lengths = ints[:, 0]
         # The first token is an acceptance step with zero drafts at the prompt's last position.
         no_drafts = torch.zeros(len(lengths), 0, dtype=torch.long, device=self.device)
         logits = self.lm_head(last)[:, None]  # [k, 1, V]
         zero = torch.zeros_like(lengths)
-        _, first, _ = self.sampling.accept(rows, logits, no_drafts, zero, (lengths - 1)[:, None], mode, adjust)
+        _, first, _ = self.sampling.accept(rows, logits, no_drafts, zero, (lengths - 1)[:, None], mode, mask)
         if mode.penalized:  # the first token is a generated one
             self.sampling.penalties.commit(rows, first, zero, torch.ones_like(lengths, dtype=torch.bool))
         logprobs = token_logprobs(logits, first, mode.logprobs) if mode.logprobs is not None else None
@@ -147,12 +147,12 @@ class StepRunner:
                                                     committed, request_ids)
 
     def verify(self, r: int, key_len: int, w: int, mode: StepMode, context: bool | None = True,
-               adjust: torch.Tensor | None = None):
+               mask: ConstraintMask | None = None):
         """Verify `[anchor, drafts[:w]]` for slots `0..r` (their keys below `key_len`: `StepKeys`), accept (as `mode`
         asks), advance the rows and write `self.packed[:r, :w+3]` = (accepted, tokens, near-ties), with `mode.logprobs`
         also `self.logprobs` and `self.logprob_ids` (`read_output` reads them); `context`: also feed the draft's
-        context (None: nor keep the taps for later, `ContextRing.keeps`); `adjust [r, W+1, V]`: a constrained step's
-        logit adjustment (`RowSampling.accept`)."""
+        context (None: nor keep the taps for later, `ContextRing.keeps`); `mask`: a constrained step's
+        (`RowSampling.accept`)."""
         lens, remaining = self.lens[:r], self.remaining[:r]
         verify_ids = torch.cat([self.anchor[:r, None], self.drafts[:r, :w]], 1)  # [r, W+1]
         positions = lens[:, None] + self.verify_offsets[:w + 1]                  # [r, W+1]
@@ -166,7 +166,7 @@ class StepRunner:
         logits = self.lm_head(hidden)  # [r, W+1, V]
         limit = remaining - 1          # drafts that fit the row's budget beside the bonus
         accepted, tokens, ties = self.sampling.accept(slice(0, r), logits, verify_ids[:, 1:], limit, positions, mode,
-                                                      adjust)
+                                                      mask)
         if mode.logprobs is not None:
             values, ids = token_logprobs(logits, tokens, mode.logprobs)
             self.logprobs[:r, :w + 1, :mode.logprobs + 1], self.logprob_ids[:r, :w + 1, :mode.logprobs] = values, ids

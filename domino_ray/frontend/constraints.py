@@ -24,18 +24,17 @@ FORMATS = {"regex": "regex", "choice": "choice", "grammar": "grammar"}
 # JSON laid out as json.dumps does by default (", " and ": ", no other whitespace): a model allowed any whitespace may
 # loop on newlines until its token budget runs out (vLLM's `disable_any_whitespace` does the same)
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-BITS = torch.arange(32, dtype=torch.int32)  # a bitmask word's bits, lowest first
 
 
 class RowConstraint:
     """One row's constraint: `matcher` (an llguidance LLMatcher over a vocabulary of `matcher_vocab` ids, or None)
-    for its grammar, `bias` ((token, logit added) pairs) and `allowed` (the only tokens it may emit, or None);
-    `eos_token_ids` end the row where the grammar allows nothing more."""
+    for its grammar, `bias` ((token, logit added) pairs, kept as `bias_pairs`) and `allowed` (the only tokens it may
+    emit, or None); `eos_token_ids` end the row where the grammar allows nothing more."""
 
     def __init__(self, matcher=None, matcher_vocab: int = 0, bias: tuple[tuple[int, float], ...] | None = None,
                  allowed: tuple[int, ...] | None = None, eos_token_ids: tuple[int, ...] = ()):
         self.matcher, self.matcher_vocab = matcher, matcher_vocab
-        self.bias, self.allowed, self.eos_token_ids = bias or (), allowed, eos_token_ids
+        self.bias_pairs, self.allowed, self.eos_token_ids = bias or (), allowed, eos_token_ids
         self._static: torch.Tensor | None = None  # [V] the bias and allowed ids' adjustment, made once
 
     def forced(self) -> list[int]:
@@ -47,44 +46,52 @@ class RowConstraint:
         if self.matcher is not None and not self.matcher.is_stopped():
             self.matcher.consume_tokens(tokens)
 
-    def logit_adjust(self, drafts: list[int], vocab_size: int) -> torch.Tensor:
-        """`Constraint.logit_adjust`: `[len(drafts) + 1, V]`, the grammar walked through the drafts and rolled back."""
-        out = self.static(vocab_size).expand(len(drafts) + 1, vocab_size).clone()  # [q, V]
-        if self.matcher is None:
-            return out
-        walked = 0
-        for j in range(len(drafts) + 1):
-            allowed = self.grammar_mask(vocab_size)  # [V] after drafts[:j]
-            out[j].masked_fill_(~allowed, float("-inf"))
-            if j == len(drafts) or not allowed[drafts[j]] or not self.matcher.consume_token(drafts[j]):
-                out[j + 1:] = 0.0  # after a refused draft: never used (the verify stops before them)
-                break
-            walked += 1
-        self.matcher.rollback(walked)
-        return out
-
-    def grammar_mask(self, vocab_size: int) -> torch.Tensor:
-        """`[V]` bool: the tokens the grammar allows next (ids past the tokenizer's vocabulary never). A grammar with
+    def allowed_bits(self, drafts: list[int], out: torch.Tensor):
+        """`Constraint.allowed_bits`: the grammar walked through the drafts and rolled back, in one call. A grammar with
         nothing left to allow (finished, or in error) allows the EOS ids: the row ends."""
-        words = torch.zeros((vocab_size + 31) // 32 + 1, dtype=torch.int32)  # room for the tokenizer's vocabulary
-        size = (self.matcher_vocab + 31) // 32 * 4
-        self.matcher.unsafe_compute_mask_ptr(words.data_ptr(), size)
-        allowed = ((words[:, None] >> BITS) & 1).bool().flatten()[:vocab_size]  # [V]
-        allowed[self.matcher_vocab:] = False
-        if not allowed.any():
-            allowed[list(self.eos_token_ids)] = True
-        return allowed
+        if self.matcher is None:
+            return
+        words = -(-self.matcher_vocab // 32)
+        if out.shape[1] < words:
+            raise ValueError(f"the model's vocabulary ({out.shape[1] * 32} ids at most) is smaller than its "
+                             f"tokenizer's ({self.matcher_vocab}): structured_outputs cannot mask it")
+        grammar = torch.zeros(out.shape[0], words, dtype=torch.int32)  # [q, words]: llguidance's layout
+        if drafts:
+            _executor().unsafe_compute_mask_ptr_with_draft_token([(self.matcher, 0, drafts)], grammar.data_ptr(),
+                                                                 words * 4, out.shape[0])
+        else:
+            self.matcher.unsafe_compute_mask_ptr(grammar.data_ptr(), words * 4)
+        out[:, :words], out[:, words:] = grammar, 0  # ids past the tokenizer's vocabulary: never
+        empty = ~out.any(1)  # [q]
+        if empty.any():
+            for token in self.eos_token_ids:
+                out[empty, token // 32] |= _bit(token % 32)
 
-    def static(self, vocab_size: int) -> torch.Tensor:
-        """`[V]` float32: `bias` added, -inf outside `allowed`."""
+    def bias(self, vocab_size: int) -> torch.Tensor | None:
+        """`Constraint.bias`: `bias` added, -inf outside `allowed`, made once; None without either."""
+        if not self.bias_pairs and self.allowed is None:
+            return None
         if self._static is None or self._static.shape[0] != vocab_size:
             static = torch.zeros(vocab_size)
             if self.allowed is not None:
                 static.fill_(float("-inf"))[list(self.allowed)] = 0.0
-            for token, value in self.bias:
+            for token, value in self.bias_pairs:
                 static[token] += value
             self._static = static
         return self._static
+
+
+def _bit(b: int) -> int:
+    """Bit `b` of an int32 word as a Python int (bit 31 is the sign bit)."""
+    return (1 << b) - (1 << 32 if b == 31 else 0)
+
+
+@functools.cache
+def _executor():
+    """llguidance's executor for masks after drafts (one thread: a step's rows call it one at a time)."""
+    from llguidance import LLExecutor
+
+    return LLExecutor(1)
 
 
 def row_constraint(params: SamplingParams, tokenizer, eos_token_ids: tuple[int, ...]) -> RowConstraint | None:

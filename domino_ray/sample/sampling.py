@@ -37,6 +37,12 @@ def sampling_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
     return scaled.softmax(-1)
 
 
+class ConstraintMask(NamedTuple):
+    """What a constrained step's rows' constraints (`engine/request.Constraint`) do to the target's logits."""
+    refused: torch.Tensor        # [n, W+1, V] bool: tokens a row may not emit at a position (after the drafts before)
+    bias: torch.Tensor | None    # [n, 1, V] float32 added at every position (logit_bias, allowed_token_ids), or None
+
+
 class StepMode(NamedTuple):
     """What a step's rows ask beyond greedy decoding, known on the host; part of a step's graph key, so each
     costs only the steps that hold such a row."""
@@ -101,17 +107,19 @@ class RowSampling:
         self.penalties.move(src, dst)
 
     def accept(self, rows: slice, logits: torch.Tensor, drafts: torch.Tensor, limit: torch.Tensor,
-               positions: torch.Tensor, mode: StepMode, adjust: torch.Tensor | None = None
+               positions: torch.Tensor, mode: StepMode, mask: ConstraintMask | None = None
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """logits `[n, W+1, V]` at `positions [n, W+1]` after drafts `[n, W]`, limit `[n]` for slots `rows` ->
         (accepted `[n]`, tokens `[n, W+1]`, the greedy rows' near-ties `[n]` as bit masks with 16-bit logits, else
-        None), for a step of `mode` (`sampling_mode`, host-known). `adjust [n, W+1, V]` (constrained steps): added to
-        the logits after the penalties, -inf where a row's constraint refuses a token (`Constraint.logit_adjust`): the
-        target's distribution is the constrained one at every position, so a refused draft is rejected there."""
+        None), for a step of `mode` (`sampling_mode`, host-known). `mask` (constrained steps): applied to the logits
+        after the penalties, -inf where a row's constraint refuses a token, its bias added: the target's distribution is
+        the constrained one at every position, so a refused draft is rejected there."""
         if mode.penalized:
             logits = self.penalties.apply(rows, logits, drafts)
-        if adjust is not None:
-            logits = logits + adjust.to(logits.dtype)
+        if mask is not None:
+            logits = logits.masked_fill(mask.refused, float("-inf"))
+            if mask.bias is not None:
+                logits = logits + mask.bias.to(logits.dtype)
         temperature = self.temperature[rows]
         ties = near_tie_mask(logits, temperature == 0, self.tie_dtype) if self.tie_dtype else None
         accepted, tokens = greedy_accept(target_logits=logits, drafts=drafts, limit=limit)
