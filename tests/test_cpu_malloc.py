@@ -40,11 +40,15 @@ def late_round_faults(mode: str) -> int:
 
 def test_kept_freed_memory_ends_the_page_faults_of_repeated_forwards():
     """Alone, quiet: 16,672-24,944 faults with glibc's defaults, 0 with the setting. glibc's own threshold moves
-    with what was freed, so a defaults run now and then faults 0 times too (3 of 9 runs here): the defaults are
-    judged by their worst run, the setting by its worst run. On a busy machine the setting has left some faults
-    (4,200 against 16,672 in full suite runs). Fails if the setting stops working: checked by making
+    with what was freed, so a defaults run now and then faults 0 times too (3 of 9 runs here; all 3 of a suite run's
+    once): the defaults are judged by their worst run of up to 8, the setting by its worst of 3. On a busy machine
+    the setting has left some faults (4,200 against 16,672 in full suite runs). Fails if the setting stops working: checked by making
     `keep_freed_memory` return True without calling mallopt (the setting's runs then fault as the defaults')."""
-    default = max(late_round_faults("glibc-defaults") for _ in range(3))
+    default = 0
+    for _ in range(8):  # until a defaults run faults: all of 8 fault 0 times with odds of ~(3/9)^8, 1 in ~6,500
+        default = max(default, late_round_faults("glibc-defaults"))
+        if default > 1000:
+            break
     kept = max(late_round_faults("keep") for _ in range(3))
     assert default > 1000, default  # the workload does fault with glibc's defaults: the comparison means something
     assert kept < default / 3, (kept, default)
