@@ -58,7 +58,7 @@ def test_resume_after_killing_the_driver(ray_cluster, tiny_pair, tmp_path):
     out = tmp_path / "out"
     command = [*GENERATE, *job_overrides(tiny_pair, tmp_path / "in", out, **{
         "runtime.ray_address": ray_cluster, "runtime.batch_size": 1, "runtime.max_concurrent_batches": 1,
-        "generation.max_new_tokens": 200, "generation.max_batch_size": 1})]  # ~1 s per file: room to kill between
+        "generation.max_new_tokens": 64, "generation.max_batch_size": 1})]  # ~1 s per file: room to kill between
     free_cpus = ray.available_resources().get("CPU", 0)
     driver = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + 180
