@@ -213,3 +213,41 @@ def test_sampling_at_temperature_07_matches_the_target(pair, all_cores):
             stat, df = merged_chi_square(counts_at(out, position), exact, n)
             print(f"power: T={wrong} position {position}: statistic {stat:.1f}, threshold {chi2_999(df):.1f}")
             assert df >= 1 and stat > chi2_999(df), (wrong, position, stat, df)
+
+
+# ---- structured outputs ----------------------------------------------------------------------------------
+
+RECORD = {"type": "object", "additionalProperties": False, "required": ["name", "age", "city", "member"],
+          "properties": {"name": {"type": "string", "maxLength": 30}, "age": {"type": "integer", "minimum": 0},
+                         "city": {"type": "string", "maxLength": 20}, "member": {"type": "boolean"}}}
+
+
+@needs_target
+@needs_draft
+@pytest.mark.slow
+def test_structured_outputs_are_valid_json_and_speculation_changes_no_token(pair):
+    """The SmolLM2 pair under a JSON schema (issue 52): greedy Domino at K = 8 (forced tokens first among its
+    drafts) == greedy target-only, token for token, and every output parses and validates against the schema."""
+    import jsonschema
+
+    from domino_ray.frontend.requests import prompt_requests
+
+    target, tokenizer, draft = pair
+    eos = stop_token_ids(target, tokenizer)
+    texts = ["Grace Hopper, aged 85, lives in Arlington and is a club member.",
+             "Niels Bohr (77) lives in Copenhagen; he is not a member."]
+    params = SamplingParams(max_new_tokens=64, structured_outputs={"json": RECORD})
+
+    def run(proposer):
+        engine = SpecEngine(target, proposer, max_rows=2, max_model_len=512, eos_token_ids=eos)
+        requests = [r for i, text in enumerate(texts) for r in prompt_requests(
+            i, encode_prompt(tokenizer, messages=[{"role": "user", "content": f"The person's record as JSON: {text}"}]),
+            params, tokenizer=tokenizer, max_model_len=512, eos_token_ids=sorted(eos))]
+        return engine.generate(requests)
+
+    baseline, spec = run(None), run(DominoProposer(draft, target, num_spec_tokens=8))
+    assert [c.token_ids for c in spec] == [c.token_ids for c in baseline]
+    for c in spec:
+        assert c.finish_reason == "stop"
+        jsonschema.validate(json.loads(tokenizer.decode(c.token_ids, skip_special_tokens=True)), RECORD)
+    assert sum(c.stats.num_forced_tokens for c in spec) > 0  # the grammar's forced tokens went in as drafts
