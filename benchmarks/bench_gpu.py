@@ -126,7 +126,9 @@ def tie_check(target, prompts, base, spec) -> dict:
 
 
 def release_memory():
-    """After `del engine`: its pool and graph pool go back to the device before the next engine plans."""
+    """After `del engine` and every other name for its proposer (`Forced` holds the draft's KV pool): its pools and
+    graph pool go back to the device before the next engine plans. `gc.collect`: `follow_rows`' closures make a
+    cycle through the engine."""
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -325,9 +327,9 @@ def run(args, report: dict, target, draft):
     check_base = base.get(n)
     real = {}
     for mode in ("on", "off") if graphs == "on" else ("off",):
-        engine, _ = spec_engine(n, cuda_graphs=mode, forced_on=False)
+        engine, forced = spec_engine(n, cuda_graphs=mode, forced_on=False)
         _, real[mode] = generate(engine, check_prompts, args.max_new_tokens)
-        del engine
+        del engine, forced  # the proposer (its draft KV pool) too, before the next engine plans its memory
         release_memory()
     report["checks"] = {"rows": n, "graphs_on_vs_off": (tie_check(target, check_prompts, real["off"], real["on"])
                                                          if "on" in real else None),

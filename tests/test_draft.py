@@ -1,8 +1,10 @@
 """The Domino head: the stepwise GRU (O(K)) equals rerunning the GRU over the whole prefix (O(K^2),
-the reference test harness), and the GRU is PyTorch's bias-free cell as the papers define it."""
+the reference test harness), the GRU is PyTorch's bias-free cell as the papers define it, and its fp32 weights are
+made once."""
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 from domino_ray.spec_decode import draft as draft_module
 from tiny_models import tiny_draft, tiny_target
@@ -114,3 +116,48 @@ def test_fused_context_keys_values_equal_each_layers_own():
         # order), so equal up to float64 rounding (eps 2.2e-16 over sums of ~C terms), not bitwise.
         assert torch.allclose(keys[i], k, rtol=1e-12, atol=1e-12)
         assert torch.allclose(values[i], v, rtol=1e-12, atol=1e-12)
+
+
+class Conversions(TorchFunctionMode):
+    """Counts the float32 copies made of `weights` (`.float()`, `.to(...)`): a result that is a new tensor."""
+
+    def __init__(self, weights):
+        super().__init__()
+        self.weights, self.count = weights, 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        source = args[0] if args else None
+        self.count += any(source is w for w in self.weights) and isinstance(out, torch.Tensor) and out is not source \
+            and out.dtype == torch.float32 and out.shape == source.shape
+        return out
+
+
+@pytest.mark.parametrize("dtype,copies", [(torch.bfloat16, 1), (torch.float32, 0)])
+def test_the_loops_fp32_gru_weights_are_made_once_and_again_after_a_change(dtype, copies, monkeypatch):
+    """The eager loop's fp32 GRU weights: bf16 ones converted once over several draft calls (not at every step: ~44 MB
+    a step for the 4B draft), fp32 ones used as they are; the drafts those of a `.float()` per call (the loop as it
+    was), before and after a weight changes in place, which converts again (no stale copy). Fails if the copies are made
+    per call or kept past the change."""
+    draft, embed, head, hidden, anchor = decisive_draft(54)
+    draft, embed, head, hidden = draft.to(dtype), embed.to(dtype), head.to(dtype), hidden.to(dtype)
+    gru, k = draft.prefix_gru, draft.config.max_draft_tokens
+    weights = gru.weight_ih_l0, gru.weight_hh_l0
+
+    def drafts(per_call: bool = False) -> torch.Tensor:  # [6, K]
+        with monkeypatch.context() as m, torch.inference_mode():  # the engine's mode
+            if per_call:
+                m.setattr(draft, "gru_weights_fp32", lambda: (weights[0].float(), weights[1].float()))
+            return draft.draft_tokens(hidden, anchor, k, embed, head)
+
+    counter = Conversions(weights)
+    with counter:
+        before = [drafts() for _ in range(3)]
+    assert counter.count == 2 * copies  # w_ih and w_hh, once each
+    assert all(torch.equal(d, drafts(per_call=True)) for d in before)
+    with torch.no_grad():
+        gru.weight_ih_l0.mul_(30.0)  # the GRU's state decisive: the drafts change
+    with counter:
+        after = drafts()
+    assert counter.count == 4 * copies and torch.equal(after, drafts(per_call=True))
+    assert not torch.equal(after, before[0])

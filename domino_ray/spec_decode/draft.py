@@ -26,7 +26,7 @@ from domino_ray.backend import ops
 from domino_ray.backend.library import takes
 from domino_ray.target import layer_ops
 from domino_ray.kv.pools import row_attention
-from domino_ray.target.packed_linear import ONE_OP_POSITIONS, PackedLinear
+from domino_ray.target.packed_linear import ONE_OP_POSITIONS, PackedLinear, weight_state
 from domino_ray.spec_decode.verify import greedy_choice
 
 
@@ -191,6 +191,7 @@ class DominoDraft(nn.Module):
         self.fc = nn.Linear(len(cfg.target_layer_ids) * c, c, bias=False)
         self.hidden_norm = RMSNorm(c, cfg.rms_norm_eps)
         self.norm = RMSNorm(c, cfg.rms_norm_eps)
+        self._gru_fp32: tuple | None = None  # (the GRU weights' states, their fp32 copies): `gru_weights_fp32`
         if cfg.has_head:
             self.prefix_gru = nn.GRU(c, cfg.gru_hidden_dim, num_layers=1, batch_first=True, bias=False)
             self.embed_proj = nn.Sequential(nn.Linear(c + cfg.gru_hidden_dim, cfg.emb_dim, bias=False), nn.SiLU(),
@@ -256,6 +257,20 @@ class DominoDraft(nn.Module):
         """Block hidden `[b, B, C]` -> the `[b, K, C]` rows that predict d_1..d_K (per `shift_label`)."""
         return hidden[:, :num_draft] if self.config.shift_label else hidden[:, 1:num_draft + 1]
 
+    def gru_weights_fp32(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The GRU's `w_ih [3G, C]`, `w_hh [3G, G]` in float32 for `draft_tokens`' loop. bf16/fp16 weights are
+        converted once and kept until a weight changes (its data_ptr, version, dtype or device), not at every draft
+        step (~44 MB a step for the 4B draft). fp32 weights are returned as they are; with autograd on, a copy per
+        call (a kept copy's graph would be freed by the first backward). A captured step reads the copies made by its
+        eager warm-up: like the proposer's fused context weights, it does not see a later change."""
+        weights = self.prefix_gru.weight_ih_l0, self.prefix_gru.weight_hh_l0
+        if torch.is_grad_enabled() or all(w.dtype == torch.float32 for w in weights):
+            return weights[0].float(), weights[1].float()
+        made_from = [(weight_state(w), w.dtype, w.device) for w in weights]
+        if self._gru_fp32 is None or self._gru_fp32[0] != made_from:
+            self._gru_fp32 = made_from, (weights[0].float(), weights[1].float())
+        return self._gru_fp32[1]
+
     def draft_tokens(self, hidden: torch.Tensor, anchor: torch.Tensor, num_draft: int,
                      embed: nn.Module, target_lm_head: nn.Module) -> torch.Tensor:
         """Greedy draft tokens `[b, K]` (target ids) from block hidden `[b, B, C]` and `anchor [b]`.
@@ -279,7 +294,7 @@ class DominoDraft(nn.Module):
                 z, base, anchor, tokens[0], embed.weight, self.prefix_gru.weight_ih_l0, self.prefix_gru.weight_hh_l0,
                 fc1.weight, fc2.current_pack(), fc2.out_features, self.d2t if self.config.has_d2t else None, num_draft)
             return torch.cat([tokens[0], corrected], 1)
-        w_ih, w_hh = self.prefix_gru.weight_ih_l0.float(), self.prefix_gru.weight_hh_l0.float()
+        w_ih, w_hh = self.gru_weights_fp32()  # [3G, C], [3G, G]
         prefix = embed(torch.cat([anchor[:, None], tokens[0]], 1)).float()  # [b, P+1, C]
         state = prefix.new_zeros(prefix.shape[0], w_hh.shape[1])            # [b, G] float32
         for j in range(prefix.shape[1]):
