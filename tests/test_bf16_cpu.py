@@ -148,3 +148,77 @@ def test_real_bf16_parts_from_target_only_only_at_counted_near_ties():
         counted = [run(None, n, [i])[0].stats.near_ties for n in (part, part + 1)]
         assert counted[1] == counted[0] + 1, (i, part, counted)
     print(f"{partings} of {len(prompts)} rows parted, each at a counted near-tie")
+
+
+# ---- prefills on oneDNN's bf16 GEMM (target/prefill_gemm.py) ----------------------------------------------------
+
+def test_prefills_take_the_gemm_from_the_fewest_rows_where_it_wins_at_every_larger_count():
+    from domino_ray.target.prefill_gemm import gemm_from_rows
+
+    def timings(gemm_wins_at):
+        return lambda path, rows: 1.0 if path == "ours" else (0.5 if rows in gemm_wins_at else 2.0)
+
+    rows = (32, 64, 128, 256, 512)
+    assert gemm_from_rows(None, rows, timings({128, 256, 512})) == 128
+    assert gemm_from_rows(None, rows, timings(set(rows))) == 32
+    assert gemm_from_rows(None, rows, timings(set())) is None
+    assert gemm_from_rows(None, rows, timings({32, 64, 512})) == 512  # not at 256: only from 512
+    assert gemm_from_rows(None, rows, timings({32, 64, 128, 256})) is None  # losing at the largest: never
+
+
+@needs_kernels
+def test_prefills_on_the_gemm_keep_greedy_speculation_equal_to_target_only(monkeypatch):
+    """A bf16 model's prefills on oneDNN's bf16 GEMM (forced from 1 row: this CPU's own timing decides in an engine):
+    prefill calls take it and decode or verify steps never do, a linear layer's output stays within bf16 input
+    rounding of our kernel's, and greedy speculative == target-only (a prompt is prefilled the same way by both)."""
+    from domino_ray.backend import ops
+    from domino_ray.target import packed_linear
+    from domino_ray.target.prefill_gemm import bf16_gemm, in_prefill, use_prefill_gemm
+
+    target = tiny_target(dtype=torch.bfloat16, vocab=96)
+    draft = tiny_draft(target)
+    assert keep_bf16_weights(target, draft)
+    prompts = ragged_prompts(3, seed=9, max_len=12)
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    calls = []
+
+    def counted(x, linear):
+        calls.append(in_prefill())
+        return bf16_gemm(x, linear)
+
+    monkeypatch.setattr(packed_linear, "bf16_gemm", counted)
+    monkeypatch.setattr(packed_linear, "ONE_OP_POSITIONS", range(0))  # every step's layers through their linears
+
+    def tokens(engine):
+        linears = [m for m in engine.layers.modules() if isinstance(m, PackedLinear) and m.bf16_panels]
+        assert use_prefill_gemm(linears, seconds=lambda path, rows: 1.0 if path == "ours" else 0.5) == 32
+        for m in linears:
+            m.gemm_from_rows = 1
+        return [c.token_ids for c in engine.generate([Request(i, p, params) for i, p in enumerate(prompts)])]
+
+    base = tokens(build_engine(target, None, max_batch_size=3, max_model_len=64))
+    assert calls and all(calls)  # prefills took the GEMM; no call outside a prefill did
+    speculative = build_engine(target, draft, num_draft_tokens=3, max_batch_size=3, max_model_len=64)
+    assert tokens(speculative) == base
+    linear = next(m for m in speculative.layers.modules() if isinstance(m, PackedLinear) and m.bf16_panels)
+    x = torch.randn(40, linear.in_features, generator=torch.Generator().manual_seed(1))
+    ours = ops.linear(x, linear.current_pack(), linear.out_features, linear.bias)
+    bound = (x.abs() @ linear.weight.abs().T) * 2.0 ** -8  # each input rounded to bf16 (8 significant bits)
+    assert ((bf16_gemm(x, linear) - ours).abs() <= bound + 1e-6).all()
+
+
+@needs_kernels
+@pytest.mark.skipif(not has_bf16_arithmetic(), reason="this CPU has no bf16 dot products (AVX512_BF16 or AMX): "
+                                                      "the engine never times oneDNN's bf16 GEMM here")
+def test_this_cpu_times_the_gemm_for_a_bf16_engine_and_its_prefills_keep_speculation_exact():
+    from domino_ray.target.prefill_gemm import CALIBRATION_ROWS
+
+    target = tiny_target(dtype=torch.bfloat16, vocab=96)
+    draft = tiny_draft(target)
+    prompts = ragged_prompts(3, seed=9, max_len=12)
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    engines = [build_engine(target, d, num_draft_tokens=3, max_batch_size=3, max_model_len=64) for d in (None, draft)]
+    assert engines[0].prefill_gemm_rows in (None, *CALIBRATION_ROWS)
+    base, speculative = ([c.token_ids for c in e.generate([Request(i, p, params) for i, p in enumerate(prompts)])]
+                         for e in engines)
+    assert speculative == base

@@ -51,7 +51,9 @@ class DominoPredictor:
         engine, self.tokenizer = load_engine(cfg.model, cfg.draft if use_draft else None, cfg.generation, cfg.runtime)
         if engine.device.type == "cpu":
             torch.set_num_threads(max(1, int(cfg.runtime.cpus_per_actor)))  # the CPUs Ray reserved for us
+        gemm = engine.prefill_gemm_rows
         print(f"engine actor {socket.gethostname()}:{os.getpid()}: {engine.precision} on {engine.device}"
+              + (f"; prefills on oneDNN's bf16 GEMM from {gemm} rows" if gemm else "")
               + (f"; {engine.slot_report}" if engine.slot_report else ""), flush=True)
         self.loop = EngineLoop(engine)
         self.num_spec_tokens = engine.num_spec_tokens
@@ -198,6 +200,7 @@ class DominoPredictor:
                         "busy_s": busy, "cpu_s": cpu_s, "max_rows": self.loop.engine.max_rows,
                         "peak_batches_in_flight": self._peak_in_flight, "kv_cache": self.loop.engine.kv_cache_stats(),
                         "precision": self.loop.engine.precision,
+                        "prefill_gemm_rows": self.loop.engine.prefill_gemm_rows,
                         **self._times}
         if self.stats_sink is not None and delta < 0:
             width = self.loop.engine.width

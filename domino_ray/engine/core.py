@@ -108,7 +108,7 @@ class SpecEngine:
         self.eos_token_ids = frozenset(eos_token_ids)
         weight = next(target.parameters())
         self.device, self.dtype = weight.device, weight.dtype
-        self.layers, self.precision = patch_model(target, proposer)  # 1. patch the model
+        self.layers, self.precision, self.prefill_gemm_rows = patch_model(target, proposer)  # 1. patch the model
         # The step's shape, which the memory plan, the buffers and the graphs are sized by
         self.cuda_graphs = graphs = use_cuda_graphs(cuda_graphs, self.device)
         # A step writes up to `span` positions past a row's committed context (verify K+1, draft block B).

@@ -19,6 +19,7 @@ from domino_ray.engine.step_graphs import row_buckets
 from domino_ray.engine.step_types import BlockGrant, PrefillSegment, StepOutput
 from domino_ray.kv.pools import KVPool, StepKeys, query_limits
 from domino_ray.target.packed_linear import kv_dtype
+from domino_ray.target.prefill_gemm import prefill_gemms
 from domino_ray.target.forward import RowAttention, rotary_table, run_decoder
 from domino_ray.sample.sampling import ConstraintMask, RowSampling, StepMode, token_logprobs
 from domino_ray.sample.params import MAX_LOGPROBS
@@ -86,8 +87,9 @@ class StepRunner:
         attention = RowAttention(self.kv, self.kv.flat_index_of(where, positions[0] % bs),
                                  prefill_lengths=tuple(s.length for s in segments),
                                  prefill_offsets=tuple(s.start for s in segments), prefill_tables=tuple(tables))
-        return run_decoder(self.decoder, self.layers, ids.to(self.device), positions, attention, self.tap_layers,
-                           cos_sin=self.cos_sin)
+        with prefill_gemms():  # oneDNN's bf16 GEMM where this CPU has it and it measured faster (`prefill_gemm.py`)
+            return run_decoder(self.decoder, self.layers, ids.to(self.device), positions, attention, self.tap_layers,
+                               cos_sin=self.cos_sin)
 
     def load_rows(self, rows: slice, params: list, seeds: list, stop_ids: list, prompts: list[list[int]],
                   mode: StepMode, generated: list[list[int]] | None = None):

@@ -5,7 +5,8 @@ the weight-read bound. Our kernel reads the weight packed once into panels of 16
 call with a prefetch while chunks of up to 8 rows accumulate in registers block by block.
 
 Every decode and verify step up to `OUR_ROWS` positions takes our kernel, whatever its size, and prefills beyond
-take `F.linear`. Our kernel gives a row the same numbers whatever batch it is in, so a verify of W + 1 positions
+take `F.linear` (on a CPU with bf16 dot products, a bf16 model's prefills take oneDNN's bf16 GEMM from a measured
+row count: `prefill_gemm.py`). Our kernel gives a row the same numbers whatever batch it is in, so a verify of W + 1 positions
 computes each position's logits bit for bit as a one-position step would (with the other ops of a step, per row as
 well): speculative decoding is then invariant to the verify's shape on CPU, sampled rows included
 (`tests/test_shape_invariance.py`). That is why no other GEMM (MKL's, oneDNN's) takes a verify, even at row counts
@@ -36,6 +37,7 @@ from torch import nn
 from domino_ray.backend import ops
 from domino_ray.backend.library import kernels_loaded
 from domino_ray.backend.malloc import host_memory_available
+from domino_ray.target.prefill_gemm import bf16_gemm, in_prefill
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +55,7 @@ class PackedLinear(nn.Linear):
     packed_weight: torch.Tensor
     packed_from: tuple[int, int]  # the weight's (data_ptr, version) when packed
     bf16_panels: bool = False
+    gemm_from_rows: int | None = None  # prefill calls of this many rows or more take oneDNN's bf16 GEMM (prefill_gemm)
 
     def pack(self):
         weight = self.weight.detach()
@@ -65,10 +68,20 @@ class PackedLinear(nn.Linear):
             self.pack()
         return self.packed_weight
 
+    def gemm_weight(self) -> torch.Tensor:
+        """The weight in bf16 for oneDNN's GEMM (`prefill_gemm.bf16_gemm`), made again if the weight changed since."""
+        state = weight_state(self.weight)
+        if getattr(self, "_gemm_from", None) != state:
+            self._gemm_weight, self._gemm_from = self.weight.detach().to(torch.bfloat16), state
+        return self._gemm_weight
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
-        recording = torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
-        if recording or rows not in OUR_ROWS:
+        if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
+            return F.linear(x, self.weight, self.bias)
+        if self.gemm_from_rows is not None and rows >= self.gemm_from_rows and in_prefill():
+            return bf16_gemm(x, self)
+        if rows not in OUR_ROWS:
             return F.linear(x, self.weight, self.bias)
         return ops.linear(x, self.current_pack(), self.out_features, self.bias)
 
