@@ -83,10 +83,14 @@ def _best_seconds(linear: nn.Module, path: str, rows: int, repeats: int = 3) -> 
 def use_prefill_gemm(linears: list[nn.Module], seconds: Callable[[str, int], float] | None = None) -> int | None:
     """Where this CPU multiplies bf16 natively: time the largest of `linears` (a target's `PackedLinear`s over bf16
     panels) on both paths (`gemm_from_rows`) and let all of them take oneDNN's GEMM in prefills from that row count.
-    Returns it (None: prefills keep our kernel). `seconds` as `gemm_from_rows` (tests; it also skips the CPU check)."""
+    Returns it (None: prefills keep our kernel; also when the weights' bf16 copies for the GEMM would take more than a
+    quarter of the available host memory). `seconds` as `gemm_from_rows` (tests; it also skips the CPU check)."""
     from domino_ray.backend.library import has_bf16_arithmetic
+    from domino_ray.backend.malloc import host_memory_available
 
     if not linears or (seconds is None and not has_bf16_arithmetic()):
+        return None
+    if 2 * sum(m.weight.numel() for m in linears) > 0.25 * host_memory_available():  # the GEMM's bf16 copies
         return None
     largest = max(linears, key=lambda m: m.weight.numel())
     start = gemm_from_rows(largest, seconds=seconds)
