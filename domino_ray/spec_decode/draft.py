@@ -261,10 +261,11 @@ class DominoDraft(nn.Module):
         """The GRU's `w_ih [3G, C]`, `w_hh [3G, G]` in float32 for `draft_tokens`' loop. bf16/fp16 weights are
         converted once and kept until a weight changes (its data_ptr, version, dtype or device), not at every draft
         step (~44 MB a step for the 4B draft). fp32 weights are returned as they are; with autograd on, a copy per
-        call (a kept copy's graph would be freed by the first backward). A captured step reads the copies made by its
-        eager warm-up: like the proposer's fused context weights, it does not see a later change."""
+        call (a kept copy's graph would be freed by the first backward), as in a compiled step (Dynamo cannot trace the
+        check: the conversion is part of its graph). A captured step reads the copies made by its eager warm-up: like
+        the proposer's fused context weights, it does not see a later change."""
         weights = self.prefix_gru.weight_ih_l0, self.prefix_gru.weight_hh_l0
-        if torch.is_grad_enabled() or all(w.dtype == torch.float32 for w in weights):
+        if torch.is_grad_enabled() or torch.compiler.is_compiling() or all(w.dtype == torch.float32 for w in weights):
             return weights[0].float(), weights[1].float()
         made_from = [(weight_state(w), w.dtype, w.device) for w in weights]
         if self._gru_fp32 is None or self._gru_fp32[0] != made_from:
