@@ -31,7 +31,7 @@ from domino_ray.batch.pair_probe import probe_pair
 from domino_ray.batch.predictor import DominoPredictor, RowCrashesEngine, RunStats, key_name
 from domino_ray.batch.preflight import (InputPlan, check_input, check_models, check_output, check_settings,
                                         output_settings)
-from domino_ray.batch.processor import LIGHT_CPUS, Processor, engine_resources
+from domino_ray.batch.processor import LIGHT_CPUS, Processor, engine_resources, light_concurrency
 from domino_ray.batch.schema import generated_ids, output_schema, row_params, sample_count
 from domino_ray.batch.summary import (STATS_COLUMNS, busy_throughput, human_summary, run_stats, side_by_side,
                                       summarize, throughput_ratio)
@@ -69,12 +69,12 @@ def _prepare(table: pa.Table, done_keys, cfg: JobConfig, generated_id: bool) -> 
 def read_inputs(cfg: JobConfig, plan: InputPlan, done_keys_ref) -> ray.data.Dataset:
     """Input rows with their ids, minus the rows already in the output."""
     # Reading prompts is light: a fraction of a CPU leaves room for the engine and text stages on a small machine.
-    ds = ray.data.read_parquet(plan.files, filesystem=plan.location.fs, include_row_hash=plan.generated_id,
-                               num_cpus=LIGHT_CPUS)
+    light = {"num_cpus": LIGHT_CPUS, "concurrency": light_concurrency(cfg.runtime)}
+    ds = ray.data.read_parquet(plan.files, filesystem=plan.location.fs, include_row_hash=plan.generated_id, **light)
     if cfg.input.limit is not None:
         ds = ds.limit(cfg.input.limit)
-    return ds.map_batches(_prepare, batch_format="pyarrow", fn_args=(done_keys_ref, cfg), num_cpus=LIGHT_CPUS,
-                          fn_kwargs={"generated_id": plan.generated_id})
+    return ds.map_batches(_prepare, batch_format="pyarrow", fn_args=(done_keys_ref, cfg),
+                          fn_kwargs={"generated_id": plan.generated_id}, **light)
 
 
 def build_dataset(cfg: JobConfig, plan: InputPlan, schema: pa.Schema, done_keys_ref, *, use_draft: bool = True,
@@ -209,7 +209,8 @@ def generate_missing(cfg: JobConfig, plan: InputPlan, out: Location, scan, done_
     start = time.perf_counter()
     try:
         build_dataset(cfg, plan, schema, done_ref, stats_sink=sink, predictor=predictor).write_datasink(
-            parquet, ray_remote_args={"num_cpus": LIGHT_CPUS})  # light, like the read: fits beside the engine actor
+            parquet, ray_remote_args={"num_cpus": LIGHT_CPUS},  # light, like the read: fits beside the engine actor
+            concurrency=light_concurrency(cfg.runtime))
     except Exception as exc:
         culprits = ray.get(sink.crashes.remote())["culprits"]
         if not culprits:

@@ -53,11 +53,19 @@ OWN_FIELDS = {"model.source": "model_source", "draft.source": "draft_source", "r
 LIGHT_CPUS = 0.25
 
 
+def light_concurrency(r: RuntimeConfig) -> int:
+    """Tasks at once of a light stage (the job's reads and writes, tokenize, detokenize): one per engine actor the
+    pool may hold. Each task's worker process imports the tokenizer's stack (~5 s of CPU); more of them than engines
+    feed the engines no faster (a task tokenizes far more rows a second than an engine generates) and on a small
+    machine only take CPU from them: the tiny job of the tests took 45 s of CPU at one, 71-80 s unbounded."""
+    return r.max_actors
+
+
 @dataclass
 class StageResources:
     """A CPU stage's tasks: `tokenize_stage` / `detokenize_stage` given as a dict."""
     batch_size: int | None = None     # rows per call; None = the processor's batch_size
-    concurrency: int | None = None    # tasks at once at most; None = as many as the free CPUs allow
+    concurrency: int | None = None    # tasks at once at most; None = one per engine actor (`light_concurrency`)
     num_cpus: float = LIGHT_CPUS      # per task; tokenizing is light next to generating
 
 
@@ -162,7 +170,7 @@ class Processor:
 
     def _cpu_stage(self, stage: StageResources) -> dict:
         return {"batch_size": stage.batch_size or self.cfg.runtime.batch_size, "batch_format": "pyarrow",
-                "num_cpus": stage.num_cpus, "concurrency": stage.concurrency}
+                "num_cpus": stage.num_cpus, "concurrency": stage.concurrency or light_concurrency(self.cfg.runtime)}
 
 
 def engine_resources(r: RuntimeConfig) -> dict:
