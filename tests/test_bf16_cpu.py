@@ -182,9 +182,9 @@ def test_prefills_on_the_gemm_keep_greedy_speculation_equal_to_target_only(monke
     params = SamplingParams(max_new_tokens=20, ignore_eos=True)
     calls = []
 
-    def counted(x, linear):
+    def counted(x, weight, bias):
         calls.append(in_prefill())
-        return bf16_gemm(x, linear)
+        return bf16_gemm(x, weight, bias)
 
     monkeypatch.setattr(packed_linear, "bf16_gemm", counted)
     monkeypatch.setattr(packed_linear, "ONE_OP_POSITIONS", range(0))  # every step's layers through their linears
@@ -204,7 +204,7 @@ def test_prefills_on_the_gemm_keep_greedy_speculation_equal_to_target_only(monke
     x = torch.randn(40, linear.in_features, generator=torch.Generator().manual_seed(1))
     ours = ops.linear(x, linear.current_pack(), linear.out_features, linear.bias)
     bound = (x.abs() @ linear.weight.abs().T) * 2.0 ** -8  # each input rounded to bf16 (8 significant bits)
-    assert ((bf16_gemm(x, linear) - ours).abs() <= bound + 1e-6).all()
+    assert ((bf16_gemm(x, linear.gemm_weight(), linear.bias) - ours).abs() <= bound + 1e-6).all()
 
 
 @needs_kernels

@@ -55,9 +55,9 @@ LIGHT_CPUS = 0.25
 
 def light_concurrency(r: RuntimeConfig) -> int:
     """Tasks at once of a light stage (the job's reads and writes, tokenize, detokenize): one per engine actor the
-    pool may hold. Each task's worker process imports the tokenizer's stack (~5 s of CPU); more of them than engines
-    feed the engines no faster (a task tokenizes far more rows a second than an engine generates) and on a small
-    machine only take CPU from them: the tiny job of the tests took 45 s of CPU at one, 71-80 s unbounded."""
+    pool may hold. Each task's worker process imports the tokenizer's stack (~5 s of CPU); on a small machine more of
+    them than engines only take CPU from the engines: the tests' tiny job took 45-49 s of machine CPU at one, 71-80 s
+    unbounded (AMD EPYC, 2 cores, AVX2)."""
     return r.max_actors
 
 

@@ -55,13 +55,14 @@ def constraint_mask(rows: list[Row], drafts: list[list[int]], r: int, vocab_size
     """The step's `ConstraintMask` over `r` slots on `device`: each constrained row's allowed tokens after its `drafts`
     (W each) and its bias; the other rows and the padding slots refuse nothing."""
     bits = torch.full((r, len(drafts[0]) + 1 if drafts else 1, -(-vocab_size // 32)), -1, dtype=torch.int32)
-    bias, biased = torch.zeros(r, 1, vocab_size), False  # [r, 1, V]
+    bias = None  # [r, 1, V], made at the first row with a bias
     for i, (row, row_drafts) in enumerate(zip(rows, drafts)):
         constraint = row.request.constraint
         if constraint is not None:
             constraint.allowed_bits(row_drafts, bits[i])
             row_bias = constraint.bias(vocab_size)
             if row_bias is not None:
-                bias[i, 0], biased = row_bias, True
+                bias = torch.zeros(r, 1, vocab_size) if bias is None else bias
+                bias[i, 0] = row_bias
     refused = ((bits[..., None] >> BITS) & 1).flatten(-2)[..., :vocab_size] == 0  # [r, W+1, V]
-    return ConstraintMask(refused.to(device), bias.to(device) if biased else None)
+    return ConstraintMask(refused.to(device), bias.to(device) if bias is not None else None)

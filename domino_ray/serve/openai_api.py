@@ -233,8 +233,8 @@ def _constraints(body: dict, model: ModelSpec) -> dict:
         except ValueError as exc:
             raise APIError(400, str(exc).removeprefix("sampling parameter "), field if name == "structured_outputs"
                            else name) from None
-        if params.outside_vocab(model.vocab_size):
-            raise APIError(400, params.outside_vocab(model.vocab_size), name)
+        if outside := params.outside_vocab(model.vocab_size):
+            raise APIError(400, outside, name)
     return out
 
 

@@ -69,7 +69,8 @@ class PackedLinear(nn.Linear):
         return self.packed_weight
 
     def gemm_weight(self) -> torch.Tensor:
-        """The weight in bf16 for oneDNN's GEMM (`prefill_gemm.bf16_gemm`), made again if the weight changed since."""
+        """The weight in bf16 for oneDNN's GEMM (`prefill_gemm.bf16_gemm`), made again if the weight changed since (as
+        `current_pack`)."""
         state = weight_state(self.weight)
         if getattr(self, "_gemm_from", None) != state:
             self._gemm_weight, self._gemm_from = self.weight.detach().to(torch.bfloat16), state
@@ -80,7 +81,7 @@ class PackedLinear(nn.Linear):
         if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
             return F.linear(x, self.weight, self.bias)
         if self.gemm_from_rows is not None and rows >= self.gemm_from_rows and in_prefill():
-            return bf16_gemm(x, self)
+            return bf16_gemm(x, self.gemm_weight(), self.bias)
         if rows not in OUR_ROWS:
             return F.linear(x, self.weight, self.bias)
         return ops.linear(x, self.current_pack(), self.out_features, self.bias)

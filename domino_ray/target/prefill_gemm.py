@@ -44,11 +44,11 @@ def in_prefill() -> bool:
     return getattr(_STATE, "on", False)
 
 
-def bf16_gemm(x: torch.Tensor, linear: nn.Module) -> torch.Tensor:
-    """`linear(x)` on oneDNN's bf16 GEMM: `x [..., in]` rounded to bf16, the weight's bf16 copy, fp32 out (bias added
-    in fp32)."""
-    out = F.linear(x.to(torch.bfloat16), linear.gemm_weight()).to(x.dtype)  # [..., out]
-    return out + linear.bias if linear.bias is not None else out
+def bf16_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """A linear layer on oneDNN's bf16 GEMM: `x [..., in]` rounded to bf16, `weight [out, in]` bf16, fp32 out (`bias`
+    added in fp32)."""
+    out = F.linear(x.to(torch.bfloat16), weight).to(x.dtype)  # [..., out]
+    return out + bias if bias is not None else out
 
 
 def gemm_from_rows(linear: nn.Module, rows: tuple[int, ...] = CALIBRATION_ROWS,
@@ -69,7 +69,8 @@ def _best_seconds(linear: nn.Module, path: str, rows: int, repeats: int = 3) -> 
     from domino_ray.backend import ops
 
     x = torch.randn(rows, linear.in_features, generator=torch.Generator().manual_seed(rows))
-    run = ((lambda: bf16_gemm(x, linear)) if path == "gemm" else
+    weight = linear.weight.detach().to(torch.bfloat16) if path == "gemm" else None  # [out, in]
+    run = ((lambda: bf16_gemm(x, weight, linear.bias)) if path == "gemm" else
            (lambda: ops.linear(x, linear.current_pack(), linear.out_features, linear.bias)))
     run()  # warm: oneDNN picks and caches its kernel for the shape
     best = float("inf")
@@ -94,8 +95,6 @@ def use_prefill_gemm(linears: list[nn.Module], seconds: Callable[[str, int], flo
         return None
     largest = max(linears, key=lambda m: m.weight.numel())
     start = gemm_from_rows(largest, seconds=seconds)
-    largest.__dict__.pop("_gemm_weight", None)  # the timing's bf16 copy: made again by the first prefill that uses it
-    largest.__dict__.pop("_gemm_from", None)
     for m in linears:
         m.gemm_from_rows = start
     return start
