@@ -8,8 +8,8 @@ Two measurements (docs/benchmarks-log.md "Our decode-attention kernel"):
   and `--positions` query positions per row (1: target-only decode; W+1: a verify step); median of 7 passes in ms,
   and the K/V bytes read per ms as GB/s. The baseline gathers each row's blocks into dense keys, then SDPA (what
   torch's ops do over pages).
-- `--engine ROWS`: our engine's steady decode step on the SmolLM2 pair (make smollm2), target-only, ROWS
-  chat prompts, switching between the kernel and SDPA every few steps, in one process.
+- `--engine ROWS`: our engine's steady decode step on the SmolLM2 pair (make smollm2; `--pair demo`: the
+  demo pair), target-only, ROWS prompts, switching between the kernel and SDPA every few steps, in one process.
 
     python benchmarks/bench_attention.py [--model smollm2|qwen3-4b] [--rows 16] [--keys 128,256,512,1024]
                                          [--block-size 16]
@@ -68,7 +68,7 @@ def sweep(model: str, rows: int, keys: list[int], positions: list[int], block_si
             print(f"{t:>6} {q:>9} {sdpa:9.3g} ({gb / sdpa:4.3g}) {ours:9.3g} ({gb / ours:4.3g}) {sdpa / ours:8.2f}x")
 
 
-def engine_steps(rows: int, rounds: int = 4):
+def engine_steps(rows: int, rounds: int = 4, pair: str = "smollm2"):
     def settings(engine):
         if not engine.runner.kv.kernel:
             raise SystemExit("the engine's attention is not our kernel here (not fp32 on CPU, or it did not build)")
@@ -77,7 +77,7 @@ def engine_steps(rows: int, rounds: int = 4):
             engine.runner.kv.kernel = kernel  # what kv_cache.group_visibility reads each forward
         return {"our kernel": lambda: use(True), "SDPA + mask": lambda: use(False)}
 
-    alternating_decode_steps(rows, settings, rounds=rounds)
+    alternating_decode_steps(rows, settings, rounds=rounds, pair_name=pair)
 
 
 def main():
@@ -89,11 +89,12 @@ def main():
     p.add_argument("--block-size", type=int, default=16, help="positions per KV block (a power of two, from 8)")
     p.add_argument("--engine", type=int, default=0, metavar="ROWS", help="time our engine's step instead")
     p.add_argument("--rounds", type=int, default=4, help="--engine: rounds through the settings")
+    p.add_argument("--pair", choices=("smollm2", "demo"), default="smollm2", help="--engine: the shipped pair")
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     if args.engine:
-        engine_steps(args.engine, args.rounds)
+        engine_steps(args.engine, args.rounds, args.pair)
     else:
         with torch.inference_mode():
             sweep(args.model, args.rows, [int(k) for k in args.keys.split(",")],

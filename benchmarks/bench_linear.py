@@ -6,9 +6,9 @@ Two measurements (docs/benchmarks-log.md "Our layer ops and linear kernel"):
   head, random weights rounded to bf16, each read once per pass) at each row count: `F.linear`, MKL's packed op
   (weights packed for 64 rows, what the engine used before our kernel), ours over fp32 panels and ours over bf16
   panels (`model.dtype: bfloat16` on CPU: the same numbers, half the bytes); median of 5 passes, in ms.
-- `--engine ROWS`: our engine's steady-state decode step on the SmolLM2 pair (make smollm2), target-only,
-  ROWS chat prompts, switching the same modules every few steps, in one process, between "ours" (what the engine
-  runs: our kernel up to 1,024 rows), "MKL packed" (MKL's for 4-128 rows, as before our
+- `--engine ROWS`: our engine's steady-state decode step on the SmolLM2 pair (make smollm2; `--pair demo`: the
+  demo pair), target-only, ROWS prompts, switching the same modules every few steps, in one process, between
+  "ours" (what the engine runs: our kernel up to 1,024 rows), "MKL packed" (MKL's for 4-128 rows, as before our
   kernel) and "plain" (`F.linear`).
 
     python benchmarks/bench_linear.py [--rows 1,4,16,64] [--layers 30]
@@ -73,7 +73,7 @@ def sweep(rows: list[int], layers: int = LAYERS, seed: int = 0):
             print(f"{name:>16}" + "".join(f"{passes(m, kernel):8.1f}" for m in rows), flush=True)
 
 
-def engine_steps(rows: int, rounds: int = 4):
+def engine_steps(rows: int, rounds: int = 4, pair: str = "smollm2"):
     from domino_ray.target import packed_linear
 
     def settings(engine):
@@ -92,7 +92,7 @@ def engine_steps(rows: int, rounds: int = 4):
         return {"ours": lambda: use(packed_linear.PackedLinear), "MKL packed": lambda: use(MKLPackedLinear),
                 "plain": lambda: use(torch.nn.Linear)}
 
-    alternating_decode_steps(rows, settings, "", rounds=rounds)
+    alternating_decode_steps(rows, settings, "", rounds=rounds, pair_name=pair)
 
 
 def main():
@@ -100,12 +100,13 @@ def main():
     p.add_argument("--rows", default="1,2,4,8,16,32,64,144,256")
     p.add_argument("--engine", type=int, default=0, metavar="ROWS", help="time our engine's step instead")
     p.add_argument("--rounds", type=int, default=4, help="--engine: rounds through the settings")
+    p.add_argument("--pair", choices=("smollm2", "demo"), default="smollm2", help="--engine: the shipped pair")
     p.add_argument("--layers", type=int, default=LAYERS, help="sweep: decoder layers (fewer: a quick look)")
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     if args.engine:
-        engine_steps(args.engine, args.rounds)
+        engine_steps(args.engine, args.rounds, args.pair)
     else:
         sweep([int(r) for r in args.rows.split(",")], args.layers)
 

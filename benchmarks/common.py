@@ -30,15 +30,16 @@ def median_ms(fn, passes: int = 5) -> float:
     return sorted(times)[len(times) // 2] * 1e3
 
 
-def alternating_decode_steps(rows: int, settings, detail: str = "", rounds: int = 4, steps: int = 6):
-    """Our engine's steady decode step on the SmolLM2 pair (make smollm2), target-only, `rows` chat prompts, under
-    each of `settings(engine)` (name -> a function applying it) in turn for `steps` timed steps (after one
-    untimed), `rounds` times, in one process; prints ms per step."""
+def alternating_decode_steps(rows: int, settings, detail: str = "", rounds: int = 4, steps: int = 6,
+                             pair_name: str = "smollm2"):
+    """Our engine's steady decode step on a shipped pair (`load_pair`: the SmolLM2 pair by default, make smollm2),
+    target-only, `rows` of its prompts, under each of `settings(engine)` (name -> a function applying it) in turn
+    for `steps` timed steps (after one untimed), `rounds` times, in one process; prints ms per step."""
     from domino_ray.engine.request import Request
     from domino_ray.llm import build_engine
     from domino_ray.sample.params import SamplingParams
 
-    pair = load_pair("smollm2", num_prompts=rows)
+    pair = load_pair(pair_name, num_prompts=rows, dtype="float32")
     engine = build_engine(pair.target, None, pair.tokenizer, max_batch_size=rows, max_model_len=1024)
     named = settings(engine)
     params = SamplingParams(max_new_tokens=rounds * len(named) * (steps + 1) + 3, ignore_eos=True)
@@ -46,7 +47,7 @@ def alternating_decode_steps(rows: int, settings, detail: str = "", rounds: int 
         engine.add_request(Request(i, prompt, params))
     engine.step()  # prefill
     engine.step()
-    print(f"SmolLM2 target-only decode step, {rows} rows{detail}, {torch.get_num_threads()} threads")
+    print(f"{pair_name} pair target-only decode step, {rows} rows{detail}, {torch.get_num_threads()} threads")
     for _ in range(rounds):
         for name, apply in named.items():
             apply()

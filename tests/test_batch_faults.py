@@ -39,21 +39,6 @@ JOB = {"generation.max_new_tokens": 4, "runtime.batch_size": 2}
 
 
 @pytest.mark.ray
-def test_seed_torch_refuses_is_an_error_row_and_the_job_finishes(ray_cluster, tiny_pair, tmp_path):
-    """Issue 12 item 11: `{"seed": true}` passed validation, torch's manual_seed(True) raised RuntimeError
-    in add_request, the engine loop died and Ray restarted the actor forever. (run_job in this process: the
-    loop's failure is the actor's, and a CLI driver would only add its own start-up.)"""
-    pq.write_table(pa.table({"id": ["s", "ok"], "prompt": ["x =", "the lazy dog"],
-                             "sampling_params": ['{"seed": true, "temperature": 0.5}', None]}), tmp_path / "in.parquet")
-    cfg = job_config(tiny_pair, str(tmp_path / "in.parquet"), str(tmp_path / "out"), **JOB)
-    summary = run_job(cfg, log=lambda *_: None)
-    assert summary["rows"] == {"total": 2, "ok": 1, "failed": 1, "unique_ids": 2}
-    rows = {r["id"]: r for r in pq.read_table(tmp_path / "out").to_pylist()}
-    assert rows["s"]["finish_reason"] == "error" and "seed" in rows["s"]["error"]
-    assert rows["ok"]["finish_reason"] == "length" and rows["ok"]["error"] is None
-
-
-@pytest.mark.ray
 def test_row_that_crashes_the_engine_fails_the_job_naming_it(ray_cluster, tiny_pair, tmp_path):
     """A fatal engine error on one row (test fault: the engine thread raises admitting it): the first
     crash makes its rows suspects, a restarted actor runs them alone, the poison row crashes alone, and

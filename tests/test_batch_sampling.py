@@ -35,7 +35,11 @@ BAD = [("bias", {"bad_words": ["x"]}, "^sampling_params.bad_words is not support
        ("lp42", {"logprobs": 42}, "^sampling_params: sampling parameter logprobs=42 is invalid: expected null or an"),
        ("n0", {"n": 0}, "^sampling_params: sampling parameter n=0 is invalid: expected an int >= 1"),
        ("stop_empty", {"stop": [""]}, "^sampling_params: sampling parameter stop=.* is invalid"),
-       ("pen", {"presence_penalty": 2.5}, "^sampling_params: sampling parameter presence_penalty=2.5 is invalid")]
+       ("pen", {"presence_penalty": 2.5}, "^sampling_params: sampling parameter presence_penalty=2.5 is invalid"),
+       # Issue 12 item 11: `{"seed": true}` once passed validation, torch's manual_seed(True) raised in add_request,
+       # the engine loop died and Ray restarted the actor forever (the engine loop's own guard:
+       # test_batch_faults.test_any_error_adding_a_request_fails_only_that_request)
+       ("seed_bool", {"seed": True, "temperature": 0.5}, "^sampling_params: sampling parameter seed=True is invalid")]
 
 
 def _greedy_oracle(pair, prompt_ids):

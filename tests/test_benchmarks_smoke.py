@@ -264,23 +264,21 @@ def test_serve_benchmark_smoke(ray_cluster, tmp_path):
 
 def test_linear_benchmark_smoke():
     """`bench_linear.py`: the sweep times every kernel at every row count; `--engine` alternates ours, MKL's packed
-    GEMM and plain `F.linear` in the SmolLM2 engine's steps (when converted)."""
+    GEMM and plain `F.linear` in an engine's steps (the demo pair's here: the SmolLM2 pair's path, a smaller model)."""
     out = run_script("bench_linear.py", "--rows", "1,4", "--layers", "1")
     table = {line[:16].strip(): line[16:].split() for line in out.splitlines()[1:]}
     kernels = ("F.linear", "MKL packed", "ours", "ours bf16")
     assert table["rows per call"] == ["1", "4"] and set(table) == {"rows per call", *kernels}
     assert all(positive(float(x)) for kind in kernels for x in table[kind])
-    from domino_ray.target.smollm2 import is_converted
-    if is_converted():
-        out = run_script("bench_linear.py", "--engine", "2", "--rounds", "1")
-        times = [line.split(":") for line in out.splitlines() if line.startswith("  ")]
-        assert [name.strip() for name, _ in times] == ["ours", "MKL packed", "plain"]
-        assert all(positive(float(t.split()[0])) for _, t in times)
+    out = run_script("bench_linear.py", "--engine", "2", "--rounds", "1", "--pair", "demo")
+    times = [line.split(":") for line in out.splitlines() if line.startswith("  ")]
+    assert [name.strip() for name, _ in times] == ["ours", "MKL packed", "plain"]
+    assert all(positive(float(t.split()[0])) for _, t in times)
 
 
 def test_attention_benchmark_smoke():
     """`bench_attention.py`: the sweep times SDPA and our kernel at every key length and query count, its speed-up
-    their ratio; `--engine` alternates our kernel and SDPA in the SmolLM2 engine's steps (when converted)."""
+    their ratio; `--engine` alternates our kernel and SDPA in an engine's steps (the demo pair's here)."""
     out = run_script("bench_attention.py", "--rows", "2", "--keys", "40,64", "--positions", "1,3")
     rows = [line.replace("(", " ").replace(")", " ").replace("x", " ").split() for line in out.splitlines()[2:]]
     assert [(int(r[0]), int(r[1])) for r in rows] == [(40, 1), (40, 3), (64, 1), (64, 3)]
@@ -290,12 +288,10 @@ def test_attention_benchmark_smoke():
         # (+-0.5%) and the speed-up to two decimals: the tolerance is the rounding's
         rounding = 0.005 / float(speed_up) + 0.005 + 0.005
         assert float(speed_up) == pytest.approx(float(ours_rate) / float(sdpa_rate), rel=rounding)
-    from domino_ray.target.smollm2 import is_converted
-    if is_converted():
-        out = run_script("bench_attention.py", "--engine", "2", "--rounds", "1")
-        times = [line.split(":") for line in out.splitlines() if line.startswith("  ")]
-        assert [name.strip() for name, _ in times] == ["our kernel", "SDPA + mask"]
-        assert all(positive(float(t.split()[0])) for _, t in times)
+    out = run_script("bench_attention.py", "--engine", "2", "--rounds", "1", "--pair", "demo")
+    times = [line.split(":") for line in out.splitlines() if line.startswith("  ")]
+    assert [name.strip() for name, _ in times] == ["our kernel", "SDPA + mask"]
+    assert all(positive(float(t.split()[0])) for _, t in times)
 
 
 def test_sampling_params_benchmark_smoke(tmp_path):
