@@ -55,6 +55,7 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--drafts", default="demo,random,half-trained")
+    p.add_argument("--configs", default=None, help="e.g. target-only,auto (default: those and every fixed K)")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
     if args.threads:
@@ -70,6 +71,8 @@ def main(argv=None):
         prompts = all_prompts[:2 * rows]
         for name, draft in drafts.items():
             configs = {"target-only": None, "auto": "auto", **{f"K={k}": k for k in range(1, k_max + 1)}}
+            if args.configs:
+                configs = {c: configs[c] for c in args.configs.split(",")}
             tps = {c: [] for c in configs}
             starts, digests = [], {}
             reference = None
@@ -95,15 +98,15 @@ def main(argv=None):
                     "auto_over_target_only": round(med["auto"] / med["target-only"], 3),
                     "auto_over_target_only_paired": round(paired, 3),
                     "runs_tokens_per_s": {c: [round(x, 1) for x in v] for c, v in tps.items()},
-                    f"auto_over_K={k_max}": round(med["auto"] / med[f"K={k_max}"], 3),
+                    f"auto_over_K={k_max}": round(med["auto"] / med[f"K={k_max}"], 3) if f"K={k_max}" in med else None,
                     "auto_widths": widths, "auto_start_s": round(statistics.median(starts), 2),
                     "tokens_sha256": digests}
             results[f"{name} batch {rows}"] = cell
             print(f"{name:<13} batch {rows:>2}: auto {med['auto']:8.1f} tok/s | best static {best:<11} "
-                  f"{static[best]:8.1f} | target-only {med['target-only']:8.1f} | K={k_max} {med[f'K={k_max}']:8.1f} | "
+                  f"{static[best]:8.1f} | target-only {med['target-only']:8.1f} | K={k_max} {med.get(f'K={k_max}', 0):8.1f} | "
                   f"auto/best {cell['auto_over_best_static']:.3f} auto/target {cell['auto_over_target_only']:.3f} "
                   f"(paired {paired:.3f}) "
-                  f"auto/K{k_max} {cell[f'auto_over_K={k_max}']:.3f} | widths {widths} | start {cell['auto_start_s']} s",
+                  f"auto/K{k_max} {cell[f'auto_over_K={k_max}'] or 0:.3f} | widths {widths} | start {cell['auto_start_s']} s",
                   flush=True)
     write_results(args.json, results, args)
 
