@@ -60,6 +60,24 @@ def test_policy_benchmark_smoke(tmp_path):
     assert 2 <= sum(cell["auto_widths"]) <= 10  # two rows, their 5 tokens past the prefill's first in 1-5 steps each
 
 
+def test_w0_step_benchmark_smoke(tmp_path):
+    """bench_w0_step at a toy size: both engines gave the same tokens (the script asserts it), the adaptive one stayed
+    at W = 0 past its trial with a random draft, and each ratio is its quantiles' ratio."""
+    out = tmp_path / "w0.json"
+    run_script("bench_w0_step.py", "--rows", "2", "--rounds", "2", "--max-new-tokens", "12", "--threads", "1",
+               "--json", str(out))
+    cell = json.loads(out.read_text())["results"]["rows 2"]
+    for name in ("target-only", "adaptive"):
+        # 12 tokens a row: 2 in the first step (the prefill's and a decode step's), 1 in the second, 9 steady steps
+        assert cell[name]["steps"] == 2 * 9 and 0 < cell[name]["p10_ms"] <= cell[name]["p50_ms"]
+    ratio = cell["adaptive_over_target_only"]
+    assert ratio["p10"] == pytest.approx(cell["adaptive"]["p10_ms"] / cell["target-only"]["p10_ms"], abs=2e-3)
+    assert ratio["p50"] == pytest.approx(cell["adaptive"]["p50_ms"] / cell["target-only"]["p50_ms"], abs=2e-3)
+    widths = cell["adaptive_widths"]
+    # 2 rounds x 2 rows x 11 verify steps (fewer where a probe's draft landed); a few probes: the draft's trial
+    assert 2 * 2 * 11 - 6 <= sum(widths) <= 2 * 2 * 11 and sum(widths[1:]) <= 6
+
+
 @pytest.mark.slow
 def test_engine_cpu_benchmark_smoke(tmp_path):
     """Every mode is timed at every batch size (the script itself asserts equal tokens across modes),
