@@ -16,12 +16,12 @@ def test_widths_shrink_as_rows_grow_only_with_graphs():
     buckets = row_buckets(128)
     assert buckets == [1, 2, 4, 8, 16, 32, 64, 128]
     graphed = step_widths(buckets, 16, adaptive=True, graphs=True)
-    assert graphed[1] == graphed[32] == [0, 1, 2, 4, 8, 16]
-    assert graphed[64] == [0, 1, 2, 4, 8] and graphed[128] == [0, 1, 2, 4]
+    assert graphed[1] == graphed[64] == [0, 1, 3, 7, 15]  # W + 1 = 2, 4, 8, 16: whole MMA row tiles
+    assert graphed[128] == [0, 1, 3, 7]
     assert all(r * (max(ws) + 1) <= MAX_VERIFY_POSITIONS for r, ws in graphed.items())
     assert step_widths(buckets, 16, adaptive=True, graphs=False)[128] == list(range(17))  # CPU: the policy decides
     assert step_widths(buckets, 16, adaptive=False, graphs=True)[128] == [16]              # a fixed K is kept
-    assert verify_positions(128, 16, adaptive=True, graphs=True) == 640       # 128 rows x 5 (W = 4)
+    assert verify_positions(128, 16, adaptive=True, graphs=True) == 1024      # 128 rows x 8 (W = 7)
     assert verify_positions(128, 16, adaptive=False, graphs=True) == 128 * 17
 
 

@@ -132,7 +132,9 @@ def test_rows_without_history_count_once_for_the_same_choice():
 
 def test_candidate_widths():
     assert candidate_widths(8, graphs=False) == list(range(9))
-    assert candidate_widths(16, graphs=True) == [0, 1, 2, 4, 8, 16]
+    # with graphs: verify blocks of 2, 4, 8, 16 positions (whole MMA row tiles); a K between them is not graphed
+    assert candidate_widths(16, graphs=True) == candidate_widths(15, graphs=True) == [0, 1, 3, 7, 15]
+    assert candidate_widths(8, graphs=True) == [0, 1, 3, 7] and candidate_widths(1, graphs=True) == [0, 1]
 
 
 @pytest.fixture(scope="module")

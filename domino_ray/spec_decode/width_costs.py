@@ -121,16 +121,19 @@ def _envelope_rate(seconds: float, figure: float) -> float:
 
 # With CUDA graphs, widths whose verify would exceed this many positions (rows x (W+1)) are left out of a row
 # bucket: on an H100/H200 a Qwen3-4B-sized verify is compute-bound past ~200-400 positions (the issue's
-# arithmetic: width 16 past ~13 rows, width 8 past ~34), and beyond that its cost grows with the positions
+# arithmetic: width 15 past ~13 rows, width 7 past ~34), and beyond that its cost grows with the positions
 # as fast as full acceptance could repay it. Fewer widths are also fewer graphs and a smaller step peak.
 MAX_VERIFY_POSITIONS = 1024
 
 
 def candidate_widths(num_spec_tokens: int, graphs: bool) -> list[int]:
-    """Every width 0..K eagerly; with CUDA graphs a few (each width is its own set of graphs)."""
+    """Every width 0..K eagerly; with CUDA graphs a few (each width is its own set of graphs): W = 0 and the widths
+    `2^i - 1` up to K (1, 3, 7, 15), whose verify blocks of W + 1 = 2, 4, 8, 16 positions (times the GQA groups
+    folded into the attention's rows) fill the tensor cores' row tiles, where powers of two (W + 1 = 3, 5, 9, 17)
+    left half of a tile's rows padding. A K that is not of that form is not graphed itself (b16: 15, not 16)."""
     if not graphs:
         return list(range(num_spec_tokens + 1))
-    return sorted({0, num_spec_tokens} | {1 << i for i in range(num_spec_tokens.bit_length()) if 1 << i < num_spec_tokens})
+    return [0] + [(1 << i) - 1 for i in range(1, num_spec_tokens.bit_length() + 1) if (1 << i) - 1 <= num_spec_tokens]
 
 
 def step_widths(row_buckets: Sequence[int], num_spec_tokens: int, adaptive: bool, graphs: bool) -> dict[int, list[int]]:
