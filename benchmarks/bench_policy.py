@@ -58,6 +58,8 @@ def main(argv=None):
     p.add_argument("--configs", default=None, help="e.g. target-only,auto (default: those and every fixed K)")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
+    if args.configs and not {"target-only", "auto"} <= set(args.configs.split(",")):
+        p.error("--configs must include target-only and auto (what the ratios compare)")
     if args.threads:
         torch.set_num_threads(args.threads)
     target, demo, _, all_prompts = demo_pair(args.assets)
@@ -72,6 +74,9 @@ def main(argv=None):
         for name, draft in drafts.items():
             configs = {"target-only": None, "auto": "auto", **{f"K={k}": k for k in range(1, k_max + 1)}}
             if args.configs:
+                unknown = set(args.configs.split(",")) - set(configs)
+                if unknown:
+                    p.error(f"--configs: unknown {sorted(unknown)}; choose from {list(configs)}")
                 configs = {c: configs[c] for c in args.configs.split(",")}
             tps = {c: [] for c in configs}
             starts, digests = [], {}
