@@ -45,16 +45,17 @@ def is_converted(directory: Path | None = None) -> bool:
 
 
 def convert(directory: Path | None = None, *, force: bool = False, log=print) -> Path:
-    """Convert the packaged GGUF into a plain HF checkpoint + tokenizer at `directory`; a no-op when done."""
+    """Convert the packaged GGUF into a plain HF checkpoint + tokenizer at `directory`; a no-op when done (before
+    importing torch and transformers: `make test` asks every run)."""
+    out = directory or cache_dir()
+    if is_converted(out) and not force:
+        log(f"{out}: already converted")
+        return out
     import json
 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    out = directory or cache_dir()
-    if is_converted(out) and not force:
-        log(f"{out}: already converted")
-        return out
     source = gguf_path()
     start = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(str(source.parent), gguf_file=source.name)
