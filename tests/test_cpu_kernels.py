@@ -244,6 +244,18 @@ def test_decode_layers_write_the_steps_keys_then_attend_to_them():
     assert all(torch.equal(a, b) for a, b in zip(all_pools, one_pools))
 
 
+def test_the_build_key_follows_the_sources_and_their_place(tmp_path):
+    """The same sources elsewhere (a worktree, a job's working-dir copy) build into their own directory: torch's build
+    file names the sources by path, so sharing one would rebuild it in turn. Changed sources get a new key too."""
+    from domino_ray.backend.library import CSRC
+
+    copy = shutil.copytree(CSRC, tmp_path / "csrc")
+    assert build_key(CSRC) == build_key() and build_key(copy) != build_key()
+    before = build_key(copy)
+    (copy / "ops.h").write_text((CSRC / "ops.h").read_text() + "\n")  # the same place, a header changed
+    assert build_key(copy) != before
+
+
 def test_a_build_lock_left_by_a_killed_build_does_not_hang_the_next(tmp_path):
     """The built library copied into a new cache with an old lock beside it (as a killed build leaves it): a new
     process loads the kernel instead of waiting on the lock forever."""

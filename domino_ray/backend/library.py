@@ -82,11 +82,14 @@ def cache_dir() -> Path:
     return Path(os.environ.get("DOMINO_RAY_KERNEL_CACHE") or "~/.cache/domino-ray/kernels").expanduser()
 
 
-def build_key() -> str:
-    """What the built library depends on: the sources and headers, the flags, torch, Python and the CPU (for
-    `-march=native`)."""
-    parts = [*(path.read_bytes() for path in SOURCES + HEADERS), " ".join(compile_flags()).encode(),
-             torch.__version__.encode(), sys.version.encode(), cpu_identity().encode()]
+def build_key(csrc: Path = CSRC) -> str:
+    """What the built library depends on: the sources and headers (`csrc`), the flags, torch, Python and the CPU
+    (for `-march=native`), and where the sources are: torch's build file names them by path, so two checkouts of the
+    same sources (a git worktree, a `ray job submit --working-dir` copy) sharing one build directory would rebuild it
+    in turn, each time the other had built."""
+    files = [csrc / path.name for path in SOURCES + HEADERS]
+    parts = [*(path.read_bytes() for path in files), " ".join(compile_flags()).encode(), torch.__version__.encode(),
+             sys.version.encode(), cpu_identity().encode(), str(csrc.resolve()).encode()]
     return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
 
 
