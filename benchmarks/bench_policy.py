@@ -108,11 +108,12 @@ def main(argv=None):
                     "tokens_sha256": digests}
             results[f"{name} batch {rows}"] = cell
             print(f"{name:<13} batch {rows:>2}: auto {med['auto']:8.1f} tok/s | best static {best:<11} "
-                  f"{static[best]:8.1f} | target-only {med['target-only']:8.1f} | K={k_max} {med.get(f'K={k_max}', 0):8.1f} | "
-                  f"auto/best {cell['auto_over_best_static']:.3f} auto/target {cell['auto_over_target_only']:.3f} "
+                  f"{static[best]:8.1f} | target-only {med['target-only']:8.1f} | "
+                  + (f"K={k_max} {med[f'K={k_max}']:8.1f} | " if f"K={k_max}" in med else "")
+                  + f"auto/best {cell['auto_over_best_static']:.3f} auto/target {cell['auto_over_target_only']:.3f} "
                   f"(paired {paired:.3f}) "
-                  f"auto/K{k_max} {cell[f'auto_over_K={k_max}'] or 0:.3f} | widths {widths} | start {cell['auto_start_s']} s",
-                  flush=True)
+                  + (f"auto/K{k_max} {cell[f'auto_over_K={k_max}']:.3f} " if f"K={k_max}" in med else "")
+                  + f"| widths {widths} | start {cell['auto_start_s']} s", flush=True)
     write_results(args.json, results, args)
 
 

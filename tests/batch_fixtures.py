@@ -162,11 +162,16 @@ def python() -> str:
     return sys.executable
 
 
-def until_accepted(command: list[str], env: dict, accepted: str, timeout: float = 120, run_timeout: float = 300
-                   ) -> subprocess.CompletedProcess:
+def until_accepted(command: list[str], env: dict, accepted: str, timeout: float = 120, run_timeout: float = 300,
+                   dashboard: str | None = None) -> subprocess.CompletedProcess:
     """Run a `ray job submit` / `serve deploy` command again while the dashboard or its agent is still starting
-    (the command says so and printed no `accepted` line: nothing was submitted); the first run that got through."""
+    (the command says so and printed no `accepted` line: nothing was submitted); the first run that got through.
+    `dashboard` (its http URL): first wait until it answers, a cheap poll (each early command is a ~2.5 s process)."""
     deadline = time.monotonic() + timeout
+    while dashboard is not None and not _answers(f"{dashboard}/api/version"):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{dashboard} did not answer in {timeout} s")
+        time.sleep(0.5)
     while True:
         run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=run_timeout, cwd=REPO)
         out = run.stdout + run.stderr
@@ -174,3 +179,14 @@ def until_accepted(command: list[str], env: dict, accepted: str, timeout: float 
         if not not_ready or time.monotonic() > deadline:
             return run
         time.sleep(1)
+
+
+def _answers(url: str) -> bool:
+    """Whether `url` answers 200 now."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:
+            return response.status == 200
+    except OSError:  # not listening yet
+        return False

@@ -130,7 +130,7 @@ def candidate_widths(num_spec_tokens: int, graphs: bool) -> list[int]:
     """Every width 0..K eagerly; with CUDA graphs a few (each width is its own set of graphs): W = 0 and the widths
     `2^i - 1` up to K (1, 3, 7, 15), whose verify blocks of W + 1 = 2, 4, 8, 16 positions (times the GQA groups
     folded into the attention's rows) fill the tensor cores' row tiles, where powers of two (W + 1 = 3, 5, 9, 17)
-    left half of a tile's rows padding. A K that is not of that form is not graphed itself (b16: 15, not 16)."""
+    left up to half of a tile's rows padding. A K that is not of that form is not graphed itself (b16: 15, not 16)."""
     if not graphs:
         return list(range(num_spec_tokens + 1))
     return [0] + [(1 << i) - 1 for i in range(1, num_spec_tokens.bit_length() + 1) if (1 << i) - 1 <= num_spec_tokens]
